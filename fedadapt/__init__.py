@@ -1,0 +1,3 @@
+"""fedadapt: adaptive federated optimization for Flower."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Client side: local training, optimizers and the Flower ClientApp."""

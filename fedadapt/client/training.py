@@ -1,0 +1,97 @@
+"""Local training shared by every Flower client of fedadapt."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one client's local training reports back."""
+
+    loss: float
+    accuracy: float | None
+    num_examples: int
+    steps: int
+    update_sq_norm: float
+
+
+def _batches(loader: DataLoader, epochs: int, steps: int) -> Iterator[tuple]:
+    """Yield ``steps`` batches (cycling over epochs) or ``epochs`` full passes."""
+    if steps > 0:
+        done = 0
+        while True:
+            for batch in loader:
+                yield batch
+                done += 1
+                if done == steps:
+                    return
+    else:
+        for _ in range(epochs):
+            yield from loader
+
+
+def train_local(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    dataset: Dataset,
+    *,
+    epochs: int,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    classification: bool = True,
+) -> TrainResult:
+    """Train ``model`` in place and report loss, accuracy and ‖x_i − x_t‖².
+
+    ``steps > 0`` runs exactly that many optimizer steps, otherwise ``epochs``
+    passes. Shuffling is seeded by ``seed``. Running sums stay on the device
+    (no host synchronisation per step); the squared update norm is computed
+    over the trainable parameters in float64 on the device, in one pass.
+    """
+    model.to(device).train()
+    start = [p.detach().clone() for p in model.parameters()]
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        pin_memory=device.type == "cuda",
+    )
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    count = num_steps = 0
+    for inputs, targets in _batches(loader, epochs, steps):
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        outputs = model(inputs)
+        loss = criterion(outputs, targets)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach().double() * len(targets)
+        if classification:
+            correct += (outputs.detach().argmax(dim=1) == targets).sum()
+        count += len(targets)
+        num_steps += 1
+    if count == 0:
+        raise ValueError("local training saw no data (empty local dataset)")
+    with torch.no_grad():
+        sq_norm = sum(
+            torch.sum((p.detach().double() - p0.double()) ** 2)
+            for p, p0 in zip(model.parameters(), start, strict=True)
+        )
+    return TrainResult(
+        loss=loss_sum.item() / count,
+        accuracy=correct.item() / count if classification else None,
+        num_examples=len(dataset),  # type: ignore[arg-type]
+        steps=num_steps,
+        update_sq_norm=float(sq_norm),
+    )

@@ -1,0 +1,257 @@
+"""Run-config schema: the one place that defines every run-config key.
+
+Flower only accepts ``--run-config`` overrides for keys listed in
+``[tool.flwr.app.config]`` of ``pyproject.toml``. That table and the README's
+configuration table are *generated* from :data:`RUN_CONFIG` below
+(``python -m fedadapt.config --write``), and a test fails when they drift.
+
+:func:`validate_run_config` checks a run config (unknown keys, types, ranges,
+registry names) and raises :class:`ConfigError` naming the key and the valid
+values. The ServerApp calls it before any training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Scalar = bool | int | float | str
+
+
+class ConfigError(ValueError):
+    """A run-config value is unknown, of the wrong type or out of range."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"Invalid run-config '{key}': {message}")
+        self.key = key
+
+
+def _registry_names(kind: str) -> Callable[[], list[str]]:
+    """Return a lazy lookup of a registry's names (avoids import cycles)."""
+
+    def names() -> list[str]:
+        from fedadapt import registry
+
+        return registry.names(kind)
+
+    return names
+
+
+@dataclass(frozen=True)
+class Key:
+    """One run-config key: default, meaning and the values it accepts."""
+
+    name: str
+    default: Scalar
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    choices: Callable[[], list[str]] | tuple[str, ...] | None = None
+
+    def valid_choices(self) -> list[str] | None:
+        """Return the accepted names, or None when any value of the type is ok."""
+        if self.choices is None:
+            return None
+        return list(self.choices()) if callable(self.choices) else list(self.choices)
+
+    def check(self, value: Any) -> Scalar:
+        """Return ``value`` converted to this key's type, or raise ConfigError."""
+        kind = type(self.default)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(self.name, f"expected true or false, got {value!r}")
+            return value
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(self.name, f"expected an integer, got {value!r}")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(self.name, f"expected a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(self.name, f"expected a finite number, got {value!r}")
+        elif not isinstance(value, str):
+            raise ConfigError(self.name, f"expected a string, got {value!r}")
+        if self.minimum is not None:
+            too_small = (
+                value <= self.minimum
+                if self.exclusive_minimum
+                else value < self.minimum
+            )
+            if too_small:
+                bound = ">" if self.exclusive_minimum else ">="
+                raise ConfigError(
+                    self.name, f"must be {bound} {self.minimum:g}, got {value!r}"
+                )
+        if self.maximum is not None and value > self.maximum:
+            raise ConfigError(self.name, f"must be <= {self.maximum:g}, got {value!r}")
+        choices = self.valid_choices()
+        if choices is not None and value not in choices:
+            raise ConfigError(
+                self.name,
+                f"unknown value {value!r}. Valid values: {', '.join(choices)}",
+            )
+        return value
+
+
+RUN_CONFIG: tuple[Key, ...] = (
+    Key("task", "digits-mlp", "Dataset + model + loss (see Tasks).",
+        choices=_registry_names("task")),
+    Key("strategy", "fedavg", "Server strategy.", choices=_registry_names("strategy")),
+    Key("client-optimizer", "sgd", "Optimizer of local training.",
+        choices=_registry_names("client-optimizer")),
+    Key("partition", "dirichlet", "How the training set is split over clients.",
+        choices=_registry_names("partition")),
+    Key("dirichlet-alpha", 0.5, "Concentration α of the Dirichlet label partition "
+        "(smaller = more skew).", minimum=0.0, exclusive_minimum=True),
+    Key("num-server-rounds", 20, "Number of federated rounds.", minimum=1),
+    Key("clients-per-round", 10, "Clients sampled for training each round "
+        "(must not exceed the connected nodes).", minimum=1),
+    Key("clients-per-eval", 0, "Clients sampled for federated evaluation on their "
+        "local test split each round (0 = off).", minimum=0),
+    Key("evaluate-every", 1, "Central evaluation of the global model on the task's "
+        "test set every N rounds (0 = off).", minimum=0),
+    Key("local-epochs", 2, "Local epochs per round (used when local-steps = 0).",
+        minimum=0),
+    Key("local-steps", 0, "Local optimizer steps per round; overrides local-epochs "
+        "when > 0.", minimum=0),
+    Key("batch-size", 32, "Local mini-batch size.", minimum=1),
+    Key("client-lr", 0.1, "Client learning rate η_l (η0 for Δ-SGD).",
+        minimum=0.0, exclusive_minimum=True),
+    Key("server-lr", 1.0, "Server learning rate η_g (strategies with a server step; "
+        "fedavg requires 1.0).", minimum=0.0, exclusive_minimum=True),
+    Key("client-test-fraction", 0.2, "Share of each client's data held out for "
+        "federated evaluation.", minimum=0.0, maximum=0.9),
+    Key("seed", 0, "Seed of model initialisation, partition and local shuffling.",
+        minimum=0),
+    Key("device", "auto", "Client training device: auto (CUDA if visible), cpu, cuda.",
+        choices=("auto", "cpu", "cuda")),
+    Key("output-dir", "outputs", "Where run folders are written; use an absolute "
+        "path (the ServerApp runs in the SuperLink's working directory)."),
+    Key("run-name", "", "Run folder name; empty = <time>-<task>-<strategy>-<run id>."),
+    Key("node-wait-timeout", 120.0, "Seconds the ServerApp waits at start for "
+        "clients-per-round nodes to connect.", minimum=0.0),
+    Key("round-timeout", 3600.0, "Seconds to wait for the replies of one round.",
+        minimum=0.0, exclusive_minimum=True),
+)  # fmt: skip
+
+KEYS: dict[str, Key] = {key.name: key for key in RUN_CONFIG}
+
+
+def defaults() -> dict[str, Scalar]:
+    """Return the default run config (what ``pyproject.toml`` declares)."""
+    return {key.name: key.default for key in RUN_CONFIG}
+
+
+def validate_run_config(run_config: Mapping[str, Any]) -> dict[str, Scalar]:
+    """Check ``run_config`` and return a complete, typed copy.
+
+    Missing keys take their defaults; unknown keys, wrong types, out-of-range
+    values and unknown registry names raise :class:`ConfigError`.
+    """
+    unknown = sorted(set(run_config) - set(KEYS))
+    if unknown:
+        raise ConfigError(
+            unknown[0], f"unknown key. Valid keys: {', '.join(sorted(KEYS))}"
+        )
+    config = defaults()
+    for name, value in run_config.items():
+        config[name] = KEYS[name].check(value)
+    if config["local-epochs"] == 0 and config["local-steps"] == 0:
+        raise ConfigError(
+            "local-epochs", "local-epochs and local-steps are both 0: no local work"
+        )
+    if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
+        raise ConfigError(
+            "clients-per-eval",
+            "federated evaluation needs a local test split (client-test-fraction > 0)",
+        )
+    return config
+
+
+# --- generated tables -------------------------------------------------------
+
+_TABLE_BEGIN, _TABLE_END = "# BEGIN run-config", "# END run-config"
+_MD_BEGIN, _MD_END = "<!-- BEGIN run-config -->", "<!-- END run-config -->"
+
+
+def _toml_value(value: Scalar) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def render_pyproject_table() -> str:
+    """Return the body of ``[tool.flwr.app.config]``."""
+    return "\n".join(f"{k.name} = {_toml_value(k.default)}" for k in RUN_CONFIG)
+
+
+def render_markdown_table() -> str:
+    """Return the README's configuration table."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key in RUN_CONFIG:
+        text = key.help
+        choices = key.valid_choices()
+        if choices:
+            text += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
+        rows.append(f"| `{key.name}` | `{_toml_value(key.default)}` | {text} |")
+    return "\n".join(rows)
+
+
+def _replace_between(text: str, begin: str, end: str, body: str) -> str:
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        raise RuntimeError(f"markers {begin!r} … {end!r} not found")
+    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
+
+
+def sync_files(root: Path, write: bool) -> list[str]:
+    """Regenerate (or, with ``write=False``, check) pyproject.toml and README.md.
+
+    Returns the names of the files that were (or would be) changed.
+    """
+    targets = {
+        "pyproject.toml": (_TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
+        "README.md": (_MD_BEGIN, _MD_END, render_markdown_table()),
+    }
+    changed = []
+    for name, (begin, end, body) in targets.items():
+        path = root / name
+        old = path.read_text(encoding="utf-8")
+        new = _replace_between(old, begin, end, body)
+        if new != old:
+            changed.append(name)
+            if write:
+                path.write_text(new, encoding="utf-8")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m fedadapt.config --write|--check [--root DIR]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd())
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="regenerate the tables")
+    mode.add_argument("--check", action="store_true", help="fail if they are stale")
+    args = parser.parse_args(argv)
+    changed = sync_files(args.root, write=args.write)
+    if changed and args.check:
+        print(f"stale run-config tables in: {', '.join(changed)}; run "
+              "`python -m fedadapt.config --write`", file=sys.stderr)  # fmt: skip
+        return 1
+    for name in changed:
+        print(f"updated {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, strategy construction and run results."""

@@ -1,0 +1,173 @@
+"""Run results: ``results.json`` (rewritten after every round) and ``curves.png``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from flwr.common.logger import log
+
+RESULTS_FILE = "results.json"
+CURVES_FILE = "curves.png"
+
+
+def run_directory(cfg: Mapping[str, Any], run_id: int) -> Path:
+    """Return ``<output-dir>/<run-name>`` (created), the run's output folder."""
+    name = cfg["run-name"] or "{}-{}-{}-{}".format(
+        datetime.now().strftime("%Y%m%d-%H%M%S"), cfg["task"], cfg["strategy"], run_id
+    )
+    path = Path(cfg["output-dir"]).expanduser().resolve() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("fedadapt", "flwr", "torch", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+class RunRecorder:
+    """Collects per-round records and writes them as JSON and plots."""
+
+    def __init__(self, run_dir: Path, cfg: Mapping[str, Any], run_id: int) -> None:
+        self.run_dir = run_dir
+        self._started = time.time()
+        self._round_started = self._started
+        self.data: dict[str, Any] = {
+            "run_id": run_id,
+            "status": "running",
+            "started": datetime.now(UTC).isoformat(),
+            "config": dict(cfg),
+            "versions": _versions(),
+            "initial": None,
+            "rounds": [],
+        }
+        self.write()
+
+    def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
+        """Record the central evaluation of the initial model (round 0)."""
+        self.data["initial"] = {"eval": dict(evaluation) if evaluation else None}
+        self._round_started = time.time()
+        self.write()
+
+    def record_round(
+        self,
+        server_round: int,
+        num_rounds: int,
+        evaluation: Mapping[str, float] | None,
+        report: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Record one finished round, rewrite results.json and log one line."""
+        now = time.time()
+        entry = {
+            "round": server_round,
+            "wall_time_s": now - self._round_started,
+            "train": report.get("train"),
+            "eval": dict(evaluation) if evaluation else None,
+            "federated_eval": report.get("federated_eval"),
+            "replies": report.get("train_replies"),
+            "evaluate_replies": report.get("evaluate_replies"),
+            "strategy": report.get("diagnostics", {}),
+        }
+        self._round_started = now
+        self.data["rounds"].append(entry)
+        self.write()
+        log(logging.INFO, "%s", format_round(entry, num_rounds))
+        return entry
+
+    def finish(self, status: str, error: str | None = None) -> None:
+        """Mark the run finished, write the final JSON and the curves."""
+        self.data["status"] = status
+        self.data["wall_time_s"] = time.time() - self._started
+        if error is not None:
+            self.data["error"] = error
+        self.write()
+        if self.data["rounds"]:
+            plot_curves(self.data, self.run_dir / CURVES_FILE)
+
+    def write(self) -> None:
+        """Write results.json atomically (readers never see half a file)."""
+        tmp = self.run_dir / (RESULTS_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        os.replace(tmp, self.run_dir / RESULTS_FILE)
+
+
+def _fmt(metrics: Mapping[str, Any] | None, loss: str, acc: str) -> str:
+    if not metrics or loss not in metrics:
+        return "-"
+    text = f"loss {metrics[loss]:.4f}"
+    if acc in metrics:
+        text += f" acc {metrics[acc]:.3f}"
+    return text
+
+
+def format_round(entry: Mapping[str, Any], num_rounds: int) -> str:
+    """Return the one-line, human-readable summary of a round."""
+    replies = entry.get("replies") or {}
+    return (
+        f"round {entry['round']}/{num_rounds} | "
+        f"train {_fmt(entry.get('train'), 'train-loss', 'train-accuracy')} | "
+        f"test {_fmt(entry.get('eval'), 'loss', 'accuracy')} | "
+        f"replies {replies.get('used', 0)} used, {replies.get('failed', 0)} failed, "
+        f"{replies.get('rejected', 0)} rejected | {entry['wall_time_s']:.2f}s"
+    )
+
+
+def plot_curves(data: Mapping[str, Any], path: Path) -> None:
+    """Plot loss and accuracy per round (train from clients, test central)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(phase: str, key: str) -> tuple[list[int], list[float]]:
+        points = [
+            (r["round"], r[phase][key])
+            for r in data["rounds"]
+            if r.get(phase) and key in r[phase]
+        ]
+        if phase == "eval" and data.get("initial") and data["initial"]["eval"]:
+            if key in data["initial"]["eval"]:
+                points.insert(0, (0, data["initial"]["eval"][key]))
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (train_key, test_key, label) in (
+        (ax_loss, ("train-loss", "loss", "loss")),
+        (ax_acc, ("train-accuracy", "accuracy", "accuracy")),
+    ):
+        for phase, key, name in (
+            ("train", train_key, "train (clients)"),
+            ("eval", test_key, "test (central)"),
+            ("federated_eval", "eval-" + test_key, "test (clients)"),
+        ):
+            xs, ys = series(phase, key)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+        ax.set_xlabel("round")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    cfg = data["config"]
+    fig.suptitle(
+        f"{cfg['task']} · {cfg['strategy']} · {cfg['client-optimizer']} "
+        f"(run {data['run_id']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from unittest.mock import Mock
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def make_reply(
+    arrays: dict[str, np.ndarray] | None,
+    metrics: dict,
+    node_id: int = 1,
+    error: bool = False,
+) -> Message:
+    """A reply Message as a strategy receives it (like Flower's create_mock_reply)."""
+    content = RecordDict({"metrics": MetricRecord(metrics)})
+    if arrays is not None:
+        content["arrays"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    message = Mock(spec=Message)
+    message.content = content
+    message.has_error.return_value = error
+    message.metadata.src_node_id = node_id
+    message.error.reason = "client raised"
+    return message
+
+
+def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
+    """Run the fedadapt apps with flwr's in-process ``run_simulation``.
+
+    ``run_simulation`` ignores pyproject.toml (empty run config), and the
+    ClientApp's context may not be mutated, so both apps are wrapped and fed
+    the validated config (flower-notes §4A).
+    """
+    from flwr.app import Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedadapt.client import client_app
+    from fedadapt.server import server_app
+
+    run_config = dict(overrides)
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid, context):
+        context.run_config.clear()
+        context.run_config.update(run_config)
+        server_app.main(grid, context)
+
+    def _ctx(c: Context) -> Context:
+        return Context(c.run_id, c.node_id, c.node_config, c.state, dict(run_config))
+
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg, context):
+        return client_app.train(msg, _ctx(context))
+
+    @client.evaluate()
+    def _evaluate(msg, context):
+        return client_app.evaluate(msg, _ctx(context))
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+        },
+    )

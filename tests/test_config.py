@@ -1,0 +1,94 @@
+"""Run-config validation and the generated tables."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from fedadapt.config import (
+    KEYS,
+    ConfigError,
+    defaults,
+    render_markdown_table,
+    sync_files,
+    validate_run_config,
+)
+from fedadapt.server.strategy_factory import STRATEGIES, sampling_kwargs
+from tests.helpers import ROOT
+
+
+def test_defaults_are_valid():
+    assert validate_run_config({}) == defaults()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "pattern"),
+    [
+        ({"bogus-key": 1}, "bogus-key", r"unknown key\. Valid keys: .*batch-size"),
+        ({"num-server-rounds": 0}, "num-server-rounds", r"must be >= 1, got 0"),
+        ({"num-server-rounds": -3}, "num-server-rounds", r"must be >= 1"),
+        ({"num-server-rounds": 2.5}, "num-server-rounds", r"expected an integer"),
+        ({"num-server-rounds": True}, "num-server-rounds", r"expected an integer"),
+        ({"clients-per-round": 0}, "clients-per-round", r"must be >= 1"),
+        ({"client-lr": 0.0}, "client-lr", r"must be > 0"),
+        ({"client-lr": float("nan")}, "client-lr", r"finite"),
+        ({"client-lr": "fast"}, "client-lr", r"expected a number"),
+        ({"dirichlet-alpha": -1.0}, "dirichlet-alpha", r"must be > 0"),
+        ({"client-test-fraction": 0.95}, "client-test-fraction", r"must be <= 0.9"),
+        ({"strategy": "fedfoo"}, "strategy",
+         r"unknown value 'fedfoo'\. Valid values: fedavg"),
+        ({"task": "nope"}, "task", r"Valid values: digits-mlp"),
+        ({"client-optimizer": "lion"}, "client-optimizer", r"Valid values: sgd"),
+        ({"partition": "x"}, "partition", r"Valid values: iid, dirichlet"),
+        ({"device": "tpu"}, "device", r"Valid values: auto, cpu, cuda"),
+        ({"output-dir": 3}, "output-dir", r"expected a string"),
+        ({"local-epochs": 0, "local-steps": 0}, "local-epochs", r"no local work"),
+        ({"clients-per-eval": 2, "client-test-fraction": 0.0}, "clients-per-eval",
+         r"local test split"),
+    ],
+)  # fmt: skip
+def test_invalid_values_name_the_key(overrides, key, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        validate_run_config(overrides)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"Invalid run-config '{key}':")
+
+
+def test_ints_are_accepted_for_float_keys():
+    assert validate_run_config({"client-lr": 1})["client-lr"] == 1.0
+    assert isinstance(validate_run_config({"client-lr": 1})["client-lr"], float)
+
+
+def test_more_clients_per_round_than_nodes_is_an_error(cfg):
+    with pytest.raises(ConfigError, match=r"'clients-per-round': 10 clients requested"):
+        sampling_kwargs(cfg(), num_nodes=3)
+    with pytest.raises(ConfigError, match=r"'clients-per-eval'"):
+        sampling_kwargs(cfg(clients_per_round=2, clients_per_eval=4), num_nodes=3)
+
+
+@pytest.mark.parametrize("num_nodes", [3, 7, 10, 13, 100])
+@pytest.mark.parametrize("wanted", [1, 2, 3])
+def test_sampling_gives_exactly_clients_per_round(cfg, num_nodes, wanted):
+    # Flower samples max(int(fraction * connected), min_nodes) nodes
+    kw = sampling_kwargs(cfg(clients_per_round=wanted), num_nodes)
+    assert max(int(num_nodes * kw["fraction_train"]), kw["min_train_nodes"]) == wanted
+
+
+def test_fedavg_rejects_a_server_learning_rate(cfg):
+    with pytest.raises(ConfigError, match=r"'server-lr'.*requires 1.0"):
+        STRATEGIES.get("fedavg")(cfg(server_lr=0.5), 10)
+
+
+def test_pyproject_table_is_generated_from_the_schema():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["tool"]["flwr"]["app"]["config"] == defaults()
+    assert sync_files(ROOT, write=False) == []
+
+
+def test_readme_lists_every_key():
+    readme = (ROOT / "README.md").read_text()
+    assert render_markdown_table() in readme
+    for name in KEYS:
+        assert re.search(rf"\| `{re.escape(name)}` \|", readme), name

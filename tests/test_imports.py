@@ -1,0 +1,16 @@
+"""fedadapt.strategies must import with flwr and numpy alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_strategies_do_not_import_torch():
+    code = (
+        "import sys; import fedadapt.strategies as s; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(s.FedAvg.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FedAvg"

@@ -1,0 +1,95 @@
+"""Local training loop against closed-form gradient steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fedadapt.client.training import train_local
+from fedadapt.tasks import TASKS, pick_device
+
+
+def _linear_problem(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    return x, y
+
+
+def _run(x, y, w0, *, lr, epochs=0, steps=0, batch_size):
+    model = nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(w0.T.copy()))
+    result = train_local(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        nn.MSELoss(),
+        TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+        epochs=epochs,
+        steps=steps,
+        batch_size=batch_size,
+        seed=0,
+        device=torch.device("cpu"),
+        classification=False,
+    )
+    return model.weight.detach().numpy().T.astype(np.float64), result
+
+
+def test_full_batch_sgd_matches_closed_form_gradient_steps():
+    # Prepare: MSE loss f(w) = mean((Xw - y)^2), gradient 2/n X^T (Xw - y)
+    x, y = _linear_problem()
+    w0 = np.array([[0.5], [-1.0], [2.0]])
+    lr, n = 0.1, len(x)
+    w, losses = w0.copy(), []
+    for _ in range(3):
+        residual = x.astype(np.float64) @ w - y
+        losses.append(float(np.mean(residual**2)))
+        w = w - lr * 2.0 / n * x.T @ residual
+    # Execute
+    w_trained, result = _run(x, y, w0, lr=lr, steps=3, batch_size=n)
+    # Assert
+    np.testing.assert_allclose(w_trained, w, rtol=1e-5)
+    assert result.steps == 3 and result.num_examples == n
+    assert result.loss == pytest.approx(np.mean(losses), rel=1e-5)
+    assert result.accuracy is None
+    assert result.update_sq_norm == pytest.approx(
+        float(np.sum((w - w0) ** 2)), rel=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    ("epochs", "steps", "expected"), [(1, 0, 3), (2, 0, 6), (0, 5, 5), (3, 2, 2)]
+)
+def test_epochs_or_steps_decide_the_number_of_steps(epochs, steps, expected):
+    x, y = _linear_problem(n=10)
+    _, result = _run(x, y, np.zeros((3, 1)), lr=0.01, epochs=epochs, steps=steps,
+                     batch_size=4)  # fmt: skip
+    assert result.steps == expected
+
+
+def test_digits_task_model_trains_and_reports_accuracy(cfg):
+    task = TASKS.get("digits-mlp")
+    data = task.load_client(cfg(), 0, 10)
+    torch.manual_seed(0)
+    model = task.build_model()
+    first = train_local(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        task.criterion(), data.train, epochs=5, steps=0,
+                        batch_size=16, seed=0, device=pick_device("cpu"))  # fmt: skip
+    again = train_local(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        task.criterion(), data.train, epochs=5, steps=0,
+                        batch_size=16, seed=1, device=pick_device("cpu"))  # fmt: skip
+    assert 0.0 <= first.accuracy <= 1.0
+    assert again.loss < first.loss
+    assert first.update_sq_norm > 0
+
+
+def test_device_choice():
+    assert pick_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device("auto").type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="sees no CUDA device"):
+            pick_device("cuda")
