@@ -1,0 +1,41 @@
+"""Framework-free server update rules over NumPy arrays (no Flower, no torch).
+
+Each rule's ``step(current, clients, num_examples, sq_norms=None)`` returns the
+new global arrays and per-round diagnostics; ``apply(current, stats)`` does the
+same from the round's sums alone (secure aggregation). State round-trips via
+``state_dict()`` / ``load_state_dict()``.
+"""
+
+from fedadapt.strategies.core.base import (
+    Arrays,
+    RoundStatistics,
+    ServerRule,
+    client_weights,
+    is_batchnorm_buffer,
+    sq_norm,
+)
+from fedadapt.strategies.core.fedavg import FedAvgRule
+from fedadapt.strategies.core.feddua import FedDuARule
+from fedadapt.strategies.core.fedexp import FedExPRule
+from fedadapt.strategies.core.fedopt import (
+    FedAdagradRule,
+    FedAdamRule,
+    FedOptRule,
+    FedYogiRule,
+)
+
+__all__ = [
+    "Arrays",
+    "FedAdagradRule",
+    "FedAdamRule",
+    "FedAvgRule",
+    "FedDuARule",
+    "FedExPRule",
+    "FedOptRule",
+    "FedYogiRule",
+    "RoundStatistics",
+    "ServerRule",
+    "client_weights",
+    "is_batchnorm_buffer",
+    "sq_norm",
+]

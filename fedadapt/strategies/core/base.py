@@ -1,0 +1,232 @@
+"""Framework-free server update rules: the shared aggregation step.
+
+Every rule sees one round through the same two numbers a secure-aggregation
+protocol could reveal (spec §1.3-1.4):
+
+    Δ̄_t = Σ_i ω_i Δ_i ,   A_t = Σ_i ω_i ‖Δ_i‖² ,   Δ_i = x_i − x_t
+
+with ω_i uniform over the participants or proportional to ``num-examples``.
+:meth:`ServerRule.step` forms them from client arrays (or takes them from
+:meth:`ServerRule.apply` callers that already hold the sums) and hands the
+*adaptive* part to the subclass's :meth:`ServerRule.update`.
+
+Which arrays are adaptive: floating-point arrays, minus the keys selected by
+``plain_average`` (by default nothing; FedExP/FedDuA exclude BatchNorm
+buffers, spec §1.3). Plain arrays are averaged (integers rounded back to
+their dtype) and kept out of norms and preconditioners.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedadapt._validation import check_choice
+
+Arrays = dict[str, NDArray[Any]]
+WEIGHTINGS = ("uniform", "num_examples")
+BATCHNORM_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_batchnorm_buffer(key: str) -> bool:
+    """Return True for PyTorch BatchNorm buffer names (``*.running_mean`` …)."""
+    return key.rsplit(".", 1)[-1] in BATCHNORM_BUFFER_SUFFIXES
+
+
+def sq_norm(arrays: Mapping[str, NDArray[Any]]) -> float:
+    """Return Σ_k ‖a_k‖² over the arrays, accumulated in float64."""
+    return math.fsum(float(np.vdot(a, a)) for a in arrays.values())
+
+
+@dataclass(frozen=True)
+class RoundStatistics:
+    """What a rule needs from one round (all a secure aggregator must reveal).
+
+    Attributes
+    ----------
+    mean_update : Arrays
+        Δ̄_t = Σ ω_i Δ_i over every array (adaptive and plain).
+    mean_sq_norm : float | None
+        A_t = Σ ω_i ‖Δ_i‖² over the adaptive arrays, or None when not needed.
+    num_clients : int
+        |S_t|, the number of replies aggregated.
+    """
+
+    mean_update: Arrays
+    mean_sq_norm: float | None
+    num_clients: int
+
+
+def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
+    """Return ω: uniform ``1/|S|`` or ``n_i / Σ n_j`` (spec §1.3)."""
+    n = np.asarray(num_examples, dtype=np.float64)
+    if n.size == 0:
+        raise ValueError("no client results to aggregate")
+    if weighting == "uniform":
+        return np.full(n.size, 1.0 / n.size)
+    if not np.all(np.isfinite(n)) or np.any(n <= 0):
+        raise ValueError(f"num_examples must be finite and > 0, got {n.tolist()}")
+    return n / n.sum()
+
+
+class ServerRule(ABC):
+    """One server update rule over NumPy arrays, with ``state_dict`` support.
+
+    Parameters
+    ----------
+    weighting : str (default: "uniform")
+        ``"uniform"`` (the papers) or ``"num_examples"`` (Flower), used for
+        both Δ̄ and A so that A ≥ ‖Δ̄‖² (Jensen) holds.
+    plain_average : Callable[[str], bool] | None (default: None)
+        Keys for which the rule is skipped: they are averaged, and left out
+        of norms and preconditioners. Non-float arrays always are.
+    """
+
+    #: whether :meth:`update` uses A_t (per-client squared update norms)
+    needs_sq_norms: bool = False
+
+    def __init__(
+        self,
+        *,
+        weighting: str = "uniform",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.weighting = check_choice("weighting", weighting, WEIGHTINGS)
+        self.plain_average = plain_average
+        self.num_updates = 0
+
+    # --- the rule itself -----------------------------------------------------
+
+    @abstractmethod
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Return the new adaptive arrays and scalar diagnostics.
+
+        ``current`` and ``stats.mean_update`` hold only the adaptive keys.
+        """
+
+    def _state(self) -> dict[str, Any]:
+        """Return the rule's own state (moments); override with ``_load``."""
+        return {}
+
+    def _load(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Restore what :meth:`_state` returned."""
+
+    # --- shared machinery ------------------------------------------------------
+
+    def adaptive_keys(self, current: Mapping[str, NDArray[Any]]) -> list[str]:
+        """Return the keys the rule updates (floating point, not plain-averaged)."""
+        return [
+            k
+            for k, a in current.items()
+            if a.dtype.kind == "f"
+            and not (self.plain_average is not None and self.plain_average(k))
+        ]
+
+    def statistics(
+        self,
+        current: Mapping[str, NDArray[Any]],
+        clients: Sequence[Mapping[str, NDArray[Any]]],
+        num_examples: Sequence[float],
+        sq_norms: Sequence[float] | None = None,
+    ) -> RoundStatistics:
+        """Form Δ̄ and (when the rule needs it) A from per-client arrays.
+
+        ``sq_norms`` are client-reported ‖Δ_i‖²; when given they are used
+        instead of being recomputed (what secure aggregation requires).
+        """
+        weights = client_weights(num_examples, self.weighting)
+        keys = self.adaptive_keys(current)
+        need_norms = self.needs_sq_norms and sq_norms is None
+        mean_update: Arrays = {}
+        norms = np.zeros(len(clients))
+        for key, x_t in current.items():
+            acc = np.zeros(x_t.shape, dtype=np.result_type(x_t.dtype, np.float32))
+            if need_norms and key in keys:
+                for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
+                    delta = client[key] - x_t
+                    norms[i] += float(np.vdot(delta, delta))
+                    delta *= w
+                    acc += delta
+            else:
+                for client, w in zip(clients, weights, strict=True):
+                    acc += w * client[key]
+                acc -= x_t
+            mean_update[key] = acc
+        if not self.needs_sq_norms:
+            mean_sq_norm = None
+        else:
+            per_client = norms if need_norms else np.asarray(sq_norms, np.float64)
+            mean_sq_norm = float(np.dot(weights, per_client))
+        return RoundStatistics(mean_update, mean_sq_norm, len(clients))
+
+    def apply(
+        self, current: Mapping[str, NDArray[Any]], stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply one round given its statistics; return new arrays, diagnostics.
+
+        Adaptive keys go through :meth:`update`; plain keys become
+        ``x_t + Δ̄`` (the average), cast back to their dtype.
+        """
+        if set(stats.mean_update) != set(current):
+            raise ValueError("mean_update keys differ from the current arrays")
+        keys = self.adaptive_keys(current)
+        new, diagnostics = self.update(
+            {k: current[k] for k in keys},
+            RoundStatistics(
+                {k: stats.mean_update[k] for k in keys},
+                stats.mean_sq_norm,
+                stats.num_clients,
+            ),
+        )
+        for key, x_t in current.items():
+            if key in new:
+                new[key] = np.asarray(new[key], dtype=x_t.dtype)
+                continue
+            mean = x_t + stats.mean_update[key]
+            if x_t.dtype.kind != "f":
+                mean = np.rint(mean)
+            new[key] = mean.astype(x_t.dtype)
+        self.num_updates += 1
+        diagnostics["mean-client-sq-norm"] = (
+            stats.mean_sq_norm if stats.mean_sq_norm is not None else float("nan")
+        )
+        diagnostics["mean-update-sq-norm"] = sq_norm(
+            {k: stats.mean_update[k] for k in keys}
+        )
+        return new, diagnostics
+
+    def step(
+        self,
+        current: Mapping[str, NDArray[Any]],
+        clients: Sequence[Mapping[str, NDArray[Any]]],
+        num_examples: Sequence[float],
+        sq_norms: Sequence[float] | None = None,
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Aggregate one round of client arrays; return new arrays, diagnostics."""
+        return self.apply(
+            current, self.statistics(current, clients, num_examples, sq_norms)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a deep copy of the rule's state (moments, step count)."""
+        return copy.deepcopy({"num_updates": self.num_updates, **self._state()})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a state returned by :meth:`state_dict`."""
+        state = copy.deepcopy(dict(state))
+        self.num_updates = int(state.pop("num_updates"))
+        self._load(state)
+
+
+def zeros_like(arrays: Mapping[str, NDArray[Any]]) -> Arrays:
+    """Return zero arrays shaped like ``arrays`` (lazy moment initialisation)."""
+    return {k: np.zeros_like(a) for k, a in arrays.items()}

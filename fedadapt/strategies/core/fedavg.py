@@ -1,0 +1,71 @@
+"""FedAvg / FedAvgM server rule [McMahan et al., 2017; Hsu et al., 2019].
+
+Papers: arxiv.org/abs/1602.05629 (FedAvg), arxiv.org/abs/1909.06335 (FedAvgM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedadapt._validation import check_scalar
+from fedadapt.strategies.core.base import Arrays, RoundStatistics, ServerRule
+
+
+class FedAvgRule(ServerRule):
+    """``x_{t+1} = x_t + η_g·Δ̄_t``, or heavy-ball momentum when β > 0.
+
+    With momentum, as Flower's FedAvgM (pseudo-gradient ``p = −Δ̄``):
+    ``μ ← β·μ + p``, ``x ← x − η_g·μ`` (spec §6.3; β = 0.9 for DUA's FedAvgM,
+    A-F14). ``server_lr=1, server_momentum=0`` is plain FedAvg.
+
+    Parameters
+    ----------
+    server_lr : float (default: 1.0)
+        η_g > 0.
+    server_momentum : float (default: 0.0)
+        β in [0, 1).
+    weighting : str (default: "num_examples")
+        As Flower's FedAvg.
+    plain_average : Callable[[str], bool] | None (default: None)
+        See :class:`ServerRule`.
+    """
+
+    def __init__(
+        self,
+        *,
+        server_lr: float = 1.0,
+        server_momentum: float = 0.0,
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.server_lr = check_scalar(
+            "server_lr", server_lr, low=0, low_inclusive=False
+        )
+        self.server_momentum = check_scalar(
+            "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
+        )
+        self.momentum: Arrays | None = None
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply the (momentum) averaging step."""
+        delta = stats.mean_update
+        if self.server_momentum == 0.0:
+            new = {k: x + self.server_lr * delta[k] for k, x in current.items()}
+            return new, {"server-lr": self.server_lr}
+        if self.momentum is None:
+            self.momentum = {k: -d for k, d in delta.items()}
+        else:
+            beta = self.server_momentum
+            self.momentum = {k: beta * mu - delta[k] for k, mu in self.momentum.items()}
+        new = {k: x - self.server_lr * self.momentum[k] for k, x in current.items()}
+        return new, {"server-lr": self.server_lr}
+
+    def _state(self) -> dict[str, Any]:
+        return {"momentum": self.momentum}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.momentum = state["momentum"]

@@ -1,0 +1,114 @@
+"""FedExP: extrapolated server step [Jhunjhunwala et al., ICLR 2023].
+
+Paper: arxiv.org/abs/2301.09604; spec §5. The original rule (default):
+
+    η_t = max{1, Σ_i ω_i‖Δ_i‖² / (2(‖Δ̄‖² + ε))},   x_{t+1} = x_t + η_t·Δ̄
+
+``form="dua"`` is DUA §2's restatement (no max(1,·)). ``eps_form="times_S"``
+multiplies ε by |S_t| as the official code does, and ``eps_decay`` decays ε
+per update (the code uses 0.998²); both are off by default (A-E2).
+
+``server_momentum = β > 0`` gives FedExPM, which DUA uses but never defines;
+as decided in spec §5.3 it is FedDuAdam with G ≡ I (no max(1,·)):
+``v ← βv + (1−β)Δ̄``, ``m ← (β/2)m + (1−β)A/2``, ``η = m/(‖v‖² + ε)``,
+``x ← x + η·v``. It reuses :class:`FedDuARule` rather than repeating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies.core.base import (
+    Arrays,
+    RoundStatistics,
+    ServerRule,
+    is_batchnorm_buffer,
+    sq_norm,
+)
+from fedadapt.strategies.core.feddua import FedDuARule
+
+FORMS = ("original", "dua")
+EPS_FORMS = ("paper", "times_S")
+
+
+class FedExPRule(ServerRule):
+    """FedExP / FedExPM.
+
+    Parameters
+    ----------
+    epsilon : float (default: 1e-3)
+        ε ≥ 0 in the denominator.
+    server_momentum : float (default: 0.0)
+        β in [0, 1); > 0 selects FedExPM.
+    form : str (default: "original")
+        ``"original"`` (with max(1,·)) or ``"dua"`` (without).
+    eps_form : str (default: "paper")
+        ``"paper"`` or ``"times_S"`` (ε·|S_t|, the official code).
+    eps_decay : float (default: 1.0)
+        ε_t = ε·eps_decay^t, in (0, 1].
+    weighting : str (default: "uniform")
+        The paper's uniform mean; ``"num_examples"`` as the official code.
+    plain_average : Callable[[str], bool] | None (default: BatchNorm buffers)
+        See :class:`ServerRule`.
+    """
+
+    needs_sq_norms = True
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 1e-3,
+        server_momentum: float = 0.0,
+        form: str = "original",
+        eps_form: str = "paper",
+        eps_decay: float = 1.0,
+        weighting: str = "uniform",
+        plain_average: Callable[[str], bool] | None = is_batchnorm_buffer,
+    ) -> None:
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.epsilon = check_scalar("epsilon", epsilon, low=0)
+        self.server_momentum = check_scalar(
+            "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
+        )
+        self.form = check_choice("form", form, FORMS)
+        self.eps_form = check_choice("eps_form", eps_form, EPS_FORMS)
+        self.eps_decay = check_scalar(
+            "eps_decay", eps_decay, low=0, high=1, low_inclusive=False
+        )
+        self._momentum: FedDuARule | None = None
+        if self.server_momentum > 0:
+            self._momentum = FedDuARule(
+                variant="adam",
+                beta_1=self.server_momentum,
+                preconditioner="identity",
+                weighting=weighting,
+                plain_average=plain_average,
+            )
+
+    def current_epsilon(self, num_clients: int) -> float:
+        """Return ε for this update (decayed, times |S_t| in code form)."""
+        eps = self.epsilon * self.eps_decay**self.num_updates
+        return eps * num_clients if self.eps_form == "times_S" else eps
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply one FedExP (or FedExPM) step."""
+        eps = self.current_epsilon(stats.num_clients)
+        if self._momentum is not None:
+            self._momentum.epsilon_g = eps
+            return self._momentum.update(current, stats)
+        denominator = 2.0 * (sq_norm(stats.mean_update) + eps)
+        raw = float(stats.mean_sq_norm) / denominator if denominator > 0 else 0.0
+        eta = max(1.0, raw) if self.form == "original" else raw
+        new = {k: x + eta * stats.mean_update[k] for k, x in current.items()}
+        return new, {"server-lr": eta, "epsilon": eps}
+
+    def _state(self) -> dict[str, Any]:
+        return {"momentum": self._momentum.state_dict() if self._momentum else None}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        if self._momentum is not None:
+            self._momentum.load_state_dict(state["momentum"])

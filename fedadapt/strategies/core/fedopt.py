@@ -1,0 +1,204 @@
+"""FedAdagrad, FedAdam and FedYogi server rules [Reddi et al., 2021].
+
+Paper: arxiv.org/abs/2003.00295 (Algorithm 2). Spec §6.1 (rules) and §6.3
+(Flower 1.41's conventions, the defaults here so that our classes are drop-in
+replacements for ``flwr.serverapp.strategy.FedAdam`` & co.):
+
+    m_t = β1·m_{t−1} + (1−β1)·Δ̄_t                 (m_{−1} = 0)
+    Adagrad: v_t = v_{t−1} + Δ̄_t²
+    Adam:    v_t = β2·v_{t−1} + (1−β2)·Δ̄_t²
+    Yogi:    v_t = v_{t−1} − (1−β2)·Δ̄_t²·sign(v_{t−1} − Δ̄_t²)
+    x_{t+1} = x_t + η_t · m_t / (√v_t + τ)
+
+FedAdam's ``bias_correction``: ``"flower"`` scales η by
+√(1−β2^{t+1})/(1−β1^{t+1}) with t the 1-based update count (Flower uses
+``server_round``: the same unless a round had no valid replies, which Flower
+still counts); ``"torch"`` is torch.optim.Adam's m̂/(√v̂+τ) with exponent t;
+``"none"`` is Reddi et al. / DUA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies.core.base import (
+    Arrays,
+    RoundStatistics,
+    ServerRule,
+    zeros_like,
+)
+
+BIAS_CORRECTIONS = ("flower", "none", "torch")
+
+
+class FedOptRule(ServerRule):
+    """Shared first moment and step of the FedOpt family; subclasses set ``v``.
+
+    Parameters
+    ----------
+    eta : float
+        Server learning rate η > 0.
+    beta_1, beta_2 : float
+        Moment decay rates in [0, 1).
+    tau : float
+        Adaptivity τ ≥ 0 (added to √v).
+    weighting : str (default: "num_examples")
+        As Flower; ``"uniform"`` for the papers.
+    plain_average : Callable[[str], bool] | None (default: None)
+        Flower puts every array through the rule (A-W4); so do we by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        eta: float,
+        beta_1: float,
+        beta_2: float,
+        tau: float,
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.eta = check_scalar("eta", eta, low=0, low_inclusive=False)
+        self.beta_1 = check_scalar(
+            "beta_1", beta_1, low=0, high=1, high_inclusive=False
+        )
+        self.beta_2 = check_scalar(
+            "beta_2", beta_2, low=0, high=1, high_inclusive=False
+        )
+        self.tau = check_scalar("tau", tau, low=0)
+        self.m: Arrays | None = None
+        self.v: Arrays | None = None
+
+    def second_moment(self, v: Any, delta_sq: Any) -> Any:
+        """Return v_t from v_{t−1} and Δ̄_t² (one array)."""
+        raise NotImplementedError
+
+    def step_scale(self) -> tuple[float, float]:
+        """Return (η_t, τ_t) for this update; FedAdam overrides for bias correction."""
+        return self.eta, self.tau
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply one FedOpt step (Reddi et al., Alg. 2 lines 11-14)."""
+        delta = stats.mean_update
+        if self.m is None or self.v is None:
+            self.m, self.v = zeros_like(delta), zeros_like(delta)
+        b1 = self.beta_1
+        self.m = {k: b1 * m + (1 - b1) * delta[k] for k, m in self.m.items()}
+        self.v = {k: self.second_moment(v, delta[k] ** 2) for k, v in self.v.items()}
+        eta, tau = self.step_scale()
+        new = {
+            k: x + eta * self.m[k] / (np.sqrt(self.v[k]) + tau)
+            for k, x in current.items()
+        }
+        return new, {"server-lr": eta}
+
+    def _state(self) -> dict[str, Any]:
+        return {"m": self.m, "v": self.v}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.m, self.v = state["m"], state["v"]
+
+
+class FedAdagradRule(FedOptRule):
+    """FedAdagrad: ``v_t = v_{t−1} + Δ̄²``, β1 = 0 as in Flower and DUA §2."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-1,
+        tau: float = 1e-3,
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(
+            eta=eta,
+            beta_1=0.0,
+            beta_2=0.0,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
+        )
+
+    def second_moment(self, v: Any, delta_sq: Any) -> Any:
+        """Adagrad accumulator."""
+        return v + delta_sq
+
+
+class FedAdamRule(FedOptRule):
+    """FedAdam: ``v_t = β2·v_{t−1} + (1−β2)·Δ̄²`` with optional bias correction."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-1,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-3,
+        bias_correction: str = "flower",
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
+        )
+        self.bias_correction = check_choice(
+            "bias_correction", bias_correction, BIAS_CORRECTIONS
+        )
+
+    def second_moment(self, v: Any, delta_sq: Any) -> Any:
+        """Exponential moving average of Δ̄²."""
+        return self.beta_2 * v + (1 - self.beta_2) * delta_sq
+
+    def step_scale(self) -> tuple[float, float]:
+        """Bias-corrected (η_t, τ_t); ``num_updates`` counts earlier updates."""
+        t = self.num_updates + 1
+        b1, b2 = self.beta_1, self.beta_2
+        if self.bias_correction == "flower":
+            return self.eta * math.sqrt(1 - b2 ** (t + 1)) / (
+                1 - b1 ** (t + 1)
+            ), self.tau
+        if self.bias_correction == "torch":
+            # η·m̂/(√v̂ + τ) = η·√(1−β2^t)/(1−β1^t) · m/(√v + τ·√(1−β2^t))
+            root = math.sqrt(1 - b2**t)
+            return self.eta * root / (1 - b1**t), self.tau * root
+        return self.eta, self.tau
+
+
+class FedYogiRule(FedOptRule):
+    """FedYogi: ``v_t = v_{t−1} − (1−β2)·Δ̄²·sign(v_{t−1} − Δ̄²)``."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-2,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-3,
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
+        )
+
+    def second_moment(self, v: Any, delta_sq: Any) -> Any:
+        """Yogi's additive, sign-controlled update."""
+        return v - (1.0 - self.beta_2) * delta_sq * np.sign(v - delta_sq)
