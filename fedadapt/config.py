@@ -125,8 +125,33 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("batch-size", 32, "Local mini-batch size.", minimum=1),
     Key("client-lr", 0.1, "Client learning rate η_l (η0 for Δ-SGD).",
         minimum=0.0, exclusive_minimum=True),
-    Key("server-lr", 1.0, "Server learning rate η_g (strategies with a server step; "
-        "fedavg requires 1.0).", minimum=0.0, exclusive_minimum=True),
+    Key("server-lr", 0.0, "Server learning rate η_g; 0 = the strategy's default "
+        "(fedavg/fedavgm 1.0, fedadam/fedadagrad 0.1, fedyogi 0.01). fedexp/feddua "
+        "have none.", minimum=0.0),
+    Key("server-momentum", 0.9, "Server momentum β of fedavgm and fedexpm.",
+        minimum=0.0, maximum=0.999),
+    Key("beta-1", 0.9, "β1 of fedadam, fedyogi, feddua (adam variant).",
+        minimum=0.0, maximum=0.999),
+    Key("beta-2", 0.99, "β2 of fedadam, fedyogi, feddua (adam variant).",
+        minimum=0.0, maximum=0.9999),
+    Key("tau", 1e-3, "τ (adaptivity) of fedadam, fedadagrad, fedyogi.", minimum=0.0),
+    Key("epsilon", 1e-9, "ε of feddua's preconditioner diag(√s + ε).", minimum=0.0),
+    Key("epsilon-g", 1e-3, "ε_g of feddua's step size; ε of fedexp/fedexpm.",
+        minimum=0.0),
+    Key("feddua-variant", "adam", "FedDuA variant.", choices=("adam", "adagrad")),
+    Key("fedexp-form", "original", "FedExP step: original (max(1, ·)) or dua "
+        "(DUA §2, without the max).", choices=("original", "dua")),
+    Key("bias-correction", "flower", "FedAdam bias correction: flower (drop-in), "
+        "none (the papers), torch.", choices=("flower", "none", "torch")),
+    Key("weighting", "default", "Client weights: default (papers' uniform for "
+        "fedexp/feddua, num-examples otherwise), uniform, num-examples.",
+        choices=("default", "uniform", "num-examples")),
+    Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
+        "the papers do; training continues from w_{t+1}."),
+    Key("checkpoint-every", 0, "Save global model + strategy state every N rounds "
+        "(and after the last) to <run>/checkpoint.pkl; 0 = never.", minimum=0),
+    Key("resume-from", "", "Checkpoint file to resume from (same task and "
+        "strategy); the run continues to num-server-rounds."),
     Key("client-test-fraction", 0.2, "Share of each client's data held out for "
         "federated evaluation.", minimum=0.0, maximum=0.9),
     Key("seed", 0, "Seed of model initialisation, partition and local shuffling.",

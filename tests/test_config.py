@@ -77,8 +77,50 @@ def test_sampling_gives_exactly_clients_per_round(cfg, num_nodes, wanted):
 
 
 def test_fedavg_rejects_a_server_learning_rate(cfg):
-    with pytest.raises(ConfigError, match=r"'server-lr'.*requires 1.0"):
+    with pytest.raises(
+        ConfigError, match=r"'server-lr'.*requires 0 \(default\) or 1.0"
+    ):
         STRATEGIES.get("fedavg")(cfg(server_lr=0.5), 10)
+    with pytest.raises(ConfigError, match=r"'server-lr': feddua sets its own"):
+        STRATEGIES.get("feddua")(cfg(strategy="feddua", server_lr=0.5), 10)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "attrs"),
+    [
+        ("fedavg", "FedAvg", {}),
+        ("fedavgm", "FedAvgM", {"server_learning_rate": 1.0, "server_momentum": 0.9}),
+        ("fedadam", "FedAdam", {"eta": 0.1, "beta_1": 0.9, "tau": 1e-3}),
+        ("fedadagrad", "FedAdagrad", {"eta": 0.1}),
+        ("fedyogi", "FedYogi", {"eta": 0.01}),
+        ("fedexp", "FedExP", {"average_last_two": True}),
+        ("fedexpm", "FedExP", {}),
+        ("feddua", "FedDuA", {"average_last_two": True}),
+    ],
+)
+def test_every_strategy_builds_from_run_config(cfg, name, cls, attrs):
+    from fedadapt import strategies
+
+    strategy = STRATEGIES.get(name)(cfg(strategy=name), 10)
+    assert type(strategy) is getattr(strategies, cls)
+    for attr, value in attrs.items():
+        assert getattr(strategy, attr) == value
+    assert strategy.min_train_nodes == 10
+
+
+def test_run_config_reaches_the_rules(cfg):
+    dua = STRATEGIES.get("feddua")(
+        cfg(strategy="feddua", feddua_variant="adagrad", epsilon_g=0.0,
+            weighting="num-examples"), 10
+    )  # fmt: skip
+    assert (dua.rule.variant, dua.rule.epsilon_g, dua.rule.weighting) == (
+        "adagrad", 0.0, "num_examples"
+    )  # fmt: skip
+    expm = STRATEGIES.get("fedexpm")(cfg(server_momentum=0.5), 10)
+    assert expm.rule.server_momentum == 0.5
+    assert STRATEGIES.get("fedexp")(cfg(), 10).rule.server_momentum == 0.0
+    adam = STRATEGIES.get("fedadam")(cfg(server_lr=0.02, bias_correction="none"), 10)
+    assert (adam.rule.eta, adam.rule.bias_correction) == (0.02, "none")
 
 
 def test_pyproject_table_is_generated_from_the_schema():

@@ -28,7 +28,9 @@ def _rounds(num_rounds=10, num_clients=5, participants=3, seed=0, scale=0.1):
     rounds = []
     for _ in range(num_rounds):
         chosen = rng.choice(num_clients, size=participants, replace=False)
-        deltas = [{k: scale * rng.normal(size=s) for k, s in SHAPES.items()} for _ in chosen]
+        deltas = [
+            {k: scale * rng.normal(size=s) for k, s in SHAPES.items()} for _ in chosen
+        ]
         n = rng.integers(5, 50, size=participants).astype(float)
         rounds.append((deltas, n))
     return x0, rounds
@@ -104,7 +106,9 @@ def test_fedadam_bias_corrections(correction):
     """Flower: η√(1−β2^{t+1})/(1−β1^{t+1}) (spec §6.3); torch: Adam's m̂/(√v̂+τ)."""
     x0, rounds = _rounds(num_rounds=5)
     eta, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
-    rule = FedAdamRule(eta=eta, beta_1=b1, beta_2=b2, tau=tau, bias_correction=correction)
+    rule = FedAdamRule(
+        eta=eta, beta_1=b1, beta_2=b2, tau=tau, bias_correction=correction
+    )
     xs, diags = _run(rule, x0, rounds)
     x, m, v = _flat(x0), 0.0, 0.0
     for t, ((deltas, n), got) in enumerate(zip(rounds, xs, strict=True), start=1):

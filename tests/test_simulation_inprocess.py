@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.helpers import run_in_process
@@ -37,3 +38,60 @@ def test_three_clients_three_rounds_learn(tmp_path):
     assert test_losses == sorted(test_losses, reverse=True), test_losses
     assert rounds[-1]["train"]["train-loss"] < rounds[0]["train"]["train-loss"]
     assert (tmp_path / "inproc" / "curves.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["fedavgm", "fedadam", "fedadagrad", "fedyogi", "fedexp", "fedexpm", "feddua"],
+)
+def test_each_strategy_runs_through_flower(tmp_path, strategy):
+    """Issue #4: a simulation run with each strategy; diagnostics reach results.json."""
+    overrides = {"feddua-variant": "adagrad"} if strategy == "feddua" else {}
+    run_in_process(
+        {
+            "output-dir": str(tmp_path),
+            "run-name": strategy,
+            "strategy": strategy,
+            "num-server-rounds": 2,
+            "clients-per-round": 3,
+            **overrides,
+        }
+    )
+    data = json.loads((tmp_path / strategy / "results.json").read_text())
+    assert data["status"] == "completed"
+    for r in data["rounds"]:
+        assert r["replies"]["used"] == 3
+        diag = r["strategy"]
+        assert diag["server-lr"] > 0
+        assert diag["mean-update-sq-norm"] > 0
+        assert diag["norms-reported"] == 1.0
+        if strategy in ("fedexp", "fedexpm", "feddua"):
+            assert diag["mean-client-sq-norm"] >= diag["mean-update-sq-norm"]
+    assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+
+
+def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
+    """Issue #4: checkpoint at round 2, resume to 4 == 4 rounds uninterrupted."""
+    import pickle
+
+    common = {"output-dir": str(tmp_path), "strategy": "feddua", "clients-per-round": 3}
+    run_in_process({**common, "run-name": "first", "num-server-rounds": 2,
+                    "checkpoint-every": 2})  # fmt: skip
+    first = tmp_path / "first" / "checkpoint.pkl"
+    run_in_process({**common, "run-name": "resumed", "num-server-rounds": 4,
+                    "checkpoint-every": 2, "resume-from": str(first)})  # fmt: skip
+    run_in_process({**common, "run-name": "straight", "num-server-rounds": 4,
+                    "checkpoint-every": 4})  # fmt: skip
+
+    def load(name):
+        return pickle.loads((tmp_path / name / "checkpoint.pkl").read_bytes())
+
+    resumed, straight = load("resumed"), load("straight")
+    assert resumed["round"] == straight["round"] == 4
+    for key, value in straight["arrays"].items():
+        np.testing.assert_array_equal(resumed["arrays"][key], value)
+    for key, value in straight["strategy"]["rule"]["s"].items():
+        np.testing.assert_array_equal(resumed["strategy"]["rule"]["s"][key], value)
+    data = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert [r["round"] for r in data["rounds"]] == [1, 2, 3, 4]
+    assert data["resumed_from_round"] == 2

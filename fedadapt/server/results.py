@@ -43,7 +43,14 @@ def _versions() -> dict[str, str]:
 class RunRecorder:
     """Collects per-round records and writes them as JSON and plots."""
 
-    def __init__(self, run_dir: Path, cfg: Mapping[str, Any], run_id: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Mapping[str, Any],
+        run_id: int,
+        previous: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start a record; ``previous`` continues a checkpointed run's results."""
         self.run_dir = run_dir
         self._started = time.time()
         self._round_started = self._started
@@ -56,6 +63,10 @@ class RunRecorder:
             "initial": None,
             "rounds": [],
         }
+        if previous is not None:
+            self.data["initial"] = previous.get("initial")
+            self.data["rounds"] = list(previous.get("rounds", []))
+            self.data["resumed_from_round"] = len(self.data["rounds"])
         self.write()
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:

@@ -1,9 +1,32 @@
-"""Server strategies for Flower (Message API).
+"""Server strategies for Flower: change one import to use them.
 
-Importable with flwr and numpy alone: nothing here imports torch.
+Message API (Flower ≥ 1.20, ``ServerApp`` + ``strategy.start``)::
+
+    from fedadapt.strategies import FedDuA, FedExP, FedAdam, FedAdagrad, FedYogi
+
+Legacy API (``ServerApp(server_fn=...)`` + ``NumPyClient``)::
+
+    from fedadapt.strategies.legacy import FedDuA, ...
+
+The update rules themselves live in :mod:`fedadapt.strategies.core` (NumPy
+only). Importable with flwr and numpy alone: nothing here imports torch.
 """
 
-from fedadapt.strategies._screening import ReplyScreening, reject_reason
-from fedadapt.strategies.fedavg import FedAvg
+from fedadapt.strategies._message_api import RuleStrategy
+from fedadapt.strategies._screening import reject_reason
+from fedadapt.strategies.fedavg import FedAvg, FedAvgM
+from fedadapt.strategies.feddua import FedDuA
+from fedadapt.strategies.fedexp import FedExP
+from fedadapt.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 
-__all__ = ["FedAvg", "ReplyScreening", "reject_reason"]
+__all__ = [
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedDuA",
+    "FedExP",
+    "FedYogi",
+    "RuleStrategy",
+    "reject_reason",
+]

@@ -1,27 +1,62 @@
-"""Reply screening: drop bad client replies instead of crashing the federation.
+"""Reply screening and rule application shared by both Flower APIs.
 
-Flower's stock strategies raise (and end the run) when one reply is
-inconsistent, and average NaN straight into the global model. Every fedadapt
-strategy screens train replies first: a reply whose arrays are non-finite or
-differ in keys, shape or dtype from what the server sent, or whose metrics
-lack a positive finite ``num-examples`` (or carry a negative or non-finite
-``update-sq-norm``), is dropped with a warning and counted.
+Flower's stock strategies end the run when one reply is inconsistent and
+average NaN straight into the global model. Every fedadapt strategy screens
+train replies first: a reply whose arrays are non-finite or differ in names,
+shape or dtype from what the server sent, or whose metrics lack a positive
+finite weight (``num-examples``) or carry a negative or non-finite
+``update-sq-norm``, is dropped with a warning and counted. Everything here is
+plain NumPy over ``dict[str, ndarray]``; the Flower adapters only unpack
+messages into that form.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
-from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
+from fedadapt.strategies.core import Arrays, ServerRule
+
 UPDATE_SQ_NORM_KEY = "update-sq-norm"
+
+
+@dataclass
+class Candidate:
+    """One client reply, unpacked: who sent it, its arrays and metrics."""
+
+    node: int | str
+    arrays: Arrays | None
+    metrics: Mapping[str, Any]
+    source: Any = None  # the original reply object, for the adapter
+    problem: str | None = None  # set when the reply could not even be unpacked
+
+
+@dataclass
+class ScreenReport:
+    """Counts for one round and phase, as written to results.json."""
+
+    received: int = 0
+    failed: int = 0
+    rejected: int = 0
+    used: int = 0
+    rejections: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the report as plain JSON-able data."""
+        return {
+            "received": self.received,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "used": self.used,
+            "rejections": list(self.rejections),
+        }
 
 
 def _check_metrics(metrics: Mapping[str, Any], weight_key: str) -> str | None:
@@ -46,7 +81,7 @@ def reject_reason(
     """Return why a reply must be dropped, or None when it is usable.
 
     ``arrays`` is None for evaluation replies (metrics only). ``reference``
-    is what the server sent this round; replies must match its keys, shapes
+    is what the server sent this round; replies must match its names, shapes
     and dtypes exactly (no broadcasting, no silent casts).
     """
     if arrays is not None:
@@ -60,108 +95,93 @@ def reject_reason(
                 if got.dtype != ref.dtype:
                     return f"array '{name}' has dtype {got.dtype}, expected {ref.dtype}"
         for name, value in arrays.items():
-            if value.dtype.kind in "fc" and not np.all(np.isfinite(value)):
+            if value.dtype.kind in "fc" and not math.isfinite(float(np.sum(value))):
                 return f"array '{name}' contains NaN or Inf"
     return _check_metrics(metrics, weight_key)
 
 
-def _unpack(message: Message, with_arrays: bool) -> tuple[dict | None, dict] | str:
-    content = message.content
-    if len(content.metric_records) != 1:
-        return "expected exactly one MetricRecord"
-    metrics = dict(next(iter(content.metric_records.values())))
-    if not with_arrays:
-        return None, metrics
-    if len(content.array_records) != 1:
-        return "expected exactly one ArrayRecord"
-    record = next(iter(content.array_records.values()))
-    return {k: v.numpy() for k, v in record.items()}, metrics
+def screen(
+    candidates: Sequence[Candidate | str],
+    reference: Mapping[str, NDArray[Any]] | None,
+    weight_key: str,
+    round_label: str,
+) -> tuple[list[Candidate], ScreenReport]:
+    """Split replies into usable ones and a report; log each rejection.
+
+    A ``str`` in ``candidates`` stands for a failed reply (its error text).
+    ``np.sum`` of a float array is non-finite iff it holds NaN/Inf (or its
+    values are so large the sum overflows, which is rejected too).
+    """
+    report = ScreenReport(received=len(candidates))
+    valid: list[Candidate] = []
+    for candidate in candidates:
+        if isinstance(candidate, str):
+            report.failed += 1
+            continue
+        reason = candidate.problem or reject_reason(
+            candidate.arrays, candidate.metrics, reference, weight_key
+        )
+        if reason is None:
+            valid.append(candidate)
+            continue
+        report.rejected += 1
+        report.rejections.append(f"node {candidate.node}: {reason}")
+        log(WARNING, "%s: rejected reply from node %s: %s",
+            round_label, candidate.node, reason)  # fmt: skip
+    report.used = len(valid)
+    if candidates and not valid:
+        log(WARNING, "%s: no usable replies (%s failed, %s rejected)",
+            round_label, report.failed, report.rejected)  # fmt: skip
+    return valid, report
 
 
-class ReplyScreening:
-    """Mixin for ``flwr.serverapp.strategy.FedAvg`` subclasses.
+def canonical_order(valid: list[Candidate], weight_key: str) -> list[Candidate]:
+    """Sort replies by content (weight, reported norm) instead of arrival.
 
-    Put it first in the bases. It remembers the arrays sent each round,
-    screens replies before the parent aggregates them and keeps a per-round
-    report in :attr:`round_reports` (``received``, ``failed``, ``rejected``,
-    ``used``, the rejection reasons and the aggregated metrics).
+    Floating-point sums depend on order; sorting by what the replies carry
+    makes the aggregate independent of arrival order and node ids, so a
+    resumed run reproduces an uninterrupted one exactly.
     """
 
-    weighted_by_key: str
+    def key(c: Candidate) -> tuple[float, float]:
+        return (
+            float(c.metrics[weight_key]),
+            float(c.metrics.get(UPDATE_SQ_NORM_KEY, -1.0)),
+        )
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.round_reports: dict[int, dict[str, Any]] = {}
-        self._sent: dict[str, NDArray[Any]] | None = None
+    return sorted(valid, key=key)
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Remember the global arrays, then sample and configure as Flower does."""
-        self._sent = {k: v.numpy() for k, v in arrays.items()}
-        return super().configure_train(server_round, arrays, config, grid)  # type: ignore[misc]
 
-    def screen_replies(
-        self, server_round: int, replies: Iterable[Message], train: bool
-    ) -> list[Message]:
-        """Return the usable replies; count and log the others."""
-        replies = list(replies)
-        report = {"received": len(replies), "failed": 0, "rejected": 0}
-        reasons: list[str] = []
-        valid: list[Message] = []
-        for message in replies:
-            node = message.metadata.src_node_id
-            if message.has_error():
-                report["failed"] += 1
-                continue
-            unpacked = _unpack(message, with_arrays=train)
-            reason = (
-                unpacked
-                if isinstance(unpacked, str)
-                else reject_reason(
-                    unpacked[0],
-                    unpacked[1],
-                    self._sent if train else None,
-                    self.weighted_by_key,
-                )
-            )
-            if reason is None:
-                valid.append(message)
-            else:
-                report["rejected"] += 1
-                reasons.append(f"node {node}: {reason}")
-                log(WARNING, "Round %s: rejected reply from node %s: %s",
-                    server_round, node, reason)  # fmt: skip
-        report["used"] = len(valid)
-        phase = "train" if train else "evaluate"
-        entry = self.round_reports.setdefault(server_round, {})
-        entry[f"{phase}_replies"] = {**report, "rejections": reasons}
-        if replies and not valid:
-            log(WARNING, "Round %s: no valid %s replies (%s failed, %s rejected)%s",
-                server_round, phase, report["failed"], report["rejected"],
-                "; keeping the current global model" if train else "")  # fmt: skip
-        return valid
+def apply_rule(
+    rule: ServerRule,
+    reference: Arrays,
+    valid: Sequence[Candidate],
+    weight_key: str,
+) -> tuple[Arrays, dict[str, float | None]]:
+    """Run ``rule`` on screened replies; return new arrays and diagnostics.
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Screen the replies, then aggregate the usable ones as the parent does."""
-        valid = self.screen_replies(server_round, replies, train=True)
-        if not valid:
-            return None, None
-        arrays, metrics = super().aggregate_train(server_round, valid)  # type: ignore[misc]
-        if metrics is not None:
-            self.round_reports[server_round]["train"] = dict(metrics)
-        return arrays, metrics
+    Client-reported ``update-sq-norm`` values are used when every reply has
+    one (secure-aggregation friendly); otherwise the rule recomputes them.
+    """
+    ordered = canonical_order(list(valid), weight_key)
+    norms = [c.metrics.get(UPDATE_SQ_NORM_KEY) for c in ordered]
+    reported = None if any(n is None for n in norms) else [float(n) for n in norms]
+    new, diagnostics = rule.step(
+        reference,
+        [c.arrays for c in ordered],  # type: ignore[misc]
+        [float(c.metrics[weight_key]) for c in ordered],
+        reported,
+    )
+    clean: dict[str, float | None] = {
+        k: (v if math.isfinite(v) else None) for k, v in diagnostics.items()
+    }
+    clean["norms-reported"] = float(reported is not None)
+    return new, clean
 
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Screen evaluation replies, then aggregate their metrics."""
-        valid = self.screen_replies(server_round, replies, train=False)
-        if not valid:
-            return None
-        metrics = super().aggregate_evaluate(server_round, valid)  # type: ignore[misc]
-        if metrics is not None:
-            self.round_reports[server_round]["federated_eval"] = dict(metrics)
-        return metrics
+
+def evaluation_average(previous: Arrays, new: Arrays) -> Arrays:
+    """Return (w_t + w_{t+1})/2, the model FedExP/FedDuA evaluate (spec §5.3)."""
+    return {
+        k: ((previous[k] + x) / 2).astype(x.dtype) if x.dtype.kind == "f" else x
+        for k, x in new.items()
+    }

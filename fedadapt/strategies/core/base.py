@@ -194,7 +194,7 @@ class ServerRule(ABC):
             mean = x_t + stats.mean_update[key]
             if x_t.dtype.kind != "f":
                 mean = np.rint(mean)
-            new[key] = mean.astype(x_t.dtype)
+            new[key] = np.asarray(mean, dtype=x_t.dtype)
         self.num_updates += 1
         diagnostics["mean-client-sq-norm"] = (
             stats.mean_sq_norm if stats.mean_sq_norm is not None else float("nan")

@@ -1,0 +1,78 @@
+"""Checkpoints: global model + strategy state + results so far, in one file.
+
+A checkpoint is a pickle (only load files you wrote yourself) written
+atomically to ``<run>/checkpoint.pkl``. Resuming from it with the same run
+config reproduces an uninterrupted run exactly when every client takes part
+in every round (client seeds derive from the global round number and replies
+are aggregated in a canonical order; partial participation samples with
+Flower's unseeded RNG).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedadapt.config import ConfigError
+
+CHECKPOINT_FILE = "checkpoint.pkl"
+FORMAT_VERSION = 1
+#: keys that must match between the checkpointed run and the resumed one
+MUST_MATCH = ("task", "strategy", "client-optimizer", "partition", "seed")
+
+
+def save_checkpoint(
+    path: Path,
+    server_round: int,
+    arrays: Mapping[str, np.ndarray],
+    strategy_state: Mapping[str, Any] | None,
+    results: Mapping[str, Any],
+) -> None:
+    """Write a checkpoint for the state after ``server_round``."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "round": server_round,
+        "arrays": {k: np.array(v, copy=True) for k, v in arrays.items()},
+        "strategy": strategy_state,
+        "results": results,
+    }
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Read a checkpoint and check it fits run config ``cfg``.
+
+    Raises ConfigError naming ``resume-from`` when the file is missing,
+    unreadable, or was written by a run with another task/strategy/seed, or
+    when ``num-server-rounds`` does not exceed the checkpointed round.
+    """
+    file = Path(path).expanduser()
+    try:
+        with file.open("rb") as f:
+            payload = pickle.load(f)  # noqa: S301 (our own file, documented)
+    except (OSError, pickle.UnpicklingError, EOFError) as error:
+        raise ConfigError("resume-from", f"cannot read {file}: {error}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+        raise ConfigError("resume-from", f"{file} is not a fedadapt checkpoint")
+    saved = payload["results"]["config"]
+    for key in MUST_MATCH:
+        if saved[key] != cfg[key]:
+            raise ConfigError(
+                "resume-from",
+                f"checkpoint has {key}={saved[key]!r} but this run has {cfg[key]!r}",
+            )
+    if payload["round"] >= cfg["num-server-rounds"]:
+        raise ConfigError(
+            "resume-from",
+            f"checkpoint is at round {payload['round']}; set num-server-rounds "
+            "above it to continue",
+        )
+    return payload

@@ -1,0 +1,233 @@
+"""Thin Message-API adapter: Flower samples and configures, the core rule updates.
+
+:class:`RuleStrategy` is a mixin placed before a ``flwr.serverapp.strategy``
+class in the bases. Sampling, configuration, metric aggregation and the round
+loop (``start``) stay Flower's; only ``aggregate_train`` is replaced by
+screening + a :class:`~fedadapt.strategies.core.ServerRule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypedDict
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from fedadapt.strategies._screening import (
+    Candidate,
+    apply_rule,
+    evaluation_average,
+    screen,
+)
+from fedadapt.strategies.core import Arrays, ServerRule
+
+
+class FedAvgKwargs(TypedDict, total=False):
+    """Arguments of ``flwr.serverapp.strategy.FedAvg``, passed through unchanged.
+
+    See Flower's documentation for each: ``fraction_train``,
+    ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
+    ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``,
+    ``configrecord_key``, ``train_metrics_aggr_fn``,
+    ``evaluate_metrics_aggr_fn``.
+    """
+
+    fraction_train: float
+    fraction_evaluate: float
+    min_train_nodes: int
+    min_evaluate_nodes: int
+    min_available_nodes: int
+    weighted_by_key: str
+    arrayrecord_key: str
+    configrecord_key: str
+    train_metrics_aggr_fn: Callable[..., MetricRecord] | None
+    evaluate_metrics_aggr_fn: Callable[..., MetricRecord] | None
+
+
+def _to_numpy(record: ArrayRecord) -> Arrays:
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def _to_record(arrays: Arrays) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+
+
+def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
+    node = message.metadata.src_node_id
+    if message.has_error():
+        return message.error.reason
+    content = message.content
+    if len(content.metric_records) != 1:
+        return Candidate(node, None, {}, message, "expected exactly one MetricRecord")
+    metrics = dict(next(iter(content.metric_records.values())))
+    if not with_arrays:
+        return Candidate(node, None, metrics, message)
+    if len(content.array_records) != 1:
+        return Candidate(node, None, metrics, message, "expected one ArrayRecord")
+    arrays = _to_numpy(next(iter(content.array_records.values())))
+    return Candidate(node, arrays, metrics, message)
+
+
+class RuleStrategy:
+    """Mixin: screen replies, apply ``self.rule``, keep per-round reports.
+
+    Attributes
+    ----------
+    rule : ServerRule
+        The framework-free update rule (set by the concrete class).
+    average_last_two : bool
+        Evaluate (centrally and on clients) (w_t + w_{t+1})/2 instead of
+        w_{t+1}; training continues from w_{t+1} (FedExP/FedDuA, spec §5.3).
+    round_reports : dict[int, dict]
+        Per round: ``train_replies`` / ``evaluate_replies`` counts and
+        rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
+        and the rule's ``diagnostics`` (server step size, norms).
+    round_offset : int
+        Added to Flower's round counter (set when resuming from a checkpoint,
+        so clients and reports see the global round number).
+    """
+
+    rule: ServerRule
+    weighted_by_key: str
+    arrayrecord_key: str
+    train_metrics_aggr_fn: Callable[..., MetricRecord]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.average_last_two = False
+        self.round_reports: dict[int, dict[str, Any]] = {}
+        self.round_offset = 0
+        self._sent: Arrays | None = None
+        self._last_output: ArrayRecord | None = None
+        self._evaluation: ArrayRecord | None = None
+
+    # --- Flower hooks ------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Remember the global arrays, then sample and configure as Flower does."""
+        messages = super().configure_train(  # type: ignore[misc]
+            server_round + self.round_offset, arrays, config, grid
+        )
+        # Flower's FedOpt already keeps a NumPy copy; reuse it instead of a second
+        kept = getattr(self, "current_arrays", None)
+        self._sent = kept if isinstance(kept, dict) else _to_numpy(arrays)
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Screen replies, apply the rule; ``(None, None)`` keeps the model."""
+        server_round += self.round_offset
+        entry = self.round_reports.setdefault(server_round, {})
+        candidates = [_unpack(m, with_arrays=True) for m in replies]
+        valid, report = screen(
+            candidates, self._sent, self.weighted_by_key, f"Round {server_round}"
+        )
+        entry["train_replies"] = report.as_dict()
+        if not valid or self._sent is None:
+            return None, None
+        new, diagnostics = apply_rule(
+            self.rule, self._sent, valid, self.weighted_by_key
+        )
+        entry["diagnostics"] = diagnostics
+        metrics = self.train_metrics_aggr_fn(
+            [c.source.content for c in valid], self.weighted_by_key
+        )
+        entry["train"] = dict(metrics)
+        record = _to_record(new)
+        self._last_output = record
+        self._evaluation = (
+            _to_record(evaluation_average(self._sent, new))
+            if self.average_last_two
+            else None
+        )
+        return record, metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Configure evaluation of the evaluation model (see average_last_two)."""
+        return super().configure_evaluate(  # type: ignore[misc]
+            server_round + self.round_offset,
+            self.evaluation_arrays(arrays),
+            config,
+            grid,
+        )
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Screen evaluation replies, then aggregate their metrics as Flower does."""
+        server_round += self.round_offset
+        candidates = [_unpack(m, with_arrays=False) for m in replies]
+        valid, report = screen(
+            candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
+        )
+        entry = self.round_reports.setdefault(server_round, {})
+        entry["evaluate_replies"] = report.as_dict()
+        if not valid:
+            return None
+        metrics = super().aggregate_evaluate(  # type: ignore[misc]
+            server_round, [c.source for c in valid]
+        )
+        if metrics is not None:
+            entry["federated_eval"] = dict(metrics)
+        return metrics
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run Flower's round loop.
+
+        ``evaluate_fn`` sees the evaluation model and the global round number
+        (``round_offset`` added).
+        """
+        wrapped = None
+        if evaluate_fn is not None:
+
+            def wrapped(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+                return evaluate_fn(
+                    server_round + self.round_offset, self.evaluation_arrays(arrays)
+                )
+
+        return super().start(  # type: ignore[misc]
+            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+            wrapped,
+        )  # fmt: skip
+
+    # --- state -----------------------------------------------------------------
+
+    def evaluation_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the model to evaluate for global ``arrays``.
+
+        With ``average_last_two`` that is (w_t + w_{t+1})/2 right after this
+        strategy produced w_{t+1}; otherwise (or for any other arrays) the
+        arrays themselves.
+        """
+        if self._evaluation is not None and arrays is self._last_output:
+            return self._evaluation
+        return arrays
+
+    @property
+    def latest_arrays(self) -> ArrayRecord | None:
+        """The global model this strategy produced last (None before any)."""
+        return self._last_output
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the strategy's resumable state (the rule's moments)."""
+        return {"rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (before ``start``)."""
+        self.rule.load_state_dict(state["rule"])

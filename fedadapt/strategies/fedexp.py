@@ -1,0 +1,62 @@
+"""FedExP: extrapolated server step [Jhunjhunwala et al., ICLR 2023].
+
+Paper: arxiv.org/abs/2301.09604. The rule is
+:class:`fedadapt.strategies.core.FedExPRule` (spec §5); this is its Flower
+Message-API strategy. Clients should report ``update-sq-norm`` =
+‖x_i − x_t‖² in their metrics (then the server needs only sums, as under
+secure aggregation); otherwise it is computed from the arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+from flwr.serverapp import strategy as flwr_strategy
+
+from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
+from fedadapt.strategies.core import FedExPRule
+
+
+class FedExP(RuleStrategy, flwr_strategy.FedAvg):
+    """FedExP, or FedExPM with ``server_momentum > 0``.
+
+    Parameters
+    ----------
+    epsilon : float (default: 1e-3)
+        ε ≥ 0 in η = max(1, A / (2(‖Δ̄‖² + ε))).
+    server_momentum : float (default: 0.0)
+        β in [0, 1); > 0 gives FedExPM (spec §5.3, no max(1,·)).
+    form : str (default: "original")
+        ``"original"`` (with max(1,·)) or ``"dua"`` (DUA §2, without).
+    eps_form : str (default: "paper")
+        ``"times_S"`` multiplies ε by the participants, as the official code.
+    eps_decay : float (default: 1.0)
+        Per-round decay of ε (the official code: 0.998**2).
+    weighting : str (default: "uniform")
+        The paper's mean; ``"num_examples"`` weights Δ̄ and A alike.
+    average_last_two : bool (default: True)
+        Evaluate (w_t + w_{t+1})/2, as the paper; training continues from
+        w_{t+1}.
+    **kwargs
+        Any argument of ``flwr.serverapp.strategy.FedAvg``.
+    """
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 1e-3,
+        server_momentum: float = 0.0,
+        form: str = "original",
+        eps_form: str = "paper",
+        eps_decay: float = 1.0,
+        weighting: str = "uniform",
+        average_last_two: bool = True,
+        **kwargs: Unpack[FedAvgKwargs],
+    ) -> None:
+        rule = FedExPRule(
+            epsilon=epsilon, server_momentum=server_momentum, form=form,
+            eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
+        )  # fmt: skip
+        super().__init__(**kwargs)
+        self.rule = rule
+        self.average_last_two = bool(average_last_two)

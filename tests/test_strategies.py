@@ -1,0 +1,249 @@
+"""Message-API strategies: drop-in equivalence with Flower 1.41, evaluation model,
+rejections, reports (issue #4, spec U19/U21/U22)."""
+
+from __future__ import annotations
+
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+from flwr.serverapp import strategy as flwr_strategy
+
+from fedadapt import strategies as ours
+from tests.helpers import make_reply
+
+SHAPES = {"conv.weight": (8, 3, 3, 3), "conv.bias": (8,), "fc.weight": (10, 8)}
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    """Messages built by configure_train need a run identity (Flower sets it)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _grid(num_nodes=4):
+    grid = Mock(spec=Grid)
+    grid.get_node_ids.return_value = list(range(1, num_nodes + 1))
+    return grid
+
+
+def _record(arrays):
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+
+
+def _numpy(record):
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def _replies(current, rng, num_examples, scale=0.05):
+    replies = []
+    for node, n in enumerate(num_examples, start=1):
+        arrays = {
+            k: (x + scale * rng.normal(size=x.shape)).astype(np.float32)
+            for k, x in current.items()
+        }
+        replies.append(make_reply(arrays, {"num-examples": int(n), "loss": 1.0}, node))
+    return replies
+
+
+def _run_rounds(strategy, x0, replies_per_round):
+    arrays = _record(x0)
+    outputs = []
+    for server_round, make in enumerate(replies_per_round, start=1):
+        list(strategy.configure_train(server_round, arrays, ConfigRecord(), _grid()))
+        new, _ = strategy.aggregate_train(server_round, make(_numpy(arrays)))
+        arrays = new if new is not None else arrays
+        outputs.append(_numpy(arrays))
+    return outputs
+
+
+def _equivalence(ours_cls, flower_cls, kwargs, rounds=5, seed=0):
+    rng = np.random.default_rng(seed)
+    x0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    seeds = [int(s) for s in rng.integers(0, 2**31, size=rounds)]
+    sizes = [[5, 17, 40], [12, 3, 30], [50, 8, 9], [7, 7, 21], [33, 1, 4]]
+
+    def factories():
+        return [
+            (lambda cur, s=s, n=n: _replies(cur, np.random.default_rng(s), n))
+            for s, n in zip(seeds, sizes[:rounds] * 2, strict=False)
+        ]
+
+    got = _run_rounds(ours_cls(**kwargs), x0, factories())
+    want = _run_rounds(flower_cls(**kwargs), x0, factories())
+    for g, w in zip(got, want, strict=True):
+        for k in SHAPES:
+            # float32: summation order differs, and Adagrad with a tiny τ amplifies
+            # the rounding of near-zero Δ̄ entries (each step is ≈ η·sign(Δ̄) there)
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, atol=2e-5)
+    return got
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("FedAdam", {}),
+        ("FedAdam", {"eta": 0.03, "beta_1": 0.5, "beta_2": 0.9, "tau": 1e-2}),
+        ("FedAdagrad", {}),
+        ("FedAdagrad", {"eta": 0.5, "tau": 1e-4}),
+        ("FedYogi", {}),
+        ("FedYogi", {"eta": 0.1, "beta_2": 0.9}),
+        ("FedAvg", {}),
+        ("FedAvgM", {"server_learning_rate": 0.8, "server_momentum": 0.9}),
+    ],
+)
+def test_drop_in_equivalence_with_flower(name, kwargs):
+    """U22: same arguments → same global arrays as flwr.serverapp.strategy.*."""
+    _equivalence(getattr(ours, name), getattr(flwr_strategy, name), kwargs)
+
+
+def test_fedadam_equivalence_detects_a_different_rule():
+    """The equivalence harness can fail: papers' FedAdam differs from Flower's."""
+    with pytest.raises(AssertionError):
+        _equivalence(
+            lambda **kw: ours.FedAdam(bias_correction="none", **kw),
+            flwr_strategy.FedAdam,
+            {},
+        )
+
+
+def test_strategies_keep_flowers_sampling_and_config():
+    strategy = ours.FedDuA(fraction_train=0.5, min_train_nodes=2, min_available_nodes=2)
+    assert isinstance(strategy, flwr_strategy.FedAvg)
+    assert isinstance(ours.FedAdam(), flwr_strategy.FedAdam)
+    messages = list(
+        strategy.configure_train(3, _record({"w": np.zeros(2, np.float32)}),
+                                 ConfigRecord({"lr": 0.1}), _grid(8))
+    )  # fmt: skip
+    assert len(messages) == 4
+    assert messages[0].content["config"]["server-round"] == 3
+    assert messages[0].content["config"]["lr"] == 0.1
+
+
+def test_feddua_evaluates_the_average_of_the_last_two_iterates():
+    """U19: evaluation model = (w_t + w_{t+1})/2, training continues from w_{t+1}."""
+    x0 = {"w": np.zeros(3, np.float32)}
+    strategy = ours.FedDuA(epsilon=0.0)
+    sent = _record(x0)
+    list(strategy.configure_train(1, sent, ConfigRecord(), _grid()))
+    replies = [
+        make_reply({"w": np.array([1.0, 2.0, 0.5], np.float32)}, {"num-examples": 3}),
+        make_reply({"w": np.array([3.0, 0.0, 0.5], np.float32)}, {"num-examples": 1}),
+    ]
+    new, _ = strategy.aggregate_train(1, replies)
+    evaluated = _numpy(strategy.evaluation_arrays(new))["w"]
+    np.testing.assert_allclose(evaluated, _numpy(new)["w"] / 2, rtol=1e-6)
+    assert strategy.evaluation_arrays(sent) is sent  # other arrays pass through
+    # uniform weighting (paper): Δ̄ = (2, 1, 0.5); U15 step = A/(2‖Δ̄‖₁)·sign(Δ̄)
+    a = (1 + 4 + 0.25 + 9 + 0 + 0.25) / 2
+    np.testing.assert_allclose(_numpy(new)["w"], a / (2 * 3.5) * np.ones(3), rtol=1e-6)
+    off = ours.FedDuA(average_last_two=False)
+    list(off.configure_train(1, sent, ConfigRecord(), _grid()))
+    new_off, _ = off.aggregate_train(1, replies)
+    assert off.evaluation_arrays(new_off) is new_off
+
+
+@pytest.mark.parametrize("cls", [ours.FedDuA, ours.FedExP, ours.FedAdam, ours.FedAvg])
+def test_bad_replies_are_rejected_and_reported(cls):
+    x0 = {"w": np.zeros(3, np.float32), "n": np.array(4, np.int64)}
+    strategy = cls()
+    list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
+    good = {"w": np.ones(3, np.float32), "n": np.array(6, np.int64)}
+    replies = [
+        make_reply(good, {"num-examples": 2, "update-sq-norm": 3.0}, node_id=1),
+        make_reply({**good, "w": np.array([np.nan, 0, 0], np.float32)},
+                   {"num-examples": 2}, node_id=2),
+        make_reply({**good, "n": np.array(6.0)}, {"num-examples": 2}, node_id=3),
+        make_reply(good, {"num-examples": 2, "update-sq-norm": -1.0}, node_id=4),
+        make_reply(None, {}, node_id=5, error=True),
+    ]  # fmt: skip
+    new, metrics = strategy.aggregate_train(1, replies)
+    report = strategy.round_reports[1]
+    assert report["train_replies"]["received"] == 5
+    assert report["train_replies"]["failed"] == 1
+    assert report["train_replies"]["rejected"] == 3
+    assert report["train_replies"]["used"] == 1
+    assert new["n"].numpy().dtype == np.int64 and int(new["n"].numpy()) == 6
+    assert np.all(np.isfinite(new["w"].numpy()))
+    assert report["diagnostics"]["server-lr"] is not None
+    assert metrics["loss"] if "loss" in metrics else True
+
+
+def test_round_without_valid_replies_keeps_the_model_and_says_so(caplog):
+    strategy = ours.FedDuA()
+    list(strategy.configure_train(1, _record({"w": np.zeros(2, np.float32)}),
+                                  ConfigRecord(), _grid()))  # fmt: skip
+    bad = make_reply({"w": np.full(2, np.inf, np.float32)}, {"num-examples": 1})
+    assert strategy.aggregate_train(1, [bad]) == (None, None)
+    assert strategy.aggregate_train(2, []) == (None, None)
+    assert "no usable replies" in caplog.text
+
+
+def test_reported_norm_path_equals_recomputed_path():
+    """U21 / issue #4: clients' update-sq-norm gives the same step as recomputing."""
+    rng = np.random.default_rng(1)
+    x0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    clients = [
+        {
+            k: (x + 0.1 * rng.normal(size=x.shape)).astype(np.float32)
+            for k, x in x0.items()
+        }
+        for _ in range(3)
+    ]
+    sq = [
+        float(sum(np.sum((c[k].astype(np.float64) - x0[k]) ** 2) for k in x0))
+        for c in clients
+    ]
+
+    def run(with_norms):
+        strategy = ours.FedDuA()
+        list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
+        replies = [
+            make_reply(
+                c, {"num-examples": 5, **({"update-sq-norm": s} if with_norms else {})}
+            )
+            for c, s in zip(clients, sq, strict=True)
+        ]
+        new, _ = strategy.aggregate_train(1, replies)
+        return _numpy(new), strategy.round_reports[1]["diagnostics"]
+
+    (a, da), (b, db) = run(True), run(False)
+    assert da["norms-reported"] == 1.0 and db["norms-reported"] == 0.0
+    for k in SHAPES:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
+
+
+def test_round_offset_shifts_rounds_seen_by_clients_and_reports():
+    strategy = ours.FedExP()
+    strategy.round_offset = 10
+    msgs = list(strategy.configure_train(1, _record({"w": np.zeros(2, np.float32)}),
+                                         ConfigRecord(), _grid()))  # fmt: skip
+    assert msgs[0].content["config"]["server-round"] == 11
+    strategy.aggregate_train(1, [make_reply({"w": np.ones(2, np.float32)},
+                                            {"num-examples": 1})])  # fmt: skip
+    assert 11 in strategy.round_reports
+
+
+@pytest.mark.parametrize(
+    ("build", "pattern"),
+    [
+        (lambda: ours.FedAdam(eta=0.0), "Invalid eta"),
+        (lambda: ours.FedAdam(beta_1=1.5), "Invalid beta_1"),
+        (lambda: ours.FedYogi(tau=-1.0), "Invalid tau"),
+        (lambda: ours.FedDuA(variant="sgd"), "Invalid variant"),
+        (lambda: ours.FedDuA(epsilon=-1.0), "Invalid epsilon"),
+        (lambda: ours.FedExP(epsilon=-1.0), "Invalid epsilon"),
+        (lambda: ours.FedExP(server_momentum=-0.1), "Invalid server_momentum"),
+        (lambda: ours.FedAvgM(server_learning_rate=0.0), "Invalid server_lr"),
+    ],
+)
+def test_invalid_hyperparameters_raise_at_construction(build, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        build()
