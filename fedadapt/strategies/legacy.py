@@ -1,0 +1,337 @@
+"""The same strategies for Flower's legacy API (``NumPyClient`` + ``server_fn``).
+
+Each class subclasses its ``flwr.server.strategy`` counterpart (so sampling,
+``on_fit_config_fn``, ``evaluate_fn`` and failure handling stay Flower's) and
+replaces ``aggregate_fit`` with reply screening + the framework-free rule of
+:mod:`fedadapt.strategies.core` — the same code path as the Message API.
+
+Legacy parameters are an ordered list of arrays: here they are keyed ``"0"``,
+``"1"``, …; FedExP/FedDuA therefore cannot recognise BatchNorm buffers by
+name and put every float array through the rule (send parameters only, or
+pass ``plain_average`` on the rule). Clients report ``update-sq-norm`` in the
+``fit`` metrics dict; the weight is ``FitRes.num_examples``. The rule's
+diagnostics are returned in the fit metrics, prefixed ``strategy-``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypedDict, Unpack
+
+from flwr.common import (
+    EvaluateIns,
+    FitIns,
+    FitRes,
+    NDArrays,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import FedAdagrad as _FlowerFedAdagrad
+from flwr.server.strategy import FedAdam as _FlowerFedAdam
+from flwr.server.strategy import FedAvg as _FlowerFedAvg
+from flwr.server.strategy import FedAvgM as _FlowerFedAvgM
+from flwr.server.strategy import FedYogi as _FlowerFedYogi
+
+from fedadapt.strategies._screening import (
+    Candidate,
+    apply_rule,
+    evaluation_average,
+    screen,
+)
+from fedadapt.strategies.core import (
+    Arrays,
+    FedAdagradRule,
+    FedAdamRule,
+    FedAvgRule,
+    FedDuARule,
+    FedExPRule,
+    FedYogiRule,
+    ServerRule,
+)
+
+WEIGHT_KEY = "num-examples"
+
+
+class LegacyFedAvgKwargs(TypedDict, total=False):
+    """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged."""
+
+    fraction_fit: float
+    fraction_evaluate: float
+    min_fit_clients: int
+    min_evaluate_clients: int
+    min_available_clients: int
+    evaluate_fn: Callable[..., Any] | None
+    on_fit_config_fn: Callable[[int], dict[str, Scalar]] | None
+    on_evaluate_config_fn: Callable[[int], dict[str, Scalar]] | None
+    accept_failures: bool
+    initial_parameters: Parameters | None
+    fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
+    evaluate_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
+
+
+def _keyed(arrays: NDArrays) -> Arrays:
+    return {str(i): a for i, a in enumerate(arrays)}
+
+
+def _listed(arrays: Arrays) -> NDArrays:
+    return [arrays[str(i)] for i in range(len(arrays))]
+
+
+class LegacyRuleStrategy:
+    """Mixin for ``flwr.server.strategy.FedAvg`` subclasses (put it first).
+
+    Attributes mirror :class:`fedadapt.strategies.RuleStrategy`: ``rule``,
+    ``average_last_two`` and ``round_reports``.
+    """
+
+    rule: ServerRule
+    accept_failures: bool
+    fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.average_last_two = False
+        self.round_reports: dict[int, dict[str, Any]] = {}
+        self._sent: Arrays | None = None
+        self._last_output: Parameters | None = None
+        self._evaluation: Parameters | None = None
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Remember the global arrays, then sample and configure as Flower does."""
+        self._sent = _keyed(parameters_to_ndarrays(parameters))
+        return super().configure_fit(server_round, parameters, client_manager)  # type: ignore[misc]
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Screen results, apply the rule; ``(None, {})`` keeps the model."""
+        candidates: list[Candidate | str] = [repr(f) for f in failures]
+        for proxy, res in results:
+            metrics = {**res.metrics, WEIGHT_KEY: res.num_examples}
+            arrays = _keyed(parameters_to_ndarrays(res.parameters))
+            candidates.append(Candidate(proxy.cid, arrays, metrics, (proxy, res)))
+        valid, report = screen(
+            candidates, self._sent, WEIGHT_KEY, f"Round {server_round}"
+        )
+        entry = self.round_reports.setdefault(server_round, {})
+        entry["train_replies"] = report.as_dict()
+        if not valid or self._sent is None or (failures and not self.accept_failures):
+            return None, {}
+        new, diagnostics = apply_rule(self.rule, self._sent, valid, WEIGHT_KEY)
+        entry["diagnostics"] = diagnostics
+        metrics: dict[str, Scalar] = {}
+        if self.fit_metrics_aggregation_fn is not None:
+            metrics = dict(
+                self.fit_metrics_aggregation_fn(
+                    [(c.source[1].num_examples, c.source[1].metrics) for c in valid]
+                )
+            )
+            entry["train"] = dict(metrics)
+        metrics.update(
+            {f"strategy-{k}": v for k, v in diagnostics.items() if v is not None}
+        )
+        parameters = ndarrays_to_parameters(_listed(new))
+        self._last_output = parameters
+        self._evaluation = (
+            ndarrays_to_parameters(_listed(evaluation_average(self._sent, new)))
+            if self.average_last_two
+            else None
+        )
+        return parameters, metrics
+
+    def evaluation_parameters(self, parameters: Parameters) -> Parameters:
+        """Return (w_t + w_{t+1})/2 for our latest output when averaging is on."""
+        if self._evaluation is not None and parameters is self._last_output:
+            return self._evaluation
+        return parameters
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """Configure federated evaluation of the evaluation model."""
+        return super().configure_evaluate(  # type: ignore[misc]
+            server_round, self.evaluation_parameters(parameters), client_manager
+        )
+
+    def evaluate(
+        self, server_round: int, parameters: Parameters
+    ) -> tuple[float, dict[str, Scalar]] | None:
+        """Central evaluation (``evaluate_fn``) of the evaluation model."""
+        return super().evaluate(server_round, self.evaluation_parameters(parameters))  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the strategy's resumable state (the rule's moments)."""
+        return {"rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.rule.load_state_dict(state["rule"])
+
+
+class FedAvg(LegacyRuleStrategy, _FlowerFedAvg):
+    """Legacy FedAvg (num-examples weighted) with screening; Flower's arguments."""
+
+    def __init__(
+        self, *, weighting: str = "num_examples", **kwargs: Unpack[LegacyFedAvgKwargs]
+    ) -> None:
+        super().__init__(**kwargs)
+        self.rule = FedAvgRule(weighting=weighting)
+
+
+class FedAvgM(LegacyRuleStrategy, _FlowerFedAvgM):
+    """Legacy FedAvgM: server learning rate and heavy-ball momentum."""
+
+    def __init__(
+        self,
+        *,
+        server_learning_rate: float = 1.0,
+        server_momentum: float = 0.0,
+        weighting: str = "num_examples",
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedAvgRule(
+            server_lr=server_learning_rate,
+            server_momentum=server_momentum,
+            weighting=weighting,
+        )
+        super().__init__(
+            server_learning_rate=server_learning_rate,
+            server_momentum=server_momentum,
+            **kwargs,
+        )
+        self.rule = rule
+
+
+class FedAdagrad(LegacyRuleStrategy, _FlowerFedAdagrad):
+    """Legacy FedAdagrad (Flower's legacy τ default, 1e-9)."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-1,
+        eta_l: float = 1e-1,
+        tau: float = 1e-9,
+        weighting: str = "num_examples",
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedAdagradRule(eta=eta, tau=tau, weighting=weighting)
+        super().__init__(eta=eta, eta_l=eta_l, tau=tau, **kwargs)
+        self.rule = rule
+
+
+class FedAdam(LegacyRuleStrategy, _FlowerFedAdam):
+    """Legacy FedAdam (Flower's legacy τ default, 1e-9; Flower bias correction)."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-1,
+        eta_l: float = 1e-1,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-9,
+        bias_correction: str = "flower",
+        weighting: str = "num_examples",
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedAdamRule(
+            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
+            bias_correction=bias_correction, weighting=weighting,
+        )  # fmt: skip
+        super().__init__(
+            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
+        )
+        self.rule = rule
+
+
+class FedYogi(LegacyRuleStrategy, _FlowerFedYogi):
+    """Legacy FedYogi."""
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1e-2,
+        eta_l: float = 0.0316,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-3,
+        weighting: str = "num_examples",
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedYogiRule(
+            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, weighting=weighting
+        )
+        super().__init__(
+            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
+        )
+        self.rule = rule
+
+
+class FedExP(LegacyRuleStrategy, _FlowerFedAvg):
+    """Legacy FedExP / FedExPM; arguments as :class:`fedadapt.strategies.FedExP`."""
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 1e-3,
+        server_momentum: float = 0.0,
+        form: str = "original",
+        eps_form: str = "paper",
+        eps_decay: float = 1.0,
+        weighting: str = "uniform",
+        average_last_two: bool = True,
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedExPRule(
+            epsilon=epsilon, server_momentum=server_momentum, form=form,
+            eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
+            plain_average=None,
+        )  # fmt: skip
+        super().__init__(**kwargs)
+        self.rule = rule
+        self.average_last_two = bool(average_last_two)
+
+
+class FedDuA(LegacyRuleStrategy, _FlowerFedAvg):
+    """Legacy FedDuA; arguments as :class:`fedadapt.strategies.FedDuA`."""
+
+    def __init__(
+        self,
+        *,
+        variant: str = "adam",
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        epsilon: float = 1e-9,
+        epsilon_g: float = 0.0,
+        weighting: str = "uniform",
+        average_last_two: bool = True,
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedDuARule(
+            variant=variant, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+            epsilon_g=epsilon_g, weighting=weighting, plain_average=None,
+        )  # fmt: skip
+        super().__init__(**kwargs)
+        self.rule = rule
+        self.average_last_two = bool(average_last_two)
+
+
+__all__ = [
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedDuA",
+    "FedExP",
+    "FedYogi",
+    "LegacyRuleStrategy",
+]
