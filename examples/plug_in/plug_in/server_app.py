@@ -4,9 +4,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedadapt.strategies import (
-    FedDuA,
-)  # was: from flwr.serverapp.strategy import FedAvg
+# was: from flwr.serverapp.strategy import FedAvg
+from fedadapt.strategies import FedDuA
 from plug_in.task import make_model
 
 app = ServerApp()
