@@ -1,0 +1,727 @@
+"""Δ-SGD client optimizer against NumPy float64 oracles (spec §2, tests U1-U7)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedadapt.client.optim.deltasgd import DeltaSGD, preserve_buffers
+
+# ----------------------------------------------------------------- oracles
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _logreg_data(n=40, d=5, seed=0, scale=5.0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)) * scale
+    w_true = rng.normal(size=d)
+    y = (rng.random(n) < _sigmoid(X @ w_true / scale)).astype(np.float64)
+    batches = [np.arange(i, i + 8) for i in range(0, n, 8)]
+    x0 = rng.normal(size=d + 1) * 0.1  # (w, b)
+    return X, y, batches, x0
+
+
+def _logreg_grad(x, X, y, idx):
+    """Mean BCE-with-logits gradient on rows ``idx``; x = (w, b)."""
+    Xb, yb = X[idx], y[idx]
+    r = _sigmoid(Xb @ x[:-1] + x[-1]) - yb
+    return np.concatenate([Xb.T @ r / len(idx), [r.mean()]])
+
+
+def _reference(
+    grad,
+    x0,
+    batches,
+    steps,
+    *,
+    lr=0.2,
+    gamma=2.0,
+    delta=0.1,
+    theta0=1.0,
+    mode="same_batch",
+    first_step="paper",
+    eps=0.0,
+    wd=0.0,
+):
+    """Spec §2.9 pseudo-code in float64; returns etas, thetas, branches, iterates."""
+
+    def G(x, b):
+        return grad(x, b) + wd * x
+
+    x = np.array(x0, dtype=np.float64)
+    eta, theta = lr, theta0
+    x_prev = g_prev = None
+    etas, thetas, branches, xs = [], [], [], []
+    for k in range(steps):
+        batch = batches[k % len(batches)]
+        g = G(x, batch)
+        if k == 0:
+            branch = "first"
+            if first_step == "official":
+                new = eta * math.sqrt(1 + delta * theta)
+                theta, eta = new / eta, new
+        else:
+            h = G(x_prev, batch) if mode == "same_batch" else g_prev
+            a = np.linalg.norm(x - x_prev)
+            b = np.linalg.norm(g - h)
+            grow = math.sqrt(1 + delta * theta) * eta
+            if a > 0 and b > 0:
+                first = gamma * a / (2 * b)
+                branch = "smoothness" if first < grow else "growth"
+                new = min(first, grow) + eps
+            else:
+                branch, new = "growth", grow
+            theta, eta = new / eta, new
+        x_prev, g_prev = x.copy(), g
+        x = x - eta * g
+        etas.append(eta)
+        thetas.append(theta)
+        branches.append(branch)
+        xs.append(x.copy())
+    return np.array(etas), np.array(thetas), branches, np.array(xs)
+
+
+def _adsgd_reference(grad, x0, batches, steps, *, lr, theta, amplifier, damping, eps):
+    """auto-tuned-FL ``adsgd.py`` arithmetic (spec §2.6): prev_net starts = model."""
+    x = np.array(x0, dtype=np.float64)
+    prev = x.copy()
+    etas, xs = [], []
+    for k in range(steps):
+        batch = batches[k % len(batches)]
+        g, h = grad(x, batch), grad(prev, batch)
+        pd, gd = np.linalg.norm(x - prev), np.linalg.norm(g - h)
+        if pd > 0 and gd > 0:
+            new = min(lr * math.sqrt(1 + amplifier * theta), pd / (damping * gd)) + eps
+        else:
+            new = lr * math.sqrt(1 + amplifier * theta)
+        theta, lr = new / lr, new
+        prev = x.copy()
+        x = x - lr * g
+        etas.append(lr)
+        xs.append(x.copy())
+    return np.array(etas), np.array(xs)
+
+
+# ------------------------------------------------------------ torch driver
+
+
+def _logreg_torch(X, y, x0, dtype=torch.float64, device="cpu"):
+    d = X.shape[1]
+    w = torch.tensor(x0[:d], dtype=dtype, device=device, requires_grad=True)
+    b = torch.tensor(x0[d:], dtype=dtype, device=device, requires_grad=True)
+    Xt = torch.tensor(X, dtype=dtype, device=device)
+    yt = torch.tensor(y, dtype=dtype, device=device)
+    return w, b, Xt, yt
+
+
+def _run_logreg(X, y, batches, x0, steps, dtype=torch.float64, device="cpu", **kw):
+    w, b, Xt, yt = _logreg_torch(X, y, x0, dtype, device)
+    opt = DeltaSGD([w, b], **kw)
+    xs = []
+    for k in range(steps):
+        idx = torch.as_tensor(batches[k % len(batches)], device=device)
+
+        def closure(idx=idx):
+            opt.zero_grad()
+            logits = Xt[idx] @ w + b
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, yt[idx])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        xs.append(torch.cat([w, b]).detach().cpu().double().numpy())
+    return opt, np.array(xs)
+
+
+# ------------------------------------------------------------- U3 traces
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+@pytest.mark.parametrize("first_step", ["paper", "official"])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_trace_matches_numpy_reference(mode, first_step, wd):
+    X, y, batches, x0 = _logreg_data()
+
+    def grad(x, idx):
+        return _logreg_grad(x, X, y, idx)
+
+    etas, thetas, branches, xs = _reference(
+        grad, x0, batches, 20, mode=mode, first_step=first_step, wd=wd
+    )
+    opt, got = _run_logreg(
+        X, y, batches, x0, 20, mode=mode, first_step=first_step, weight_decay=wd
+    )
+    hist = opt.history[0]
+    np.testing.assert_allclose([h.eta for h in hist], etas, rtol=1e-10)
+    np.testing.assert_allclose([h.theta for h in hist], thetas, rtol=1e-10)
+    assert [h.branch for h in hist] == branches
+    np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-12)
+    assert {"smoothness", "growth"} <= set(branches)  # both branches exercised
+    assert opt.param_groups[0]["lr"] == hist[-1].eta
+    assert opt.param_groups[0]["eta0"] == 0.2
+
+
+def test_trace_float32_within_1e5():
+    X, y, batches, x0 = _logreg_data()
+    etas, _, _, xs = _reference(lambda x, i: _logreg_grad(x, X, y, i), x0, batches, 20)
+    opt, got = _run_logreg(X, y, batches, x0, 20, dtype=torch.float32)
+    np.testing.assert_allclose([h.eta for h in opt.history[0]], etas, rtol=1e-5)
+    np.testing.assert_allclose(got, xs, rtol=1e-5, atol=1e-6)
+
+
+def test_compat_trace_matches_adsgd_arithmetic():
+    X, y, batches, x0 = _logreg_data()
+    etas, xs = _adsgd_reference(
+        lambda x, i: _logreg_grad(x, X, y, i),
+        x0,
+        batches,
+        20,
+        lr=0.2,
+        theta=1.0,
+        amplifier=0.1,
+        damping=2 / 2.0,
+        eps=1e-8,
+    )
+    opt, got = _run_logreg(X, y, batches, x0, 20, compat="auto-tuned-FL")
+    assert opt.defaults["first_step"] == "official"
+    assert opt.defaults["step_eps"] == 1e-8
+    np.testing.assert_allclose([h.eta for h in opt.history[0]], etas, rtol=1e-10)
+    np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-12)
+    assert etas[0] == pytest.approx(0.2 * math.sqrt(1.1), rel=1e-15)
+
+
+def test_compat_preset_explicit_arguments_win():
+    p = torch.zeros(2, requires_grad=True)
+    opt = DeltaSGD([p], compat="auto-tuned-FL", first_step="paper", step_eps=0.0)
+    assert opt.defaults["first_step"] == "paper" and opt.defaults["step_eps"] == 0.0
+    assert DeltaSGD([p]).defaults["first_step"] == "paper"
+    assert DeltaSGD([p]).defaults["step_eps"] == 0.0
+
+
+# ---------------------------------------------------------- U1 quadratic
+
+
+def _quadratic_run(A, x0, steps, mode="same_batch", **kw):
+    x = torch.tensor(x0, dtype=torch.float64, requires_grad=True)
+    At = torch.tensor(A, dtype=torch.float64)
+    opt = DeltaSGD([x], mode=mode, **kw)
+
+    def closure():
+        opt.zero_grad()
+        loss = 0.5 * (At * x * x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        opt.step(closure)
+    return opt, x.detach().numpy()
+
+
+@pytest.mark.parametrize("gamma", [2.0, 1.0])
+def test_u1_quadratic_bounds(gamma):
+    A = np.array([10.0, 1.0, 0.1])
+    opt, _ = _quadratic_run(A, [1.0, 1.0, 1.0], 100, gamma=gamma)
+    hist = opt.history[0]
+    eta0, delta = 0.2, 0.1
+    lo, hi = gamma / (2 * A.max()), gamma / (2 * A.min())
+    assert hist[0].eta == eta0
+    finite_terms = 0
+    for prev, cur in zip(hist, hist[1:], strict=False):
+        assert cur.eta <= math.sqrt(1 + delta * prev.theta) * prev.eta * (1 + 1e-12)
+        assert cur.eta >= min(eta0, lo) * (1 - 1e-12)
+        if math.isfinite(cur.smooth_term):
+            finite_terms += 1
+            assert lo * (1 - 1e-12) <= cur.smooth_term <= hi * (1 + 1e-12)
+    assert finite_terms > 50
+    assert min(h.eta for h in hist) < 1.1 * min(eta0, lo)  # the bound is nearly tight
+    # Full batch: consecutive mode sees the same gradients, hence the same η.
+    opt2, _ = _quadratic_run(A, [1.0, 1.0, 1.0], 100, mode="consecutive", gamma=gamma)
+    np.testing.assert_allclose(
+        [h.eta for h in opt2.history[0]], [h.eta for h in hist], rtol=1e-12
+    )
+
+
+# --------------------------------------------------------------- U4 reset
+
+
+def test_u4_reset_restarts_round():
+    X, y, batches, x0 = _logreg_data()
+    w, b, Xt, yt = _logreg_torch(X, y, x0)
+    opt = DeltaSGD([w, b])
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(Xt @ w + b, yt)
+        loss.backward()
+        return loss
+
+    for _ in range(6):
+        opt.step(closure)
+    assert opt.param_groups[0]["lr"] != 0.2 and opt.state
+    opt.reset()
+    group = opt.param_groups[0]
+    assert (group["lr"], group["theta"], group["k"]) == (0.2, 1.0, 0)
+    assert not opt.state and opt.history == [[]]
+    before = torch.cat([w, b]).detach().clone()
+    opt.step(closure)
+    g = torch.cat([w.grad, b.grad])
+    torch.testing.assert_close(torch.cat([w, b]).detach(), before - 0.2 * g)
+    assert opt.last_step_info[0].branch == "first"
+    assert opt.last_step_info[0].eta == 0.2
+    opt.reset(lr=0.05)
+    assert group["lr"] == group["eta0"] == 0.05
+    with pytest.raises(ValueError, match="lr"):
+        opt.reset(lr=0.0)
+
+
+# ----------------------------------------------------------- U5 degenerate
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_u5_linear_loss_takes_growth_branch(mode):
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    c = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    opt = DeltaSGD([x], mode=mode)
+
+    def closure():
+        opt.zero_grad()
+        loss = (c * x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(30):
+        opt.step(closure)
+    hist = opt.history[0]
+    assert all(h.branch == "growth" for h in hist[1:])
+    assert all(h.smooth_term == math.inf for h in hist[1:])
+    for prev, cur in zip(hist, hist[1:], strict=False):
+        assert cur.eta == pytest.approx(math.sqrt(1 + 0.1 * prev.theta) * prev.eta)
+    assert torch.isfinite(x).all()
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_u5_one_dim_quadratic_hits_minimiser(mode):
+    # f = (L/2)x² with L = 8 and γ = 2: the first term is exactly 1/L = 0.125,
+    # which jumps to the minimiser; then ‖Δx‖ = ‖Δg‖ = 0 (spec §2.6). Powers of
+    # two keep every product exact (torch may fuse x - η·g into an FMA).
+    x = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
+    opt = DeltaSGD([x], lr=0.25, mode=mode)
+
+    def closure():
+        opt.zero_grad()
+        loss = 4.0 * (x * x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(8):
+        opt.step(closure)
+    hist = opt.history[0]
+    assert [h.branch for h in hist[:4]] == [
+        "first",
+        "smoothness",
+        "smoothness",
+        "growth",
+    ]
+    assert hist[1].smooth_term == 0.125  # exactly γ/(2L)
+    assert x.item() == 0.0
+    assert all(math.isfinite(h.eta) and math.isfinite(h.theta) for h in hist)
+    assert all(h.branch == "growth" for h in hist[3:])
+    assert all(h.smooth_term == math.inf for h in hist[3:])
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+@pytest.mark.parametrize("bad_step", [0, 3])
+def test_u5_nonfinite_gradient_raises(mode, bad_step):
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    opt = DeltaSGD([x], mode=mode)
+    calls = {"n": 0}
+
+    def closure():
+        opt.zero_grad()
+        factor = float("nan") if opt.param_groups[0]["k"] >= bad_step else 1.0
+        calls["n"] += 1
+        loss = 0.5 * factor * (x * x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(bad_step):
+        opt.step(closure)
+    before = x.detach().clone()
+    k_before = opt.param_groups[0]["k"]
+    lr_before = opt.param_groups[0]["lr"]
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        opt.step(closure)
+    torch.testing.assert_close(x.detach(), before, rtol=0, atol=0)
+    assert opt.param_groups[0]["k"] == k_before
+    assert opt.param_groups[0]["lr"] == lr_before
+
+
+def test_u5_inf_gradient_without_closure_raises():
+    x = torch.zeros(3, requires_grad=True)
+    opt = DeltaSGD([x], mode="consecutive")
+    x.grad = torch.tensor([0.0, float("inf"), 1.0])
+    with pytest.raises(FloatingPointError):
+        opt.step()
+
+
+# ---------------------------------------------------------- U6 global norm
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_u6_splitting_a_tensor_keeps_eta(mode):
+    rng = np.random.default_rng(1)
+    M = torch.tensor(rng.normal(size=(12, 6)) * 2, dtype=torch.float64)
+    t = torch.tensor(rng.normal(size=12), dtype=torch.float64)
+    w0 = rng.normal(size=6)
+    batches = [torch.arange(i, i + 4) for i in range(0, 12, 4)]
+
+    def run(split):
+        if split:
+            params = [
+                torch.tensor(w0[:2], requires_grad=True),
+                torch.tensor(w0[2:], requires_grad=True),
+            ]
+        else:
+            params = [torch.tensor(w0, requires_grad=True)]
+        opt = DeltaSGD(params, mode=mode)
+        for k in range(15):
+            idx = batches[k % 3]
+
+            def closure(idx=idx):
+                opt.zero_grad()
+                w = torch.cat(params)
+                loss = 0.5 * ((M[idx] @ w - t[idx]) ** 2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        return [h.eta for h in opt.history[0]], torch.cat(params).detach()
+
+    eta_one, w_one = run(False)
+    eta_two, w_two = run(True)
+    np.testing.assert_allclose(eta_two, eta_one, rtol=1e-12)
+    torch.testing.assert_close(w_two, w_one, rtol=1e-12, atol=1e-14)
+
+
+def test_param_groups_keep_separate_eta():
+    """Two decoupled groups with per-group overrides equal two separate runs."""
+    A1 = torch.tensor([4.0, 0.5], dtype=torch.float64)
+    A2 = torch.tensor([1.0, 3.0, 0.2], dtype=torch.float64)
+
+    def make():
+        return (
+            torch.ones(2, dtype=torch.float64, requires_grad=True),
+            torch.ones(3, dtype=torch.float64, requires_grad=True),
+        )
+
+    def loss_of(p, A):
+        return 0.5 * (A * p * p).sum()
+
+    p1, p2 = make()
+    joint = DeltaSGD(
+        [{"params": [p1]}, {"params": [p2], "lr": 0.05, "gamma": 1.0}], delta=0.2
+    )
+    q1, q2 = make()
+    solo1 = DeltaSGD([q1], delta=0.2)
+    solo2 = DeltaSGD([q2], lr=0.05, gamma=1.0, delta=0.2)
+
+    def closure_for(opt, pairs):
+        def closure():
+            opt.zero_grad()
+            loss = sum(loss_of(p, A) for p, A in pairs)
+            loss.backward()
+            return loss
+
+        return closure
+
+    for _ in range(12):
+        joint.step(closure_for(joint, [(p1, A1), (p2, A2)]))
+        solo1.step(closure_for(solo1, [(q1, A1)]))
+        solo2.step(closure_for(solo2, [(q2, A2)]))
+    assert [h.eta for h in joint.history[0]] == pytest.approx(
+        [h.eta for h in solo1.history[0]], rel=1e-12
+    )
+    assert [h.eta for h in joint.history[1]] == pytest.approx(
+        [h.eta for h in solo2.history[0]], rel=1e-12
+    )
+    torch.testing.assert_close(p2.detach(), q2.detach())
+    assert joint.param_groups[1]["eta0"] == 0.05
+
+
+# ------------------------------------------------- U7 same-batch side effects
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)
+    ).double()
+
+
+def _bn_batches():
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(16, 4, generator=g, dtype=torch.float64),
+            torch.randn(16, 1, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
+
+
+def test_u7_same_batch_pass_keeps_bn_stats_and_batch():
+    model = _bn_model()
+    opt = DeltaSGD(model.parameters(), module=model)
+    batches = _bn_batches()
+    seen = []  # (step, batch id, first-layer weight) per closure call
+    for k in range(6):
+        inputs, targets = batches[k % 3]
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            reference(inputs)  # one train-mode forward at x_k: the expected stats
+
+        def closure(inputs=inputs, targets=targets, k=k):
+            seen.append((k, id(inputs), model[0].weight.detach().clone()))
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        for got, want in zip(model.buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert model[1].num_batches_tracked.item() == 6
+    calls = list(seen)
+    per_step = [sum(1 for s in calls if s[0] == k) for k in range(6)]
+    assert per_step == [1, 2, 2, 2, 2, 2]
+    for k in range(1, 6):
+        first, second = [s for s in calls if s[0] == k]
+        assert first[1] == second[1]  # same batch object
+        prev_first = [s for s in calls if s[0] == k - 1][0]
+        torch.testing.assert_close(second[2], prev_first[2], rtol=0, atol=0)  # x_{k-1}
+
+
+def test_u7_without_module_closure_is_responsible():
+    model = _bn_model()
+    opt = DeltaSGD(model.parameters())  # no module: extra pass counts in BN stats
+    inputs, targets = _bn_batches()[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    assert model[1].num_batches_tracked.item() == 5
+
+
+def test_preserve_buffers_restores_on_error():
+    model = _bn_model()
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(RuntimeError, match="boom"), preserve_buffers(model):
+        model(torch.randn(8, 4, dtype=torch.float64))
+        raise RuntimeError("boom")
+    for got, want in zip(model.buffers(), before, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with preserve_buffers(None):
+        pass
+
+
+def test_same_batch_restores_gradients_at_x_k():
+    X, y, batches, x0 = _logreg_data()
+    w, b, Xt, yt = _logreg_torch(X, y, x0)
+    opt = DeltaSGD([w, b])
+
+    def closure():
+        opt.zero_grad(set_to_none=False)  # in-place zeroing must not hurt g(x_k)
+        loss = nn.functional.binary_cross_entropy_with_logits(Xt @ w + b, yt)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        x_before = torch.cat([w, b]).detach().clone()
+        with torch.enable_grad():
+            closure()
+        g_expected = torch.cat([w.grad, b.grad]).clone()
+        opt.step(closure)
+        torch.testing.assert_close(torch.cat([w.grad, b.grad]), g_expected)
+        eta = opt.last_step_info[0].eta
+        torch.testing.assert_close(
+            torch.cat([w, b]).detach(), x_before - eta * g_expected
+        )
+
+
+def test_consecutive_one_closure_call_per_step_and_no_closure():
+    X, y, batches, x0 = _logreg_data()
+    w, b, Xt, yt = _logreg_torch(X, y, x0)
+    opt = DeltaSGD([w, b], mode="consecutive")
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(Xt @ w + b, yt)
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        assert opt.step(closure) is not None
+    assert len(calls) == 5
+
+    w2, b2, _, _ = _logreg_torch(X, y, x0)
+    opt2 = DeltaSGD([w2, b2], mode="consecutive")
+    for _ in range(5):  # SGD-style: gradients computed outside, step()
+        opt2.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(Xt @ w2 + b2, yt).backward()
+        assert opt2.step() is None
+    assert [h.eta for h in opt2.history[0]] == [h.eta for h in opt.history[0]]
+    torch.testing.assert_close(w2.detach(), w.detach(), rtol=0, atol=0)
+
+
+def test_same_batch_requires_closure():
+    x = torch.ones(2, requires_grad=True)
+    opt = DeltaSGD([x])
+    (x * x).sum().backward()
+    with pytest.raises(ValueError, match="closure"):
+        opt.step()
+
+
+# ---------------------------------------------------------- hyperparameters
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -0.1}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"gamma": 0.0}, "gamma"),
+        ({"delta": -0.01}, "delta"),
+        ({"theta0": -1.0}, "theta0"),
+        ({"theta0": float("inf")}, "theta0"),
+        ({"step_eps": -1e-8}, "step_eps"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"mode": "same-batch"}, "mode"),
+        ({"first_step": "code"}, "first_step"),
+        ({"compat": "adsgd"}, "compat"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, name):
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        DeltaSGD([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_invalid_group_override():
+    p, q = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    with pytest.raises(ValueError, match="Invalid gamma"):
+        DeltaSGD([{"params": [p]}, {"params": [q], "gamma": -1.0}])
+
+
+def test_defaults_and_stats():
+    x = torch.tensor([1.0, -1.0], dtype=torch.float64, requires_grad=True)
+    opt = DeltaSGD([x])
+    assert opt.defaults == {
+        "lr": 0.2,
+        "gamma": 2.0,
+        "delta": 0.1,
+        "theta0": 1.0,
+        "mode": "same_batch",
+        "first_step": "paper",
+        "step_eps": 0.0,
+        "weight_decay": 0.0,
+    }
+    assert opt.stats()["steps"] == 0.0 and opt.stats()["eta-last"] == 0.2
+    assert opt.last_step_info == [None]
+
+    def closure():
+        opt.zero_grad()
+        loss = (torch.tensor([3.0, 0.5], dtype=torch.float64) * x * x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    etas = [h.eta for h in opt.history[0]]
+    stats = opt.stats()
+    assert stats["steps"] == 5.0
+    assert stats["eta-last"] == etas[-1] == opt.param_groups[0]["lr"]
+    assert stats["eta-mean"] == pytest.approx(np.mean(etas))
+    assert stats["eta-min"] == min(etas) and stats["eta-max"] == max(etas)
+    assert 0.0 <= stats["growth-fraction"] <= 1.0
+
+
+# -------------------------------------------------------------- state dict
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_state_dict_round_trip_lock_step(mode):
+    X, y, batches, x0 = _logreg_data()
+    wa, ba, Xt, yt = _logreg_torch(X, y, x0)
+    opt_a = DeltaSGD([wa, ba], mode=mode, weight_decay=0.01)
+
+    def make_closure(opt, w, b, k):
+        idx = torch.as_tensor(batches[k % len(batches)])
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                Xt[idx] @ w + b, yt[idx]
+            )
+            loss.backward()
+            return loss
+
+        return closure
+
+    for k in range(5):
+        opt_a.step(make_closure(opt_a, wa, ba, k))
+    saved = opt_a.state_dict()  # not deep-copied: no in-place aliasing allowed
+    wb = wa.detach().clone().requires_grad_(True)
+    bb = ba.detach().clone().requires_grad_(True)
+    opt_b = DeltaSGD([wb, bb], mode=mode, weight_decay=0.01)
+    opt_b.load_state_dict(saved)
+    assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
+    assert opt_b.param_groups[0]["k"] == 5
+    for k in range(5, 12):
+        opt_a.step(make_closure(opt_a, wa, ba, k))
+        opt_b.step(make_closure(opt_b, wb, bb, k))
+        assert torch.equal(wa, wb) and torch.equal(ba, bb)
+        assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    # Resuming equals an uninterrupted reference run.
+    etas, _, _, xs = _reference(
+        lambda x, i: _logreg_grad(x, X, y, i), x0, batches, 12, mode=mode, wd=0.01
+    )
+    np.testing.assert_allclose(torch.cat([wb, bb]).detach().numpy(), xs[-1], rtol=1e-10)
+    np.testing.assert_allclose([h.eta for h in opt_b.history[0]], etas[5:], rtol=1e-10)
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_cuda_matches_cpu(mode):
+    X, y, batches, x0 = _logreg_data()
+    opt_cpu, xs_cpu = _run_logreg(
+        X, y, batches, x0, 10, dtype=torch.float32, device="cpu", mode=mode
+    )
+    opt_gpu, xs_gpu = _run_logreg(
+        X, y, batches, x0, 10, dtype=torch.float32, device="cuda", mode=mode
+    )
+    assert opt_gpu.state[opt_gpu.param_groups[0]["params"][0]]["prev_param"].is_cuda
+    np.testing.assert_allclose(
+        [h.eta for h in opt_gpu.history[0]],
+        [h.eta for h in opt_cpu.history[0]],
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(xs_gpu, xs_cpu, rtol=1e-5, atol=1e-6)
