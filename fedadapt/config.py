@@ -123,6 +123,14 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("local-steps", 0, "Local optimizer steps per round; overrides local-epochs "
         "when > 0.", minimum=0),
     Key("batch-size", 32, "Local mini-batch size.", minimum=1),
+    Key("delta-sgd-gamma", 2.0, "Δ-SGD amplifier γ of the smoothness term.",
+        minimum=0.0, exclusive_minimum=True),
+    Key("delta-sgd-delta", 0.1, "Δ-SGD growth factor δ.", minimum=0.0),
+    Key("client-beta-1", 0.9, "β1 of the client optimizers adam, fed-lamb, fed-ams.",
+        minimum=0.0, maximum=0.999),
+    Key("client-beta-2", 0.999, "β2 of the client optimizers adam, fed-lamb, "
+        "fed-ams.", minimum=0.0, maximum=0.99999),
+    Key("fed-lamb-lambda", 0.01, "Fed-LAMB weight decay λ.", minimum=0.0),
     Key("client-lr", 0.1, "Client learning rate η_l (η0 for Δ-SGD).",
         minimum=0.0, exclusive_minimum=True),
     Key("server-lr", 0.0, "Server learning rate η_g; 0 = the strategy's default "
@@ -168,6 +176,8 @@ RUN_CONFIG: tuple[Key, ...] = (
 )  # fmt: skip
 
 KEYS: dict[str, Key] = {key.name: key for key in RUN_CONFIG}
+#: client optimizers whose second moments only the fed-lamb strategy handles
+SECOND_MOMENT_OPTIMIZERS = ("fed-lamb", "fed-ams")
 
 
 def defaults() -> dict[str, Scalar]:
@@ -192,6 +202,14 @@ def validate_run_config(run_config: Mapping[str, Any]) -> dict[str, Scalar]:
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
             "local-epochs", "local-epochs and local-steps are both 0: no local work"
+        )
+    moments_client = config["client-optimizer"] in SECOND_MOMENT_OPTIMIZERS
+    if moments_client != (config["strategy"] == "fed-lamb"):
+        raise ConfigError(
+            "strategy",
+            "client optimizers fed-lamb and fed-ams exchange second moments with "
+            "strategy fed-lamb and need each other; got strategy="
+            f"{config['strategy']!r}, client-optimizer={config['client-optimizer']!r}",
         )
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(

@@ -15,7 +15,7 @@ from fedadapt.config import (
     sync_files,
     validate_run_config,
 )
-from fedadapt.server.strategy_factory import STRATEGIES, sampling_kwargs
+from fedadapt.server.strategy_factory import build_strategy, sampling_kwargs
 from tests.helpers import ROOT
 
 
@@ -47,6 +47,8 @@ def test_defaults_are_valid():
         ({"local-epochs": 0, "local-steps": 0}, "local-epochs", r"no local work"),
         ({"clients-per-eval": 2, "client-test-fraction": 0.0}, "clients-per-eval",
          r"local test split"),
+        ({"client-optimizer": "fed-lamb"}, "strategy", r"need each other"),
+        ({"strategy": "fed-lamb"}, "strategy", r"need each other"),
     ],
 )  # fmt: skip
 def test_invalid_values_name_the_key(overrides, key, pattern):
@@ -80,9 +82,9 @@ def test_fedavg_rejects_a_server_learning_rate(cfg):
     with pytest.raises(
         ConfigError, match=r"'server-lr'.*requires 0 \(default\) or 1.0"
     ):
-        STRATEGIES.get("fedavg")(cfg(server_lr=0.5), 10)
+        build_strategy(cfg(server_lr=0.5), 10)
     with pytest.raises(ConfigError, match=r"'server-lr': feddua sets its own"):
-        STRATEGIES.get("feddua")(cfg(strategy="feddua", server_lr=0.5), 10)
+        build_strategy(cfg(strategy="feddua", server_lr=0.5), 10)
 
 
 @pytest.mark.parametrize(
@@ -96,30 +98,48 @@ def test_fedavg_rejects_a_server_learning_rate(cfg):
         ("fedexp", "FedExP", {"average_last_two": True}),
         ("fedexpm", "FedExP", {}),
         ("feddua", "FedDuA", {"average_last_two": True}),
+        ("fed-lamb", "FedLAMB", {"eps": 1e-8}),
     ],
 )
-def test_every_strategy_builds_from_run_config(cfg, name, cls, attrs):
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_every_strategy_builds_from_run_config(cfg, name, cls, attrs, api):
     from fedadapt import strategies
+    from fedadapt.strategies import legacy
 
-    strategy = STRATEGIES.get(name)(cfg(strategy=name), 10)
-    assert type(strategy) is getattr(strategies, cls)
+    optimizer = "fed-lamb" if name == "fed-lamb" else "sgd"
+    config = cfg(strategy=name, client_optimizer=optimizer, clients_per_round=4)
+    if api == "legacy":
+        if name == "fed-lamb":
+            pytest.skip("legacy Fed-LAMB packs moments into the parameter list")
+        from flwr.common import ndarrays_to_parameters
+
+        init = ndarrays_to_parameters([])
+        strategy = build_strategy(config, api="legacy", initial_parameters=init)
+        assert type(strategy) is getattr(legacy, cls)
+        assert strategy.min_fit_clients == 4
+        assert strategy.num_fit_clients(10) == (4, 4)
+    else:
+        strategy = build_strategy(config, 10)
+        assert type(strategy) is getattr(strategies, cls)
+        assert strategy.min_train_nodes == 4
     for attr, value in attrs.items():
         assert getattr(strategy, attr) == value
-    assert strategy.min_train_nodes == 10
 
 
 def test_run_config_reaches_the_rules(cfg):
-    dua = STRATEGIES.get("feddua")(
+    dua = build_strategy(
         cfg(strategy="feddua", feddua_variant="adagrad", epsilon_g=0.0,
             weighting="num-examples"), 10
     )  # fmt: skip
     assert (dua.rule.variant, dua.rule.epsilon_g, dua.rule.weighting) == (
         "adagrad", 0.0, "num_examples"
     )  # fmt: skip
-    expm = STRATEGIES.get("fedexpm")(cfg(server_momentum=0.5), 10)
+    expm = build_strategy(cfg(strategy="fedexpm", server_momentum=0.5), 10)
     assert expm.rule.server_momentum == 0.5
-    assert STRATEGIES.get("fedexp")(cfg(), 10).rule.server_momentum == 0.0
-    adam = STRATEGIES.get("fedadam")(cfg(server_lr=0.02, bias_correction="none"), 10)
+    assert build_strategy(cfg(strategy="fedexp"), 10).rule.server_momentum == 0.0
+    adam = build_strategy(
+        cfg(strategy="fedadam", server_lr=0.02, bias_correction="none"), 10
+    )
     assert (adam.rule.eta, adam.rule.bias_correction) == (0.02, "none")
 
 

@@ -95,3 +95,37 @@ def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
     data = json.loads((tmp_path / "resumed" / "results.json").read_text())
     assert [r["round"] for r in data["rounds"]] == [1, 2, 3, 4]
     assert data["resumed_from_round"] == 2
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "strategy", "lr"),
+    [
+        ("delta-sgd", "fedavg", 0.2),
+        ("delta-sgd-consecutive", "fedavg", 0.2),
+        ("adam", "fedavg", 0.01),
+        ("fed-lamb", "fed-lamb", 0.01),
+        ("fed-ams", "fed-lamb", 0.01),
+    ],
+)
+def test_each_client_optimizer_improves_the_loss(tmp_path, optimizer, strategy, lr):
+    """Issue #5: a simulation run with each optimizer (Message-API path)."""
+    run_in_process(
+        {
+            "output-dir": str(tmp_path),
+            "run-name": optimizer,
+            "strategy": strategy,
+            "client-optimizer": optimizer,
+            "client-lr": lr,
+            "num-server-rounds": 2,
+            "clients-per-round": 3,
+        }
+    )
+    data = json.loads((tmp_path / optimizer / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert all(r["replies"]["used"] == 3 for r in data["rounds"])
+    assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+    if optimizer.startswith("delta-sgd"):
+        train = data["rounds"][-1]["train"]
+        assert 0 < train["opt-eta-min"] <= train["opt-eta-mean"] <= train["opt-eta-max"]
+    if strategy == "fed-lamb":
+        assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0

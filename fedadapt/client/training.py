@@ -19,6 +19,7 @@ class TrainResult:
     num_examples: int
     steps: int
     update_sq_norm: float
+    optimizer_stats: dict[str, float]
 
 
 def _batches(loader: DataLoader, epochs: int, steps: int) -> Iterator[tuple]:
@@ -52,9 +53,12 @@ def train_local(
     """Train ``model`` in place and report loss, accuracy and ‖x_i − x_t‖².
 
     ``steps > 0`` runs exactly that many optimizer steps, otherwise ``epochs``
-    passes. Shuffling is seeded by ``seed``. Running sums stay on the device
-    (no host synchronisation per step); the squared update norm is computed
-    over the trainable parameters in float64 on the device, in one pass.
+    passes. Shuffling is seeded by ``seed``. Every optimizer is stepped with a
+    closure (torch's LBFGS contract), which Δ-SGD's same-batch mode needs to
+    re-evaluate the gradient at the previous iterate; loss and accuracy are
+    taken from the closure's first call, at the current iterate. Running sums
+    stay on the device (no host synchronisation per step); the squared update
+    norm is computed over the trainable parameters in float64 on the device.
     """
     model.to(device).train()
     start = [p.detach().clone() for p in model.parameters()]
@@ -71,14 +75,22 @@ def train_local(
     for inputs, targets in _batches(loader, epochs, steps):
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        outputs = model(inputs)
-        loss = criterion(outputs, targets)
-        loss.backward()
-        optimizer.step()
-        loss_sum += loss.detach().double() * len(targets)
+        first: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def closure(inputs=inputs, targets=targets, first=first) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            outputs = model(inputs)
+            loss = criterion(outputs, targets)
+            loss.backward()
+            if not first:
+                first.append((loss.detach(), outputs.detach()))
+            return loss
+
+        optimizer.step(closure)
+        loss, outputs = first[0]
+        loss_sum += loss.double() * len(targets)
         if classification:
-            correct += (outputs.detach().argmax(dim=1) == targets).sum()
+            correct += (outputs.argmax(dim=1) == targets).sum()
         count += len(targets)
         num_steps += 1
     if count == 0:
@@ -94,4 +106,13 @@ def train_local(
         num_examples=len(dataset),  # type: ignore[arg-type]
         steps=num_steps,
         update_sq_norm=float(sq_norm),
+        optimizer_stats=optimizer_stats(optimizer),
     )
+
+
+def optimizer_stats(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Per-round optimizer metrics for the reply (e.g. Δ-SGD's step sizes)."""
+    stats = getattr(optimizer, "stats", None)
+    if stats is None:
+        return {}
+    return {f"opt-{k}": float(v) for k, v in stats().items()}

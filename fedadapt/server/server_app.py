@@ -21,7 +21,7 @@ from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedadapt.server.results import RunRecorder, run_directory
-from fedadapt.server.strategy_factory import STRATEGIES
+from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS, Task, evaluate_model, pick_device
 
 app = ServerApp()
@@ -80,7 +80,7 @@ def main(grid: Grid, context: Context) -> None:
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     num_nodes = wait_for_nodes(grid, cfg["clients-per-round"], cfg["node-wait-timeout"])
-    strategy = STRATEGIES.get(cfg["strategy"])(cfg, num_nodes)
+    strategy = build_strategy(cfg, num_nodes)
     torch.manual_seed(cfg["seed"])
     initial = ArrayRecord(task.build_model().state_dict())
     first_round = 0

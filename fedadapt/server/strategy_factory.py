@@ -1,8 +1,10 @@
-"""Build the strategy named by run-config ``strategy``.
+"""Build the strategy named by run-config ``strategy``, for either Flower API.
 
-A registry entry is a factory ``(run_config, num_nodes) -> Strategy`` that
-turns run-config keys into constructor arguments; :func:`sampling_kwargs`
-gives every strategy the same client sampling.
+A registry entry maps the run config to ``(class name, hyperparameters)``;
+:func:`build_strategy` picks the class from :mod:`fedadapt.strategies`
+(Message API) or :mod:`fedadapt.strategies.legacy` and adds the sampling
+arguments of that API, so both ServerApps sample exactly
+``clients-per-round`` clients with the same hyperparameters.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flwr.serverapp.strategy import Strategy
-
 from fedadapt import strategies
 from fedadapt.config import ConfigError
 from fedadapt.registry import Registry
+from fedadapt.strategies import legacy
 
-StrategyFactory = Callable[[Mapping[str, Any], int], Strategy]
+StrategySpec = tuple[str, dict[str, Any]]
+StrategyFactory = Callable[[Mapping[str, Any]], StrategySpec]
 
 STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
 
@@ -51,12 +53,49 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
     }
 
 
-def _common(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
-    """Return sampling plus the weighting, when the run config overrides it."""
-    kwargs = sampling_kwargs(cfg, num_nodes)
-    if cfg["weighting"] != "default":
-        kwargs["weighting"] = cfg["weighting"].replace("-", "_")
-    return kwargs
+def _weighting(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the weighting argument when the run config overrides the default."""
+    if cfg["weighting"] == "default":
+        return {}
+    return {"weighting": cfg["weighting"].replace("-", "_")}
+
+
+def legacy_sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Legacy FedAvg's sampling arguments for exactly ``clients-per-round``.
+
+    Legacy Flower samples ``max(int(fraction * available), min_clients)``;
+    fraction 0 trains on exactly ``min_fit_clients``. A zero
+    ``fraction_evaluate`` turns federated evaluation off, so a tiny positive
+    one is used when ``clients-per-eval > 0``.
+    """
+    evaluate = cfg["clients-per-eval"]
+    return {
+        "fraction_fit": 0.0,
+        "min_fit_clients": cfg["clients-per-round"],
+        "fraction_evaluate": 1e-12 if evaluate else 0.0,
+        "min_evaluate_clients": evaluate,
+        "min_available_clients": cfg["clients-per-round"],
+    }
+
+
+def build_strategy(
+    cfg: Mapping[str, Any],
+    num_nodes: int | None = None,
+    api: str = "message",
+    **extra: Any,
+) -> Any:
+    """Return the strategy of run-config ``strategy`` for ``api``.
+
+    ``num_nodes`` (connected nodes) is needed by the Message API's sampling;
+    ``extra`` goes to the constructor (e.g. legacy ``initial_parameters``,
+    ``evaluate_fn``, ``on_fit_config_fn``).
+    """
+    name, kwargs = STRATEGIES.get(cfg["strategy"])(cfg)
+    kwargs = {**kwargs, **_weighting(cfg), **extra}
+    if api == "legacy":
+        return getattr(legacy, name)(**legacy_sampling_kwargs(cfg), **kwargs)
+    assert num_nodes is not None, "the Message API needs the number of nodes"
+    return getattr(strategies, name)(**sampling_kwargs(cfg, num_nodes), **kwargs)
 
 
 def server_lr(cfg: Mapping[str, Any], name: str) -> float:
@@ -79,85 +118,85 @@ def server_lr(cfg: Mapping[str, Any], name: str) -> float:
 
 
 @STRATEGIES.register("fedavg")
-def _fedavg(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
+def _fedavg(cfg: Mapping[str, Any]) -> StrategySpec:
     server_lr(cfg, "fedavg")
-    return strategies.FedAvg(**_common(cfg, num_nodes))
+    return "FedAvg", {}
 
 
 @STRATEGIES.register("fedavgm")
-def _fedavgm(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return strategies.FedAvgM(
-        server_learning_rate=server_lr(cfg, "fedavgm"),
-        server_momentum=cfg["server-momentum"],
-        **_common(cfg, num_nodes),
-    )
+def _fedavgm(cfg: Mapping[str, Any]) -> StrategySpec:
+    return "FedAvgM", {
+        "server_learning_rate": server_lr(cfg, "fedavgm"),
+        "server_momentum": cfg["server-momentum"],
+    }
 
 
 @STRATEGIES.register("fedadam")
-def _fedadam(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return strategies.FedAdam(
-        eta=server_lr(cfg, "fedadam"),
-        eta_l=cfg["client-lr"],
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        tau=cfg["tau"],
-        bias_correction=cfg["bias-correction"],
-        **_common(cfg, num_nodes),
-    )
+def _fedadam(cfg: Mapping[str, Any]) -> StrategySpec:
+    return "FedAdam", {
+        "eta": server_lr(cfg, "fedadam"),
+        "eta_l": cfg["client-lr"],
+        "beta_1": cfg["beta-1"],
+        "beta_2": cfg["beta-2"],
+        "tau": cfg["tau"],
+        "bias_correction": cfg["bias-correction"],
+    }
 
 
 @STRATEGIES.register("fedadagrad")
-def _fedadagrad(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return strategies.FedAdagrad(
-        eta=server_lr(cfg, "fedadagrad"),
-        eta_l=cfg["client-lr"],
-        tau=cfg["tau"],
-        **_common(cfg, num_nodes),
-    )
+def _fedadagrad(cfg: Mapping[str, Any]) -> StrategySpec:
+    return "FedAdagrad", {
+        "eta": server_lr(cfg, "fedadagrad"),
+        "eta_l": cfg["client-lr"],
+        "tau": cfg["tau"],
+    }
 
 
 @STRATEGIES.register("fedyogi")
-def _fedyogi(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return strategies.FedYogi(
-        eta=server_lr(cfg, "fedyogi"),
-        eta_l=cfg["client-lr"],
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        tau=cfg["tau"],
-        **_common(cfg, num_nodes),
-    )
+def _fedyogi(cfg: Mapping[str, Any]) -> StrategySpec:
+    return "FedYogi", {
+        "eta": server_lr(cfg, "fedyogi"),
+        "eta_l": cfg["client-lr"],
+        "beta_1": cfg["beta-1"],
+        "beta_2": cfg["beta-2"],
+        "tau": cfg["tau"],
+    }
 
 
-def _fedexp_family(cfg: Mapping[str, Any], num_nodes: int, name: str) -> Strategy:
+def _fedexp_family(cfg: Mapping[str, Any], name: str) -> StrategySpec:
     server_lr(cfg, name)
-    return strategies.FedExP(
-        epsilon=cfg["epsilon-g"],
-        server_momentum=cfg["server-momentum"] if name == "fedexpm" else 0.0,
-        form=cfg["fedexp-form"],
-        average_last_two=cfg["average-last-two"],
-        **_common(cfg, num_nodes),
-    )
+    return "FedExP", {
+        "epsilon": cfg["epsilon-g"],
+        "server_momentum": cfg["server-momentum"] if name == "fedexpm" else 0.0,
+        "form": cfg["fedexp-form"],
+        "average_last_two": cfg["average-last-two"],
+    }
 
 
 @STRATEGIES.register("fedexp")
-def _fedexp(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return _fedexp_family(cfg, num_nodes, "fedexp")
+def _fedexp(cfg: Mapping[str, Any]) -> StrategySpec:
+    return _fedexp_family(cfg, "fedexp")
 
 
 @STRATEGIES.register("fedexpm")
-def _fedexpm(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
-    return _fedexp_family(cfg, num_nodes, "fedexpm")
+def _fedexpm(cfg: Mapping[str, Any]) -> StrategySpec:
+    return _fedexp_family(cfg, "fedexpm")
 
 
 @STRATEGIES.register("feddua")
-def _feddua(cfg: Mapping[str, Any], num_nodes: int) -> Strategy:
+def _feddua(cfg: Mapping[str, Any]) -> StrategySpec:
     server_lr(cfg, "feddua")
-    return strategies.FedDuA(
-        variant=cfg["feddua-variant"],
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        epsilon=cfg["epsilon"],
-        epsilon_g=cfg["epsilon-g"],
-        average_last_two=cfg["average-last-two"],
-        **_common(cfg, num_nodes),
-    )
+    return "FedDuA", {
+        "variant": cfg["feddua-variant"],
+        "beta_1": cfg["beta-1"],
+        "beta_2": cfg["beta-2"],
+        "epsilon": cfg["epsilon"],
+        "epsilon_g": cfg["epsilon-g"],
+        "average_last_two": cfg["average-last-two"],
+    }
+
+
+@STRATEGIES.register("fed-lamb")
+def _fed_lamb(cfg: Mapping[str, Any]) -> StrategySpec:
+    server_lr(cfg, "fed-lamb")
+    return "FedLAMB", {}

@@ -2,7 +2,7 @@
 
 Message API (Flower ≥ 1.20, ``ServerApp`` + ``strategy.start``)::
 
-    from fedadapt.strategies import FedDuA, FedExP, FedAdam, FedAdagrad, FedYogi
+    from fedadapt.strategies import FedDuA, FedExP, FedAdam, FedYogi, FedLAMB
 
 Legacy API (``ServerApp(server_fn=...)`` + ``NumPyClient``)::
 
@@ -17,6 +17,7 @@ from fedadapt.strategies._screening import reject_reason
 from fedadapt.strategies.fedavg import FedAvg, FedAvgM
 from fedadapt.strategies.feddua import FedDuA
 from fedadapt.strategies.fedexp import FedExP
+from fedadapt.strategies.fedlamb import FedLAMB
 from fedadapt.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "FedAvgM",
     "FedDuA",
     "FedExP",
+    "FedLAMB",
     "FedYogi",
     "RuleStrategy",
     "reject_reason",

@@ -125,7 +125,11 @@ class RuleStrategy:
         entry = self.round_reports.setdefault(server_round, {})
         candidates = [_unpack(m, with_arrays=True) for m in replies]
         valid, report = screen(
-            candidates, self._sent, self.weighted_by_key, f"Round {server_round}"
+            candidates,
+            self._sent,
+            self.weighted_by_key,
+            f"Round {server_round}",
+            self.check_reply,
         )
         entry["train_replies"] = report.as_dict()
         if not valid or self._sent is None:
@@ -133,6 +137,7 @@ class RuleStrategy:
         new, diagnostics = apply_rule(
             self.rule, self._sent, valid, self.weighted_by_key
         )
+        diagnostics.update(self.after_aggregate(valid))
         entry["diagnostics"] = diagnostics
         metrics = self.train_metrics_aggr_fn(
             [c.source.content for c in valid], self.weighted_by_key
@@ -205,6 +210,16 @@ class RuleStrategy:
             grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
             wrapped,
         )  # fmt: skip
+
+    # --- extension points --------------------------------------------------------
+
+    def check_reply(self, candidate: Candidate) -> str | None:
+        """Return why a (screened) train reply is unusable; override to extend."""
+        return None
+
+    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
+        """Update extra state from the used replies; return extra diagnostics."""
+        return {}
 
     # --- state -----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ messages into that form.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -105,10 +105,12 @@ def screen(
     reference: Mapping[str, NDArray[Any]] | None,
     weight_key: str,
     round_label: str,
+    extra_check: Callable[[Candidate], str | None] | None = None,
 ) -> tuple[list[Candidate], ScreenReport]:
     """Split replies into usable ones and a report; log each rejection.
 
     A ``str`` in ``candidates`` stands for a failed reply (its error text).
+    ``extra_check`` adds strategy-specific checks (e.g. Fed-LAMB's moments).
     ``np.sum`` of a float array is non-finite iff it holds NaN/Inf (or its
     values are so large the sum overflows, which is rejected too).
     """
@@ -121,6 +123,8 @@ def screen(
         reason = candidate.problem or reject_reason(
             candidate.arrays, candidate.metrics, reference, weight_key
         )
+        if reason is None and extra_check is not None:
+            reason = extra_check(candidate)
         if reason is None:
             valid.append(candidate)
             continue

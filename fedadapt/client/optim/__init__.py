@@ -1,31 +1,99 @@
 """Client optimizers, selected by run-config ``client-optimizer``.
 
-Each registry entry is a factory ``(params, lr, run_config) -> Optimizer``;
-``lr`` is the round's client learning rate sent by the server.
+Each registry entry is a factory ``(model, lr, run_config) -> Optimizer``;
+``lr`` is the round's client learning rate sent by the server (η0 for
+Δ-SGD). A fresh optimizer is built every round, which is the per-round reset
+Δ-SGD and Fed-LAMB/Fed-AMS (m = 0) prescribe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
+from fedadapt.client.optim.deltasgd import DeltaSGD, StepInfo, preserve_buffers
+from fedadapt.client.optim.fedlamb import FedAMS, FedLAMB
 from fedadapt.registry import Registry
 
 OptimizerFactory = Callable[
-    [Iterable[torch.nn.Parameter], float, Mapping[str, Any]], torch.optim.Optimizer
+    [nn.Module, float, Mapping[str, Any]], torch.optim.Optimizer
 ]
 
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("client-optimizer")
 
 
 @OPTIMIZERS.register("sgd")
-def _sgd(
-    params: Iterable[torch.nn.Parameter], lr: float, cfg: Mapping[str, Any]
-) -> torch.optim.Optimizer:
+def _sgd(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """Plain SGD, the local solver of FedAvg (McMahan et al., 2017)."""
-    return torch.optim.SGD(params, lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr)
 
 
-__all__ = ["OPTIMIZERS", "OptimizerFactory"]
+@OPTIMIZERS.register("delta-sgd")
+def _delta_sgd(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """Δ-SGD, same-batch smoothness estimate (two passes per step; spec §2.5)."""
+    return DeltaSGD(
+        model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
+        delta=cfg["delta-sgd-delta"], mode="same_batch", module=model,
+    )  # fmt: skip
+
+
+@OPTIMIZERS.register("delta-sgd-consecutive")
+def _delta_sgd_consecutive(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """Δ-SGD comparing consecutive mini-batch gradients (one pass per step)."""
+    return DeltaSGD(
+        model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
+        delta=cfg["delta-sgd-delta"], mode="consecutive",
+    )  # fmt: skip
+
+
+@OPTIMIZERS.register("fed-lamb")
+def _fed_lamb(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """Fed-LAMB client (layer-wise trust ratio; needs strategy fed-lamb)."""
+    return FedLAMB(
+        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"]),
+        weight_decay=cfg["fed-lamb-lambda"],
+    )  # fmt: skip
+
+
+@OPTIMIZERS.register("fed-ams")
+def _fed_ams(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """Fed-AMS client (local AMSGrad; needs strategy fed-lamb)."""
+    return FedAMS(
+        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
+    )
+
+
+@OPTIMIZERS.register("adam")
+def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """torch.optim.Adam restarted every round (a baseline of the Δ-SGD paper)."""
+    return torch.optim.Adam(
+        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
+    )
+
+
+def uses_second_moments(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer exchanges v / v̂ with the server (Fed-LAMB/AMS)."""
+    return hasattr(optimizer, "load_second_moments")
+
+
+__all__ = [
+    "OPTIMIZERS",
+    "DeltaSGD",
+    "FedAMS",
+    "FedLAMB",
+    "OptimizerFactory",
+    "StepInfo",
+    "preserve_buffers",
+    "uses_second_moments",
+]

@@ -1,0 +1,136 @@
+"""One client's round, independent of Flower's API flavour.
+
+Both the Message-API ClientApp and the legacy NumPyClient call
+:func:`train_round` / :func:`evaluate_round`; only the packing differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedadapt.client.optim import OPTIMIZERS, uses_second_moments
+from fedadapt.client.training import train_local
+from fedadapt.tasks import TASKS, evaluate_model, pick_device
+
+#: metric / record name of the optimizer's second moments (Fed-LAMB, Fed-AMS)
+SECOND_MOMENTS_KEY = "second-moments"
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a client sends back after training."""
+
+    state: dict[str, torch.Tensor]  # CPU state_dict of the trained model
+    metrics: dict[str, float | int]
+    second_moments: dict[str, np.ndarray] | None  # v per parameter name
+
+
+def client_seed(cfg: Mapping[str, Any], server_round: int, partition_id: int) -> int:
+    """Seed of a client's shuffling in a round (same across restarts)."""
+    return cfg["seed"] * 1_000_003 + server_round * 10_007 + partition_id
+
+
+def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
+    model = TASKS.get(cfg["task"]).build_model()
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    return model
+
+
+def train_round(
+    cfg: Mapping[str, Any],
+    partition_id: int,
+    num_partitions: int,
+    global_state: Mapping[str, Any],
+    lr: float,
+    server_round: int,
+    v_hat: Mapping[str, np.ndarray] | None = None,
+) -> RoundResult:
+    """Train the global model on this client's partition for one round.
+
+    ``v_hat`` is the server's v̂ for Fed-LAMB/Fed-AMS (None in round 1:
+    v̂_0 = ε·1). Metrics: ``train-loss``, ``train-accuracy``,
+    ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
+    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes).
+    """
+    task = TASKS.get(cfg["task"])
+    data = task.load_client(cfg, partition_id, num_partitions)
+    device = pick_device(cfg["device"])
+    model = _model(cfg, global_state).to(device)
+    optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
+    names = [name for name, _ in model.named_parameters()]
+    if uses_second_moments(optimizer):
+        optimizer.load_second_moments(  # type: ignore[attr-defined]
+            None if v_hat is None else [torch.as_tensor(v_hat[n]) for n in names]
+        )
+    result = train_local(
+        model,
+        optimizer,
+        task.criterion(),
+        data.train,
+        epochs=cfg["local-epochs"],
+        steps=cfg["local-steps"],
+        batch_size=cfg["batch-size"],
+        seed=client_seed(cfg, server_round, partition_id),
+        device=device,
+        classification=task.classification,
+    )
+    metrics: dict[str, float | int] = {
+        "train-loss": result.loss,
+        "num-examples": result.num_examples,
+        "update-sq-norm": result.update_sq_norm,
+        "local-steps": result.steps,
+        **result.optimizer_stats,
+    }
+    if result.accuracy is not None:
+        metrics["train-accuracy"] = result.accuracy
+    second = None
+    if uses_second_moments(optimizer):
+        moments = optimizer.second_moments()  # type: ignore[attr-defined]
+        second = {
+            n: v.detach().cpu().numpy() for n, v in zip(names, moments, strict=True)
+        }
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return RoundResult(state, metrics, second)
+
+
+def evaluate_round(
+    cfg: Mapping[str, Any],
+    partition_id: int,
+    num_partitions: int,
+    global_state: Mapping[str, Any],
+) -> dict[str, float | int]:
+    """Evaluate the global model on this client's local test split."""
+    task = TASKS.get(cfg["task"])
+    data = task.load_client(cfg, partition_id, num_partitions)
+    scores = evaluate_model(
+        task,
+        _model(cfg, global_state),
+        data.test,
+        cfg["batch-size"],
+        pick_device(cfg["device"]),
+    )
+    metrics: dict[str, float | int] = {
+        f"eval-{k}": v for k, v in scores.items() if k != "num-examples"
+    }
+    metrics["num-examples"] = int(scores["num-examples"])
+    return metrics
+
+
+def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
+    """Return (partition-id, num-partitions) from a SuperNode's node config."""
+    try:
+        pid = int(node_config["partition-id"])
+        num = int(node_config["num-partitions"])
+    except KeyError as missing:
+        raise ValueError(
+            f"node config lacks {missing}; start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<n>"'
+        ) from None
+    if not 0 <= pid < num:
+        raise ValueError(f"partition-id {pid} is outside [0, num-partitions={num})")
+    return pid, num

@@ -1,0 +1,101 @@
+"""Fed-LAMB / Fed-AMS server strategy: v̂ = max(v̂, mean v) over rounds (spec §3.3)."""
+
+from __future__ import annotations
+
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+
+from fedadapt.strategies import FedLAMB
+from tests.helpers import make_reply
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _grid():
+    grid = Mock(spec=Grid)
+    grid.get_node_ids.return_value = [1, 2, 3]
+    return grid
+
+
+def _reply(theta, v, node, n=10):
+    message = make_reply({"w": theta}, {"num-examples": n}, node_id=node)
+    if v is not None:
+        message.content["second-moments"] = ArrayRecord({"w": Array(v)})
+    return message
+
+
+def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
+    rng = np.random.default_rng(0)
+    strategy = FedLAMB(eps=1e-8)
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    expected_v_hat = np.full(4, 1e-8)  # v̂_0 = ε·1 (LAMB Alg. 1 line 2)
+    for server_round in (1, 2, 3):
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(),
+                                                 _grid()))  # fmt: skip
+        if server_round == 1:
+            assert "second-moments" not in messages[0].content.array_records
+        else:
+            sent = messages[0].content["second-moments"]["w"].numpy()
+            np.testing.assert_allclose(sent, expected_v_hat, rtol=1e-6)
+        thetas = [rng.normal(size=4).astype(np.float32) for _ in range(3)]
+        vs = [rng.uniform(0, 1.0 / server_round, size=4).astype(np.float32)
+              for _ in range(3)]  # fmt: skip
+        replies = [
+            _reply(t, v, i, n=5 * (i + 1))
+            for i, (t, v) in enumerate(zip(thetas, vs, strict=True))
+        ]
+        new, _ = strategy.aggregate_train(server_round, replies)
+        # uniform means (A-L6), not num-examples weighted
+        np.testing.assert_allclose(new["w"].numpy(), np.mean(thetas, axis=0), rtol=1e-5)
+        expected_v_hat = np.maximum(expected_v_hat, np.mean(vs, axis=0))
+        np.testing.assert_allclose(strategy.v_hat["w"], expected_v_hat, rtol=1e-6)
+        arrays = new
+    diag = strategy.round_reports[3]["diagnostics"]
+    assert diag["v-hat-mean"] == pytest.approx(float(expected_v_hat.mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("v", "reason"),
+    [
+        (None, "no 'second-moments' record"),
+        (np.array([np.nan, 0, 0, 0], np.float32), "finite and >= 0"),
+        (np.array([-1.0, 0, 0, 0], np.float32), "finite and >= 0"),
+        (np.zeros(3, np.float32), "does not match"),
+    ],
+)
+def test_replies_with_bad_second_moments_are_rejected(v, reason):
+    strategy = FedLAMB()
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    list(strategy.configure_train(1, arrays, ConfigRecord(), _grid()))
+    good = _reply(np.ones(4, np.float32), np.ones(4, np.float32), 1)
+    new, _ = strategy.aggregate_train(
+        1, [good, _reply(np.full(4, 9.0, np.float32), v, 2)]
+    )
+    np.testing.assert_allclose(new["w"].numpy(), 1.0)
+    report = strategy.round_reports[1]["train_replies"]
+    assert report["rejected"] == 1 and reason in report["rejections"][0]
+    np.testing.assert_allclose(strategy.v_hat["w"], 1.0)
+
+
+def test_v_hat_survives_a_state_dict_round_trip():
+    strategy = FedLAMB()
+    list(strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(2, np.float32))}),
+                                  ConfigRecord(), _grid()))  # fmt: skip
+    strategy.aggregate_train(
+        1, [_reply(np.ones(2, np.float32), np.full(2, 0.5, np.float32), 1)]
+    )
+    restored = FedLAMB()
+    restored.load_state_dict(strategy.state_dict())
+    np.testing.assert_array_equal(restored.v_hat["w"], strategy.v_hat["w"])
