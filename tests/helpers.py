@@ -77,3 +77,36 @@ def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
             "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
         },
     )
+
+
+def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
+    """Run the legacy ServerApp + NumPyClient with ``run_simulation``."""
+    from flwr.app import Context
+    from flwr.client import ClientApp
+    from flwr.server import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedadapt.client import numpy_client
+    from fedadapt.server import legacy_app
+
+    run_config = dict(overrides)
+
+    def server_fn(context: Context):
+        context.run_config.clear()
+        context.run_config.update(run_config)
+        return legacy_app.server_fn(context)
+
+    def client_fn(c: Context):
+        return numpy_client.client_fn(
+            Context(c.run_id, c.node_id, c.node_config, c.state, dict(run_config))
+        )
+
+    run_simulation(
+        server_app=ServerApp(server_fn=server_fn),
+        client_app=ClientApp(client_fn=client_fn),
+        num_supernodes=num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+        },
+    )

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers import run_in_process
+from tests.helpers import run_in_process, run_legacy_in_process
 
 pytestmark = pytest.mark.e2e
 
@@ -97,9 +97,11 @@ def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
     assert data["resumed_from_round"] == 2
 
 
+@pytest.mark.parametrize("api", ["message", "legacy"])
 @pytest.mark.parametrize(
     ("optimizer", "strategy", "lr"),
     [
+        ("sgd", "fedavg", 0.1),
         ("delta-sgd", "fedavg", 0.2),
         ("delta-sgd-consecutive", "fedavg", 0.2),
         ("adam", "fedavg", 0.01),
@@ -107,9 +109,14 @@ def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
         ("fed-ams", "fed-lamb", 0.01),
     ],
 )
-def test_each_client_optimizer_improves_the_loss(tmp_path, optimizer, strategy, lr):
-    """Issue #5: a simulation run with each optimizer (Message-API path)."""
-    run_in_process(
+def test_each_client_optimizer_improves_the_loss(
+    tmp_path, optimizer, strategy, lr, api
+):
+    """Issue #5: a simulation run with each optimizer, Message API and NumPyClient."""
+    if api == "message" and optimizer == "sgd":
+        pytest.skip("covered by test_three_clients_three_rounds_learn")
+    run = run_in_process if api == "message" else run_legacy_in_process
+    run(
         {
             "output-dir": str(tmp_path),
             "run-name": optimizer,

@@ -17,11 +17,12 @@ from flwr.serverapp.strategy import Result
 
 from fedadapt.strategies._screening import (
     Candidate,
+    RuleHost,
     apply_rule,
     evaluation_average,
     screen,
 )
-from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.core import Arrays
 
 
 class FedAvgKwargs(TypedDict, total=False):
@@ -70,34 +71,25 @@ def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
     return Candidate(node, arrays, metrics, message)
 
 
-class RuleStrategy:
+class RuleStrategy(RuleHost):
     """Mixin: screen replies, apply ``self.rule``, keep per-round reports.
+
+    See :class:`~fedadapt.strategies._screening.RuleHost` for ``rule``,
+    ``average_last_two`` and ``round_reports``.
 
     Attributes
     ----------
-    rule : ServerRule
-        The framework-free update rule (set by the concrete class).
-    average_last_two : bool
-        Evaluate (centrally and on clients) (w_t + w_{t+1})/2 instead of
-        w_{t+1}; training continues from w_{t+1} (FedExP/FedDuA, spec §5.3).
-    round_reports : dict[int, dict]
-        Per round: ``train_replies`` / ``evaluate_replies`` counts and
-        rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
-        and the rule's ``diagnostics`` (server step size, norms).
     round_offset : int
         Added to Flower's round counter (set when resuming from a checkpoint,
         so clients and reports see the global round number).
     """
 
-    rule: ServerRule
     weighted_by_key: str
     arrayrecord_key: str
     train_metrics_aggr_fn: Callable[..., MetricRecord]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.average_last_two = False
-        self.round_reports: dict[int, dict[str, Any]] = {}
         self.round_offset = 0
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
@@ -211,16 +203,6 @@ class RuleStrategy:
             wrapped,
         )  # fmt: skip
 
-    # --- extension points --------------------------------------------------------
-
-    def check_reply(self, candidate: Candidate) -> str | None:
-        """Return why a (screened) train reply is unusable; override to extend."""
-        return None
-
-    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
-        """Update extra state from the used replies; return extra diagnostics."""
-        return {}
-
     # --- state -----------------------------------------------------------------
 
     def evaluation_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -238,11 +220,3 @@ class RuleStrategy:
     def latest_arrays(self) -> ArrayRecord | None:
         """The global model this strategy produced last (None before any)."""
         return self._last_output
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the strategy's resumable state (the rule's moments)."""
-        return {"rule": self.rule.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (before ``start``)."""
-        self.rule.load_state_dict(state["rule"])

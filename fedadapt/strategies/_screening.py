@@ -24,6 +24,47 @@ from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays, ServerRule
 
+
+class RuleHost:
+    """What both Flower adapters share: the rule, reports, hooks and state.
+
+    Attributes
+    ----------
+    rule : ServerRule
+        The framework-free update rule (set by the concrete class).
+    average_last_two : bool
+        Evaluate (w_t + w_{t+1})/2 instead of w_{t+1}; training continues
+        from w_{t+1} (FedExP/FedDuA, spec §5.3).
+    round_reports : dict[int, dict]
+        Per round: ``train_replies`` / ``evaluate_replies`` counts and
+        rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
+        and the rule's ``diagnostics`` (server step size, norms).
+    """
+
+    rule: ServerRule
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.average_last_two = False
+        self.round_reports: dict[int, dict[str, Any]] = {}
+
+    def check_reply(self, candidate: Candidate) -> str | None:
+        """Return why a (screened) train reply is unusable; override to extend."""
+        return None
+
+    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
+        """Update extra state from the used replies; return extra diagnostics."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the strategy's resumable state (the rule's moments)."""
+        return {"rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (before training starts)."""
+        self.rule.load_state_dict(state["rule"])
+
+
 UPDATE_SQ_NORM_KEY = "update-sq-norm"
 
 

@@ -46,6 +46,23 @@ def check_second_moments(
     return None
 
 
+def next_v_hat(
+    v_hat: Arrays | None,
+    moments: list[Arrays],
+    weights: list[float],
+    weighting: str,
+    eps: float,
+) -> tuple[Arrays, dict[str, float | None]]:
+    """Return v̂_r = max(v̂_{r−1}, Σω_i v_i) and its diagnostics (spec §3.3).
+
+    ``weights`` are the replies' ``num-examples``; ω follows ``weighting``.
+    """
+    omega = client_weights(weights, weighting)
+    new = aggregate_second_moments(v_hat, moments, weights=list(omega), eps=eps)
+    flat = np.concatenate([v.ravel() for v in new.values()])
+    return new, {"v-hat-mean": float(flat.mean())}
+
+
 class FedLAMB(RuleStrategy, flwr_strategy.FedAvg):
     """Model averaging plus v̂ = max(v̂, mean v) (Fed-LAMB and Fed-AMS servers).
 
@@ -105,19 +122,14 @@ class FedLAMB(RuleStrategy, flwr_strategy.FedAvg):
 
     def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
         """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used replies (spec §3.3)."""
-        weights = client_weights(
-            [float(c.metrics[self.weighted_by_key]) for c in valid],
-            self.rule.weighting,
-        )
-        self.v_hat = aggregate_second_moments(
+        self.v_hat, diagnostics = next_v_hat(
             self.v_hat,
             [self._moments[id(c.source)] for c in valid],
-            weights=list(weights),
-            eps=self.eps,
+            [float(c.metrics[self.weighted_by_key]) for c in valid],
+            self.rule.weighting,
+            self.eps,
         )
-        return {"v-hat-mean": float(np.mean(np.concatenate(
-            [v.ravel() for v in self.v_hat.values()]
-        )))}  # fmt: skip
+        return diagnostics
 
     def state_dict(self) -> dict[str, Any]:
         """Model-averaging state plus v̂ (must be checkpointed, spec §3.3)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypedDict, Unpack
 
+import numpy as np
 from flwr.common import (
     EvaluateIns,
     FitIns,
@@ -38,6 +39,7 @@ from flwr.server.strategy import FedYogi as _FlowerFedYogi
 
 from fedadapt.strategies._screening import (
     Candidate,
+    RuleHost,
     apply_rule,
     evaluation_average,
     screen,
@@ -50,8 +52,8 @@ from fedadapt.strategies.core import (
     FedDuARule,
     FedExPRule,
     FedYogiRule,
-    ServerRule,
 )
+from fedadapt.strategies.fedlamb import next_v_hat
 
 WEIGHT_KEY = "num-examples"
 
@@ -81,21 +83,18 @@ def _listed(arrays: Arrays) -> NDArrays:
     return [arrays[str(i)] for i in range(len(arrays))]
 
 
-class LegacyRuleStrategy:
+class LegacyRuleStrategy(RuleHost):
     """Mixin for ``flwr.server.strategy.FedAvg`` subclasses (put it first).
 
-    Attributes mirror :class:`fedadapt.strategies.RuleStrategy`: ``rule``,
+    Attributes as :class:`fedadapt.strategies.RuleStrategy`: ``rule``,
     ``average_last_two`` and ``round_reports``.
     """
 
-    rule: ServerRule
     accept_failures: bool
     fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.average_last_two = False
-        self.round_reports: dict[int, dict[str, Any]] = {}
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
         self._evaluation: Parameters | None = None
@@ -127,6 +126,7 @@ class LegacyRuleStrategy:
         if not valid or self._sent is None or (failures and not self.accept_failures):
             return None, {}
         new, diagnostics = apply_rule(self.rule, self._sent, valid, WEIGHT_KEY)
+        diagnostics.update(self.after_aggregate(valid))
         entry["diagnostics"] = diagnostics
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
@@ -167,14 +167,6 @@ class LegacyRuleStrategy:
     ) -> tuple[float, dict[str, Scalar]] | None:
         """Central evaluation (``evaluate_fn``) of the evaluation model."""
         return super().evaluate(server_round, self.evaluation_parameters(parameters))  # type: ignore[misc]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the strategy's resumable state (the rule's moments)."""
-        return {"rule": self.rule.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.rule.load_state_dict(state["rule"])
 
 
 class FedAvg(LegacyRuleStrategy, _FlowerFedAvg):
@@ -325,6 +317,96 @@ class FedDuA(LegacyRuleStrategy, _FlowerFedAvg):
         self.average_last_two = bool(average_last_two)
 
 
+class FedLAMB(LegacyRuleStrategy, _FlowerFedAvg):
+    """Legacy server of Fed-LAMB / Fed-AMS: model mean and v̂ = max(v̂, mean v).
+
+    Packing (see :mod:`fedadapt.client.numpy_client`): the parameter list is
+    the model's arrays, followed (from round 2 on, server → client; always,
+    client → server) by one second-moment array per trainable parameter.
+    The model part has the length of ``initial_parameters``.
+    """
+
+    def __init__(
+        self,
+        *,
+        eps: float = 1e-8,
+        weighting: str = "uniform",
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        rule = FedAvgRule(weighting=weighting, plain_average=None)
+        super().__init__(**kwargs)
+        self.rule = rule
+        self.eps = eps
+        self.v_hat: Arrays | None = None
+        self._moments: dict[int, Arrays] = {}
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Send the model, with v̂ appended after round 1."""
+        pairs = super().configure_fit(server_round, parameters, client_manager)
+        if self.v_hat is None:
+            return pairs
+        packed = ndarrays_to_parameters(
+            parameters_to_ndarrays(parameters) + _listed(self.v_hat)
+        )
+        return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Split each result into model and moments, then aggregate both."""
+        size = len(self._sent or {})
+        self._moments, unpacked = {}, []
+        for proxy, res in results:
+            arrays = parameters_to_ndarrays(res.parameters)
+            model = FitRes(
+                res.status, ndarrays_to_parameters(arrays[:size]), res.num_examples,
+                res.metrics,
+            )  # fmt: skip
+            self._moments[id(model)] = _keyed(arrays[size:])
+            unpacked.append((proxy, model))
+        return super().aggregate_fit(server_round, unpacked, failures)
+
+    def check_reply(self, candidate: Candidate) -> str | None:
+        """Moments must be present, finite, >= 0 and shaped like v̂."""
+        moments = self._moments.get(id(candidate.source[1]))
+        if not moments:
+            return "no second moments after the model arrays"
+        if self.v_hat is not None and any(
+            k not in self.v_hat or self.v_hat[k].shape != v.shape
+            for k, v in moments.items()
+        ):
+            return "second moments do not match v̂'s shapes"
+        for v in moments.values():
+            if v.dtype.kind != "f" or not np.all(np.isfinite(v)) or np.any(v < 0):
+                return "second moments must be finite and >= 0"
+        return None
+
+    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
+        """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used results."""
+        self.v_hat, diagnostics = next_v_hat(
+            self.v_hat,
+            [self._moments[id(c.source[1])] for c in valid],
+            [float(c.metrics[WEIGHT_KEY]) for c in valid],
+            self.rule.weighting,
+            self.eps,
+        )
+        return diagnostics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model-averaging state plus v̂."""
+        return {**super().state_dict(), "v_hat": self.v_hat}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        super().load_state_dict(state)
+        self.v_hat = state["v_hat"]
+
+
 __all__ = [
     "FedAdagrad",
     "FedAdam",
@@ -332,6 +414,7 @@ __all__ = [
     "FedAvgM",
     "FedDuA",
     "FedExP",
+    "FedLAMB",
     "FedYogi",
     "LegacyRuleStrategy",
 ]

@@ -1,0 +1,86 @@
+"""Legacy-API client: a ``flwr.client.NumPyClient`` over the same local round.
+
+Use with :mod:`fedadapt.server.legacy_app` (components
+``fedadapt.server.legacy_app:app`` / ``fedadapt.client.numpy_client:app``).
+
+Parameter packing: the list is the model's ``state_dict`` arrays in order.
+For Fed-LAMB / Fed-AMS the second moments follow, one array per trainable
+parameter in ``named_parameters()`` order: the server appends v̂ (from
+round 2 on) and the client appends its v; the model part always comes
+first, so ``len(state_dict)`` splits the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.client import Client, NumPyClient
+from flwr.clientapp import ClientApp
+from flwr.common import Context, NDArrays, Scalar
+
+from fedadapt.client.local import evaluate_round, partition_of, train_round
+from fedadapt.config import validate_run_config
+from fedadapt.tasks import TASKS
+
+
+def model_layout(cfg: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Return (state_dict keys, trainable parameter names) of the task's model."""
+    model = TASKS.get(cfg["task"]).build_model()
+    return list(model.state_dict()), [name for name, _ in model.named_parameters()]
+
+
+class FedAdaptClient(NumPyClient):
+    """NumPyClient that trains with the run config's task and optimizer."""
+
+    def __init__(
+        self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]
+    ) -> None:
+        self.cfg = validate_run_config(run_config)
+        self.partition_id, self.num_partitions = partition_of(node_config)
+        self.keys, self.names = model_layout(self.cfg)
+
+    def fit(
+        self, parameters: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[NDArrays, int, dict[str, Scalar]]:
+        """Train one round; return (arrays [+ second moments], n, metrics)."""
+        n = len(self.keys)
+        moments = parameters[n:]
+        if moments and len(moments) != len(self.names):
+            raise ValueError(
+                f"expected {len(self.names)} second-moment arrays, got {len(moments)}"
+            )
+        result = train_round(
+            self.cfg,
+            self.partition_id,
+            self.num_partitions,
+            dict(zip(self.keys, parameters[:n], strict=True)),
+            lr=float(config.get("lr", self.cfg["client-lr"])),
+            server_round=int(config.get("server-round", 0)),
+            v_hat=dict(zip(self.names, moments, strict=True)) if moments else None,
+        )
+        arrays = [result.state[k].numpy() for k in self.keys]
+        if result.second_moments is not None:
+            arrays += [result.second_moments[name] for name in self.names]
+        metrics = dict(result.metrics)
+        num_examples = int(metrics.pop("num-examples"))
+        return arrays, num_examples, metrics
+
+    def evaluate(
+        self, parameters: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[float, int, dict[str, Scalar]]:
+        """Evaluate on the local test split; return (loss, n, metrics)."""
+        state = dict(zip(self.keys, parameters[: len(self.keys)], strict=True))
+        metrics = dict(
+            evaluate_round(self.cfg, self.partition_id, self.num_partitions, state)
+        )
+        num_examples = int(metrics.pop("num-examples"))
+        return float(metrics["eval-loss"]), num_examples, metrics
+
+
+def client_fn(context: Context) -> Client:
+    """Build the client of one SuperNode."""
+    return FedAdaptClient(context.run_config, context.node_config).to_client()
+
+
+app = ClientApp(client_fn=client_fn)

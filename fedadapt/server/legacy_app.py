@@ -1,0 +1,74 @@
+"""Legacy-API ServerApp (``ServerApp(server_fn=...)``) for ``NumPyClient``s.
+
+Runs the same run config with :mod:`fedadapt.strategies.legacy` and
+:class:`fedadapt.client.numpy_client.FedAdaptClient`; to use it, point the
+app components at ``fedadapt.server.legacy_app:app`` and
+``fedadapt.client.numpy_client:app``. Writes the same results.json and
+curves.png. Checkpoints and resume are Message-API only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.common import Context, NDArrays, Scalar, ndarrays_to_parameters
+from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+
+from fedadapt.config import ConfigError, validate_run_config
+from fedadapt.server.results import RunRecorder, run_directory
+from fedadapt.server.run import RoundHook, check_names, initial_state
+from fedadapt.server.strategy_factory import build_strategy
+from fedadapt.tasks import TASKS
+
+
+def weighted_mean(results: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
+    """Average numeric metrics weighted by num-examples (as the Message API)."""
+    total = sum(n for n, _ in results)
+    keys = set.intersection(*(set(m) for _, m in results)) if results else set()
+    return {
+        k: sum(n * float(m[k]) for n, m in results) / total
+        for k in sorted(keys)
+        if all(isinstance(m[k], int | float) for _, m in results)
+    }
+
+
+def server_fn(context: Context) -> ServerAppComponents:
+    """Build the legacy strategy and server config from the run config."""
+    cfg = validate_run_config(context.run_config)
+    check_names(cfg)
+    for key in ("checkpoint-every", "resume-from"):
+        if cfg[key]:
+            raise ConfigError(key, "checkpoints need the Message-API ServerApp")
+    task = TASKS.get(cfg["task"])
+    state = initial_state(task, cfg)
+    keys = list(state)
+    recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
+
+    def evaluate_fn(
+        server_round: int, arrays: NDArrays, config: dict[str, Scalar]
+    ) -> tuple[float, dict[str, Scalar]] | None:
+        scores = hook(server_round, dict(zip(keys, arrays[: len(keys)], strict=True)))
+        if server_round == cfg["num-server-rounds"]:
+            recorder.finish("completed")
+        return None if scores is None else (scores["loss"], dict(scores))
+
+    def fit_config(server_round: int) -> dict[str, Any]:
+        return {"lr": cfg["client-lr"], "server-round": server_round}
+
+    strategy = build_strategy(
+        cfg,
+        api="legacy",
+        initial_parameters=ndarrays_to_parameters(list(state.values())),
+        evaluate_fn=evaluate_fn,
+        on_fit_config_fn=fit_config,
+        fit_metrics_aggregation_fn=weighted_mean,
+        evaluate_metrics_aggregation_fn=weighted_mean,
+    )
+    hook = RoundHook(cfg, task, strategy, recorder)
+    config = ServerConfig(
+        num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
+    )
+    return ServerAppComponents(strategy=strategy, config=config)
+
+
+app = ServerApp(server_fn=server_fn)

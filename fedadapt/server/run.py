@@ -1,0 +1,92 @@
+"""Pieces of a run shared by the Message-API and the legacy ServerApp."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedadapt.registry import lookup
+from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from fedadapt.server.results import RunRecorder
+from fedadapt.tasks import Task, evaluate_model, pick_device
+
+EVAL_BATCH_SIZE = 512
+State = dict[str, np.ndarray]
+
+
+def check_names(cfg: Mapping[str, Any]) -> None:
+    """Resolve every registry-backed key now, so a bad name fails at start."""
+    for key in ("task", "strategy", "client-optimizer", "partition"):
+        lookup(key).get(cfg[key])
+
+
+def initial_state(task: Task, cfg: Mapping[str, Any]) -> State:
+    """Return the seeded initial model as a NumPy state dict."""
+    torch.manual_seed(cfg["seed"])
+    return {k: v.numpy() for k, v in task.build_model().state_dict().items()}
+
+
+def central_evaluator(
+    task: Task, cfg: Mapping[str, Any]
+) -> Callable[[Mapping[str, Any]], dict[str, float]]:
+    """Return ``state dict -> metrics`` on the task's global test set."""
+    test_set = task.load_test(cfg)
+    device = pick_device(cfg["device"])
+    model = task.build_model()
+
+    def evaluate(state: Mapping[str, Any]) -> dict[str, float]:
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        return evaluate_model(task, model, test_set, EVAL_BATCH_SIZE, device)
+
+    return evaluate
+
+
+class RoundHook:
+    """Called once per round by the strategy (as Flower's central evaluation).
+
+    Evaluates centrally when due, records the round (with the strategy's
+    reports) and writes checkpoints. ``latest`` returns the global model to
+    checkpoint (not the evaluation average).
+    """
+
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        task: Task,
+        strategy: Any,
+        recorder: RunRecorder,
+        first_round: int = 0,
+        latest: Callable[[], State] | None = None,
+    ) -> None:
+        self.cfg, self.strategy, self.recorder = cfg, strategy, recorder
+        self.evaluate = central_evaluator(task, cfg)
+        self.first_round = first_round
+        self.latest = latest
+
+    def __call__(self, server_round: int, state: Mapping[str, Any]) -> dict | None:
+        """Handle the end of ``server_round`` (``first_round``: the start)."""
+        every, num_rounds = self.cfg["evaluate-every"], self.cfg["num-server-rounds"]
+        if server_round == self.first_round:
+            if self.first_round == 0:
+                self.recorder.record_initial(self.evaluate(state) if every else None)
+            return None
+        due = every > 0 and (server_round % every == 0 or server_round == num_rounds)
+        scores = self.evaluate(state) if due else None
+        reports = getattr(self.strategy, "round_reports", {})
+        self.recorder.record_round(
+            server_round, num_rounds, scores, reports.get(server_round, {})
+        )
+        ckpt = self.cfg["checkpoint-every"]
+        if ckpt and (server_round % ckpt == 0 or server_round == num_rounds):
+            assert self.latest is not None, "checkpoints need the latest global model"
+            save_checkpoint(
+                self.recorder.run_dir / CHECKPOINT_FILE,
+                server_round,
+                self.latest(),
+                self.strategy.state_dict(),
+                self.recorder.data,
+            )
+        return scores
