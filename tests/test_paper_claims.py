@@ -23,15 +23,19 @@ U20). :func:`test_closed_form_training_matches_explicit_gd_and_step` checks
 both against explicit einsum GD steps and ``rule.step``. The whole grid
 (90 runs × 500 rounds × 3 seeds) runs once per module, in seconds.
 
-Numbers (this machine; losses at round 500, best grid point, seeds 0/1/2; the
-trajectories of FedExP and FedDuAdagrad are chaotic, so their digits move by
-up to ~10× with the BLAS build or thread count — the margins allow for it):
-see the table in :func:`test_c1_feddua_beats_baselines_after_500_rounds`.
+Outcome (numbers in each test's docstring; seeds 0/1/2, checked on 3-5 too):
+
+* C1 (500 rounds) holds for FedDuAdagrad, ≥ 3 decades below every baseline,
+  and for FedDuAdam against FedAvg and FedExP (≥ 8 decades). FedDuAdam beats
+  FedAdam only on average over seeds (FedAdam's final loss is erratic), and
+  does not beat FedAdagrad: strict xfail. At round 100 FedAdam is ahead of
+  both FedDuA variants: strict xfail.
+* C2 holds: FedExP needs 7-26× fewer rounds than FedAvg (η_g = 1).
+* C3 holds under the paper's 50-round protocol (Fig. 2), not after 500 rounds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -62,11 +66,16 @@ BASELINES = ("FedAvg", "FedExP", "FedAdagrad", "FedAdam")
 DIVERGED = 1e4  # a run whose loss exceeds DIVERGED × F(w_0) is stopped
 
 
-@contextlib.contextmanager
+@pytest.fixture(scope="module", autouse=True)
 def _one_blas_thread() -> Iterator[None]:
-    """Run BLAS single-threaded: threaded gemms this small are ~15× slower."""
+    """Run BLAS/LAPACK single-threaded: threaded calls this small are far slower.
+
+    (Measured: a 90×1000×600 gemm takes 2 ms on one thread, 30 ms on two busy
+    cores.) threadpoolctl comes with scikit-learn; without it, only speed
+    suffers.
+    """
     try:
-        from threadpoolctl import threadpool_limits  # via scikit-learn
+        from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - speed only
         yield
         return
@@ -185,7 +194,7 @@ def _simulate(fed: _Federation, runs: list[_Run], rounds: int = ROUNDS) -> _Trac
     alive = np.arange(num_runs)
     z_prev = fed.coordinates(w)
     limit = DIVERGED * float(fed.loss(z_prev[:1])[0])
-    with _one_blas_thread(), np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         for t in range(rounds + 1):
             z = fed.coordinates(w[alive])
             last[t, alive] = fed.loss(z)
@@ -255,3 +264,313 @@ def federations() -> dict[int, _Federation]:
 def grid(federations: dict[int, _Federation]) -> dict[int, _Trace]:
     """The full App. H.3 grid, 500 rounds, for every seed (computed once)."""
     return {seed: _simulate(fed, _paper_grid()) for seed, fed in federations.items()}
+
+
+def _span_log10(values: list[float]) -> float:
+    return math.log10(max(values) / min(values))
+
+
+# --- the generator ----------------------------------------------------------------
+
+
+def test_generator_follows_spec_c1():
+    """DUA App. H.2 / spec §10.2 C1 (A-F5): shapes, RNG order, determinism."""
+    x, y = make_feddua_linreg(seed=3)
+    assert x.shape == (20, 30, 1000) and y.shape == (20, 30)
+    assert x.dtype == y.dtype == np.float64
+    # Independent transcription of the spec's snippet: same draws, same order.
+    rng = np.random.default_rng(3)
+    sd = np.arange(1, 1001) ** (-1.1 / 2)
+    for i in range(20):
+        w_i = rng.normal(0.0, 0.1)
+        x_i = rng.normal(size=(30, 1000)) * sd
+        w_ij = rng.normal(w_i, 1.0, size=(30, 1000))
+        np.testing.assert_array_equal(x[i], x_i)
+        np.testing.assert_array_equal(y[i], np.einsum("jk,jk->j", x_i, w_ij))
+    again, y_again = make_feddua_linreg(seed=3)
+    np.testing.assert_array_equal(again, x)
+    np.testing.assert_array_equal(y_again, y)
+    other, _ = make_feddua_linreg(seed=4)
+    assert not np.array_equal(other, x)
+    small, y_small = make_feddua_linreg(
+        seed=0, dim=7, num_clients=3, samples_per_client=5
+    )
+    assert small.shape == (3, 5, 7) and y_small.shape == (3, 5)
+    with pytest.raises(ValueError, match="num_clients"):
+        make_feddua_linreg(num_clients=0)
+
+
+def test_generator_covariance_decays_as_k_to_the_minus_1_1():
+    """DUA §5.1 / App. H.2: x ~ N(0, Σ), Σ_kk = k^-1.1 (empirical, 600 samples)."""
+    x, _ = make_feddua_linreg(seed=0)
+    var = x.reshape(-1, x.shape[-1]).var(axis=0)
+    k = np.arange(1, x.shape[-1] + 1)
+    ratio = var / k**-1.1  # each ≈ 1 ± 0.06 (χ²_600 / 600)
+    assert 0.6 < ratio.min() and ratio.max() < 1.5
+    assert abs(np.mean(ratio) - 1.0) < 0.02
+    slope = np.polyfit(np.log(k), np.log(var), 1)[0]
+    assert slope == pytest.approx(-1.1, abs=0.03)
+
+
+def test_loss_and_gradient_match_their_definitions():
+    """A-F5: F(w) = (1/M)Σ_i (1/(2n))‖X_i w − y_i‖²; ∇f_i = X_iᵀ(X_i w − y_i)/n."""
+    x, y = make_feddua_linreg(seed=1, dim=50, num_clients=4, samples_per_client=6)
+    w = np.random.default_rng(0).normal(size=50)
+    expected = np.mean([np.sum((x[i] @ w - y[i]) ** 2) / (2 * 6) for i in range(4)])
+    assert linreg_loss(w, x, y) == pytest.approx(expected, rel=1e-12)
+    grads = linreg_grad(w, x, y)
+    for i in range(4):
+        np.testing.assert_allclose(grads[i], x[i].T @ (x[i] @ w - y[i]) / 6)
+    # one model per client, and the mean gradient is ∇F (central differences)
+    per_client = np.stack([w + i for i in range(4)])
+    np.testing.assert_allclose(
+        linreg_grad(per_client, x, y)[2], x[2].T @ (x[2] @ (w + 2) - y[2]) / 6
+    )
+    e = np.zeros(50)
+    e[7] = 1e-6
+    numeric = (linreg_loss(w + e, x, y) - linreg_loss(w - e, x, y)) / 2e-6
+    assert numeric == pytest.approx(grads.mean(axis=0)[7], rel=1e-6)
+
+
+def test_problem_interpolates():
+    """Spec §10.2 C1: d = 1000 > M·n = 600, so min F = 0 (a common minimiser)."""
+    x, y = make_feddua_linreg(seed=0)
+    w_star = np.linalg.lstsq(x.reshape(-1, x.shape[-1]), y.reshape(-1), rcond=None)[0]
+    assert linreg_loss(w_star, x, y) < 1e-20
+    assert linreg_loss(np.zeros(x.shape[-1]), x, y) > 1.0
+
+
+# --- the simulator ----------------------------------------------------------------
+
+
+def test_closed_form_training_matches_explicit_gd_and_step(federations):
+    """DUA §5.1 (τ = 20 full-batch steps): the closed form equals explicit GD.
+
+    Also drives every rule for 3 rounds both ways: explicit einsum GD with
+    ``rule.step`` on client arrays, and the closed form with ``rule.apply`` on
+    (Δ̄, A) as :func:`_simulate` does; the iterates agree to 1e-10.
+    """
+    fed = federations[0]
+    rng = np.random.default_rng(0)
+    w = np.stack([np.zeros(fed.dim), rng.normal(size=fed.dim)])
+    z = fed.coordinates(w)
+    np.testing.assert_allclose(
+        fed.loss(z), [linreg_loss(v, fed.x, fed.y) for v in w], rtol=1e-12
+    )
+    for eta_l in ETA_L:
+        mean_update, mean_sq_norm = fed.round_statistics(z, fed.phi([eta_l] * 2))
+        for c in range(2):
+            deltas = fed.explicit_deltas(w[c], eta_l)
+            np.testing.assert_allclose(
+                mean_update[c], deltas.mean(axis=0), rtol=1e-10, atol=1e-13
+            )
+            expected = np.mean(np.einsum("md,md->m", deltas, deltas))
+            assert mean_sq_norm[c] == pytest.approx(expected, rel=1e-10)
+    makers = [_fedavg(1.0), _fedadam(0.1), _fedadagrad(0.1), _fedexp]
+    makers += [_feddua("adagrad", 0.0), _feddua("adam", 0.0)]
+    for make in makers:
+        explicit, closed = make(), make()
+        w_e = w_c = {"w": np.zeros(fed.dim)}
+        for _ in range(3):
+            deltas = fed.explicit_deltas(w_e["w"], 0.01)
+            clients = [{"w": w_e["w"] + d} for d in deltas]
+            w_e, _ = explicit.step(w_e, clients, [fed.num_samples] * fed.num_clients)
+            mean_update, mean_sq_norm = fed.round_statistics(
+                fed.coordinates(w_c["w"][None]), fed.phi([0.01])
+            )
+            stats = RoundStatistics(
+                {"w": mean_update[0]}, float(mean_sq_norm[0]), fed.num_clients
+            )
+            w_c, _ = closed.apply(w_c, stats)
+            np.testing.assert_allclose(w_c["w"], w_e["w"], rtol=1e-10, atol=1e-12)
+
+
+# --- C1: FedDuA reaches the lowest training loss (DUA §5.2, Fig. 1) ---------------
+
+# (FedDuA variant, baseline, margin, per_seed): the ratio FedDuA loss / baseline
+# loss, both at their best grid point after 500 rounds, must be ≤ margin on
+# every seed (per_seed) or in the geometric mean over the seeds.
+C1_CASES = [
+    ("FedDuAdagrad", "FedAvg", 1e-2, True),
+    ("FedDuAdagrad", "FedExP", 1e-2, True),
+    ("FedDuAdagrad", "FedAdagrad", 1e-2, True),
+    ("FedDuAdagrad", "FedAdam", 1e-2, True),
+    ("FedDuAdam", "FedAvg", 1e-6, True),
+    ("FedDuAdam", "FedExP", 1e-6, True),
+    ("FedDuAdam", "FedAdam", 0.5, False),
+]
+C1_FEDDUADAM_VS_FEDADAGRAD = pytest.param(
+    "FedDuAdam",
+    "FedAdagrad",
+    1.0,
+    True,
+    marks=pytest.mark.xfail(
+        strict=True,
+        raises=AssertionError,
+        reason=(
+            "DUA Fig. 1 not reproduced for FedDuAdam vs FedAdagrad: after 500 "
+            "rounds FedDuAdam's best loss is 2.9e-11 / 1.0e-11 / 1.4e-11 and "
+            "FedAdagrad's 4.4e-12 / 7.1e-12 / 1.6e-11 (seeds 0/1/2): FedAdagrad "
+            "is lower on seeds 0 and 1 (6.8x, 1.5x; geometric mean 2.1x), and on "
+            "seeds 3 and 4 (14x, 7x)"
+        ),
+    ),
+    id="FedDuAdam-vs-FedAdagrad",
+)
+
+
+@pytest.mark.parametrize(
+    ("feddua", "baseline", "margin", "per_seed"),
+    [pytest.param(*case, id=f"{case[0]}-vs-{case[1]}") for case in C1_CASES]
+    + [C1_FEDDUADAM_VS_FEDADAGRAD],
+)
+def test_c1_feddua_beats_baselines_after_500_rounds(
+    grid, feddua, baseline, margin, per_seed
+):
+    """C1, DUA §5.2 / Fig. 1 / App. H.2-H.3: lower training loss after 500 rounds.
+
+    Each method at its best App. H.3 grid point for the round-500 loss
+    (A-F13 scoring), seeds 0/1/2. Losses on this machine:
+
+    ============  =======  =======  =======  ===========================
+    method        seed 0   seed 1   seed 2   best (log10 η_l, log10 η_g)
+    ============  =======  =======  =======  ===========================
+    FedAvg        4.1e-1   4.1e-1   4.5e-1   (−2, 1)
+    FedExP        2.0e-2   4.0e-3   5.2e-3   (−1, −)
+    FedAdagrad    4.4e-12  7.1e-12  1.6e-11  (−2 / −1.5 / −1.5, 0)
+    FedAdam       3.6e-11  9.1e-8   1.9e-9   (−3 / −1 / −2.5, −1.5)
+    FedDuAdagrad  2.7e-15  1.3e-15  9.0e-16  (−1, −)
+    FedDuAdam     2.9e-11  1.0e-11  1.4e-11  (−1, −)
+    ============  =======  =======  =======  ===========================
+
+    The trajectories of FedExP and FedDuAdagrad are chaotic (rounding
+    differences grow from 1e-15 to 1e-2 within ~80 rounds), so their digits
+    move by up to ~20× with the BLAS build or thread count; the margins allow
+    for that.
+
+    * FedDuAdagrad beats every baseline on every seed: ratio ≤ 6e-4 (also on
+      seeds 3-5: ≤ 8e-7). Pinned: ≤ 1e-2.
+    * FedDuAdam beats FedAvg and FedExP by ≥ 8 decades. Pinned: ≤ 1e-6.
+    * FedDuAdam vs FedAdam is seed-dependent, because FedAdam (fixed η_g,
+      τ = 0) oscillates at a floor anywhere between 1e-13 and 1e-7: ratios
+      0.82 / 1.1e-4 / 7.4e-3 on seeds 0/1/2, but 5.8e-4 / 0.80 / 12 (FedAdam
+      lower) on seeds 3/4/5. Pinned on the geometric mean over the seeds:
+      ≤ 0.5 (seeds 0-2: 8.7e-3; seeds 3-5 would give 0.18).
+    * FedDuAdam does not beat FedAdagrad (xfail, strict).
+
+    Both FedDuA variants pick η_l = 0.1, the edge of the grid; with
+    η_l = 10^-0.5 (outside it) they reach 1e-18-1e-22.
+    """
+    ratios = {}
+    for seed, trace in grid.items():
+        dua, _ = trace.best(feddua, ROUNDS)
+        base, base_run = trace.best(baseline, ROUNDS)
+        assert math.isfinite(base) and base > 0, (seed, base_run)
+        ratios[seed] = dua / base
+    report = ", ".join(f"seed {s}: {r:.2e}" for s, r in ratios.items())
+    if per_seed:
+        assert max(ratios.values()) <= margin, f"{feddua}/{baseline}: {report}"
+    else:
+        geometric = math.exp(np.mean(np.log(list(ratios.values()))))
+        assert geometric <= margin, f"{feddua}/{baseline}: {report}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "FedAdam is ahead early: at round 100 the best FedAdam loss is "
+        "3.6e-5 / 3.3e-5 / 3.7e-5 (seeds 0/1/2) vs FedDuAdagrad 1.5e-4 / "
+        "2.7e-4 / 1.6e-4 and FedDuAdam 2.3e-2 / 1.7e-2 / 1.9e-2"
+    ),
+)
+def test_c1_feddua_ahead_after_100_rounds(grid):
+    """C1 at R = 100, DUA §5.2 / Fig. 1 ("consistently outperform") and App. I.1.
+
+    Each method at its best grid point for round 100. FedDuAdagrad is below
+    FedAvg, FedExP and FedAdagrad, but FedAdam is lower than both FedDuA
+    variants on every seed, and FedDuAdam is also behind FedAdagrad. FedAdam
+    also reaches every loss level from 1e-2 to 1e-10 in fewer rounds (1e-8:
+    ~180 rounds vs 217-255 for FedDuAdagrad and 370-410 for FedDuAdam,
+    seeds 0-4); FedDuAdagrad only wins in the end because FedAdam (fixed η_g,
+    τ = 0) stalls at 1e-11-1e-7.
+    """
+    for seed, trace in grid.items():
+        best_baseline = min(trace.best(b, 100)[0] for b in BASELINES)
+        for feddua in ("FedDuAdagrad", "FedDuAdam"):
+            loss = trace.best(feddua, 100)[0]
+            assert loss < best_baseline, f"seed {seed}: {feddua} {loss:.3e}"
+
+
+# --- C2: FedExP is faster than FedAvg (FedExP paper; DUA §2) ------------------------
+
+
+def test_c2_fedexp_reaches_fedavg_loss_in_fewer_rounds(grid):
+    """C2, FedExP (Jhunjhunwala et al., 2023) §5 headline, on DUA's synthetic task.
+
+    At every η_l of the grid and on every seed, FedExP (max(1,·), ε = 0,
+    scored on the last-two average, A-F13) reaches the loss FedAvg with
+    η_g = 1 has after 500 rounds within 500/4 = 125 rounds. Observed: 19-75
+    rounds (a 6.7-26× speed-up); the largest counts are at η_l ≥ 10^-1.5.
+    """
+    for seed, trace in grid.items():
+        for eta_l in ETA_L:
+            fedavg = trace.last[:, trace.find("FedAvg", eta_l, 1.0)]
+            fedexp = trace.evaluated(trace.find("FedExP", eta_l, None))
+            target = fedavg[ROUNDS]
+            assert np.isfinite(target) and target < fedavg[0]
+            reached = np.flatnonzero(fedexp <= target)
+            assert reached.size, f"seed {seed}, η_l={eta_l:.0e}: never"
+            assert reached[0] <= ROUNDS // 4, (
+                f"seed {seed}, η_l={eta_l:.0e}: FedExP needs {reached[0]} rounds "
+                f"to reach FedAvg's round-{ROUNDS} loss {target:.3e}"
+            )
+
+
+# --- C3: FedDuA is insensitive to ε_g (DUA §5.2, Fig. 2) ---------------------------
+
+C3_ROUNDS = 50  # DUA §5.2: "we run each algorithm ... for 50 rounds"
+C3_ETA_G = (1e-3, 1e-2, 1e-1, 1.0)  # four decades, as ε_g ∈ {0, 1e-3, 1e-2, 1e-1}
+
+
+def test_c3_feddua_is_less_sensitive_to_eps_g_than_fedadam_to_eta_g(federations):
+    """C3, DUA §5.2 "robust to the choice of hyperparameters", Fig. 2.
+
+    As in the paper: 50 rounds, η_l tuned (over the App. H.3 grid) for each
+    ε_g ∈ {0, 1e-3, 1e-2, 1e-1} (FedDuA) or η_g ∈ {1e-3, 1e-2, 1e-1, 1}
+    (FedAdam), score = loss averaged over the last 5 rounds. The spread
+    log10(max/min) over the four settings, seeds 0/1/2:
+
+    FedDuAdagrad 0.84 / 0.87 / 0.90, FedDuAdam 0.07 / 0.08 / 0.08, FedAdam
+    2.29 / 2.29 / 2.31 (with 4 of the synthetic η_g grid instead:
+    1.56-2.19). Asserted: each FedDuA spread ≤ 0.5 × FedAdam's.
+
+    Not asserted: after 500 rounds (C1's budget) the order flips, because the
+    problem interpolates: q_t → 0, so any fixed ε_g > 0 ends up dominating
+    q_t + ε_g and the step m_t/ε_g ∝ ‖Δ‖² stalls (ε_g = 0: ~1e-15,
+    ε_g = 1e-3: ~1e-4). Spreads at 500 rounds: FedDuAdagrad 12.3-12.9,
+    FedDuAdam 7.7-8.1, FedAdam 5.6-5.7.
+    """
+    for seed, fed in federations.items():
+        runs = []
+        for eta_l in ETA_L:
+            for variant in ("adagrad", "adam"):
+                name = "FedDu" + variant.capitalize()
+                runs += [_Run(name, eta_l, e, _feddua(variant, e)) for e in EPS_G]
+            runs += [_Run("FedAdam", eta_l, g, _fedadam(g)) for g in C3_ETA_G]
+        trace = _simulate(fed, runs, rounds=C3_ROUNDS)
+
+        def score(method, knob, trace=trace):
+            return min(
+                trace.evaluated(trace.find(method, eta_l, knob))[-5:].mean()
+                for eta_l in ETA_L
+            )
+
+        fedadam = _span_log10([score("FedAdam", g) for g in C3_ETA_G])
+        assert fedadam > 1.0
+        for method in ("FedDuAdagrad", "FedDuAdam"):
+            spread = _span_log10([score(method, e) for e in EPS_G])
+            assert spread <= 0.5 * fedadam, (
+                f"seed {seed}: {method} spans {spread:.2f} decades over ε_g, "
+                f"FedAdam {fedadam:.2f} over η_g"
+            )
