@@ -31,12 +31,25 @@ def make_reply(
     return message
 
 
-def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
-    """Run the fedadapt apps with flwr's in-process ``run_simulation``.
+BACKEND_CONFIG = {
+    "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+}
+
+
+def run_in_process(
+    overrides: dict,
+    num_supernodes: int = 3,
+    server_main=None,
+    client_train=None,
+    client_evaluate=None,
+) -> None:
+    """Run Message-API apps with flwr's in-process ``run_simulation``.
 
     ``run_simulation`` ignores pyproject.toml (empty run config), and the
     ClientApp's context may not be mutated, so both apps are wrapped and fed
-    the validated config (flower-notes §4A).
+    ``overrides`` as the run config (flower-notes §4A). The apps default to
+    fedadapt's own; pass another app's functions to run it the same way.
     """
     from flwr.app import Context
     from flwr.clientapp import ClientApp
@@ -46,6 +59,9 @@ def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
     from fedadapt.client import client_app
     from fedadapt.server import server_app
 
+    server_main = server_main or server_app.main
+    client_train = client_train or client_app.train
+    client_evaluate = client_evaluate or client_app.evaluate
     run_config = dict(overrides)
     server = ServerApp()
 
@@ -53,7 +69,7 @@ def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
     def _main(grid, context):
         context.run_config.clear()
         context.run_config.update(run_config)
-        server_app.main(grid, context)
+        server_main(grid, context)
 
     def _ctx(c: Context) -> Context:
         return Context(c.run_id, c.node_id, c.node_config, c.state, dict(run_config))
@@ -62,20 +78,17 @@ def run_in_process(overrides: dict, num_supernodes: int = 3) -> None:
 
     @client.train()
     def _train(msg, context):
-        return client_app.train(msg, _ctx(context))
+        return client_train(msg, _ctx(context))
 
     @client.evaluate()
     def _evaluate(msg, context):
-        return client_app.evaluate(msg, _ctx(context))
+        return client_evaluate(msg, _ctx(context))
 
     run_simulation(
         server_app=server,
         client_app=client,
         num_supernodes=num_supernodes,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
-        },
+        backend_config=BACKEND_CONFIG,
     )
 
 
@@ -105,8 +118,5 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
         server_app=ServerApp(server_fn=server_fn),
         client_app=ClientApp(client_fn=client_fn),
         num_supernodes=num_supernodes,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
-        },
+        backend_config=BACKEND_CONFIG,
     )

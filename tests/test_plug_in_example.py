@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_in_process
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = ROOT / "examples" / "plug_in"
@@ -22,47 +22,18 @@ def test_example_only_changes_the_strategy_import():
 
 
 def test_example_runs_and_learns(capfd, monkeypatch):
-    from flwr.app import Context
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-
     monkeypatch.syspath_prepend(str(EXAMPLE))
     for name in [m for m in sys.modules if m == "plug_in" or m.startswith("plug_in.")]:
         monkeypatch.delitem(sys.modules, name)
     from plug_in import client_app, server_app
 
-    run_config = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["tool"][
-        "flwr"
-    ]["app"]["config"]
-    server = ServerApp()
-
-    @server.main()
-    def _main(grid, context):
-        context.run_config.update(run_config)
-        server_app.main(grid, context)
-
-    def _ctx(c):
-        return Context(c.run_id, c.node_id, c.node_config, c.state, dict(run_config))
-
-    client = ClientApp()
-
-    @client.train()
-    def _train(msg, context):
-        return client_app.train_fn(msg, _ctx(context))
-
-    @client.evaluate()
-    def _evaluate(msg, context):
-        return client_app.evaluate_fn(msg, _ctx(context))
-
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=3,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
-        },
+    pyproject = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
+    run_config = pyproject["tool"]["flwr"]["app"]["config"]
+    run_in_process(
+        run_config,
+        server_main=server_app.main,
+        client_train=client_app.train_fn,
+        client_evaluate=client_app.evaluate_fn,
     )
     out = capfd.readouterr().out
     losses = [float(v) for v in re.findall(r"eval-loss ([0-9.]+)", out)]
