@@ -247,3 +247,25 @@ def test_round_offset_shifts_rounds_seen_by_clients_and_reports():
 def test_invalid_hyperparameters_raise_at_construction(build, pattern):
     with pytest.raises(ValueError, match=pattern):
         build()
+
+
+def test_reply_whose_data_contradict_its_metadata_is_rejected():
+    """Shapes are checked from metadata first; lying metadata is caught on read."""
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.ones(2, np.float32))
+    liar = Array(
+        dtype="float32", shape=(3,), stype="numpy.ndarray", data=buffer.getvalue()
+    )
+    strategy = ours.FedAvg()
+    list(strategy.configure_train(1, _record({"w": np.zeros(3, np.float32)}),
+                                  ConfigRecord(), _grid()))  # fmt: skip
+    good = make_reply({"w": np.full(3, 2.0, np.float32)}, {"num-examples": 1}, 1)
+    bad = make_reply({"w": np.zeros(3, np.float32)}, {"num-examples": 1}, 2)
+    bad.content["arrays"] = ArrayRecord({"w": liar})
+    new, _ = strategy.aggregate_train(1, [good, bad])
+    np.testing.assert_allclose(new["w"].numpy(), 2.0)
+    report = strategy.round_reports[1]["train_replies"]
+    assert (report["rejected"], report["used"]) == (1, 1)
+    assert "do not match its metadata" in report["rejections"][0]

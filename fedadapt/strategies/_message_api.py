@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Result
 
 from fedadapt.strategies._screening import (
     Candidate,
+    LazyArrays,
     RuleHost,
     apply_rule,
     evaluation_average,
@@ -67,7 +68,7 @@ def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
         return Candidate(node, None, metrics, message)
     if len(content.array_records) != 1:
         return Candidate(node, None, metrics, message, "expected one ArrayRecord")
-    arrays = _to_numpy(next(iter(content.array_records.values())))
+    arrays = LazyArrays(next(iter(content.array_records.values())))
     return Candidate(node, arrays, metrics, message)
 
 
@@ -94,6 +95,7 @@ class RuleStrategy(RuleHost):
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
         self._evaluation: ArrayRecord | None = None
+        self._evaluation_pair: tuple[Arrays, Arrays] | None = None
 
     # --- Flower hooks ------------------------------------------------------------
 
@@ -126,9 +128,13 @@ class RuleStrategy(RuleHost):
         entry["train_replies"] = report.as_dict()
         if not valid or self._sent is None:
             return None, None
-        new, diagnostics = apply_rule(
-            self.rule, self._sent, valid, self.weighted_by_key
+        label = f"Round {server_round}"
+        new, diagnostics, valid = apply_rule(
+            self.rule, self._sent, valid, self.weighted_by_key, report, label
         )
+        entry["train_replies"] = report.as_dict()
+        if new is None:
+            return None, None
         diagnostics.update(self.after_aggregate(valid))
         entry["diagnostics"] = diagnostics
         metrics = self.train_metrics_aggr_fn(
@@ -137,11 +143,8 @@ class RuleStrategy(RuleHost):
         entry["train"] = dict(metrics)
         record = _to_record(new)
         self._last_output = record
-        self._evaluation = (
-            _to_record(evaluation_average(self._sent, new))
-            if self.average_last_two
-            else None
-        )
+        self._evaluation = None
+        self._evaluation_pair = (self._sent, new) if self.average_last_two else None
         return record, metrics
 
     def configure_evaluate(
@@ -212,9 +215,12 @@ class RuleStrategy(RuleHost):
         strategy produced w_{t+1}; otherwise (or for any other arrays) the
         arrays themselves.
         """
-        if self._evaluation is not None and arrays is self._last_output:
-            return self._evaluation
-        return arrays
+        if self._evaluation_pair is None or arrays is not self._last_output:
+            return arrays
+        if self._evaluation is None:  # built on first use: rounds without
+            # evaluation never pay for the average
+            self._evaluation = _to_record(evaluation_average(*self._evaluation_pair))
+        return self._evaluation
 
     @property
     def latest_arrays(self) -> ArrayRecord | None:

@@ -6,14 +6,21 @@ train replies first: a reply whose arrays are non-finite or differ in names,
 shape or dtype from what the server sent, or whose metrics lack a positive
 finite weight (``num-examples``) or carry a negative or non-finite
 ``update-sq-norm``, is dropped with a warning and counted. Everything here is
-plain NumPy over ``dict[str, ndarray]``; the Flower adapters only unpack
+plain NumPy over mappings of arrays; the Flower adapters only unpack
 messages into that form.
+
+Cost: replies are checked from array *metadata* (names, shapes, dtypes) and
+deserialised one array at a time while the rule sums them
+(:class:`LazyArrays`), as Flower's own aggregation does, so a round never
+holds every reply's arrays at once. Non-finite values are caught on the
+aggregate (one cheap pass); only then are the replies scanned one by one to
+find and drop the culprits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -22,7 +29,7 @@ import numpy as np
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
-from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.core import Arrays, RoundStatistics, ServerRule
 
 
 class RuleHost:
@@ -79,6 +86,58 @@ class Candidate:
     problem: str | None = None  # set when the reply could not even be unpacked
 
 
+class ReplyError(ValueError):
+    """A reply's data contradicts what it declared (raised mid-aggregation)."""
+
+    def __init__(self, arrays: LazyArrays, reason: str) -> None:
+        super().__init__(reason)
+        self.arrays = arrays
+        self.reason = reason
+
+
+class LazyArrays(Mapping[str, NDArray[Any]]):
+    """A reply's arrays, deserialised on access and checked against their specs.
+
+    ``record`` maps names to objects with ``numpy()``, ``shape`` and
+    ``dtype`` (Flower's ``Array``). Reading an array whose data disagree with
+    its declared shape or dtype raises :class:`ReplyError`.
+    """
+
+    def __init__(self, record: Mapping[str, Any]) -> None:
+        self._record = record
+
+    def __getitem__(self, key: str) -> NDArray[Any]:
+        item = self._record[key]
+        array = item.numpy()
+        if array.shape != tuple(item.shape) or str(array.dtype) != str(item.dtype):
+            raise ReplyError(self, f"array '{key}' data do not match its metadata")
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._record)
+
+    def __len__(self) -> int:
+        return len(self._record)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Return the declared (shape, dtype) of every array, without deserialising."""
+        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self._record.items()}
+
+
+def array_specs(arrays: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Return {name: (shape, dtype)} of plain or lazy arrays."""
+    if isinstance(arrays, LazyArrays):
+        return arrays.specs()
+    return {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
+
+
+def all_finite(arrays: Mapping[str, NDArray[Any]]) -> bool:
+    """Whether every float array is free of NaN/Inf (a sum overflows to inf)."""
+    return all(
+        math.isfinite(float(np.sum(a))) for a in arrays.values() if a.dtype.kind in "fc"
+    )
+
+
 @dataclass
 class ScreenReport:
     """Counts for one round and phase, as written to results.json."""
@@ -88,6 +147,13 @@ class ScreenReport:
     rejected: int = 0
     used: int = 0
     rejections: list[str] = field(default_factory=list)
+
+    def reject_late(self, node: int | str, reason: str, round_label: str) -> None:
+        """Count a reply rejected during aggregation (it was counted as used)."""
+        self.rejected += 1
+        self.used -= 1
+        self.rejections.append(f"node {node}: {reason}")
+        log(WARNING, "%s: rejected reply from node %s: %s", round_label, node, reason)
 
     def as_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-able data."""
@@ -114,30 +180,28 @@ def _check_metrics(metrics: Mapping[str, Any], weight_key: str) -> str | None:
 
 
 def reject_reason(
-    arrays: Mapping[str, NDArray[Any]] | None,
+    arrays: Mapping[str, Any] | None,
     metrics: Mapping[str, Any],
     reference: Mapping[str, NDArray[Any]] | None,
     weight_key: str,
 ) -> str | None:
-    """Return why a reply must be dropped, or None when it is usable.
+    """Return why a reply must be dropped before aggregation, or None.
 
     ``arrays`` is None for evaluation replies (metrics only). ``reference``
     is what the server sent this round; replies must match its names, shapes
-    and dtypes exactly (no broadcasting, no silent casts).
+    and dtypes exactly (no broadcasting, no silent casts). Values are checked
+    later, on the aggregate (see :func:`apply_rule`).
     """
-    if arrays is not None:
-        if reference is not None:
-            if set(arrays) != set(reference):
-                return "array names differ from the global model's"
-            for name, ref in reference.items():
-                got = arrays[name]
-                if got.shape != ref.shape:
-                    return f"array '{name}' has shape {got.shape}, expected {ref.shape}"
-                if got.dtype != ref.dtype:
-                    return f"array '{name}' has dtype {got.dtype}, expected {ref.dtype}"
-        for name, value in arrays.items():
-            if value.dtype.kind in "fc" and not math.isfinite(float(np.sum(value))):
-                return f"array '{name}' contains NaN or Inf"
+    if arrays is not None and reference is not None:
+        specs = array_specs(arrays)
+        if set(specs) != set(reference):
+            return "array names differ from the global model's"
+        for name, ref in reference.items():
+            shape, dtype = specs[name]
+            if shape != ref.shape:
+                return f"array '{name}' has shape {shape}, expected {ref.shape}"
+            if dtype != str(ref.dtype):
+                return f"array '{name}' has dtype {dtype}, expected {ref.dtype}"
     return _check_metrics(metrics, weight_key)
 
 
@@ -197,31 +261,62 @@ def canonical_order(valid: list[Candidate], weight_key: str) -> list[Candidate]:
     return sorted(valid, key=key)
 
 
+def _statistics_finite(stats: RoundStatistics) -> bool:
+    if stats.mean_sq_norm is not None and not math.isfinite(stats.mean_sq_norm):
+        return False
+    return all_finite(stats.mean_update)
+
+
 def apply_rule(
     rule: ServerRule,
     reference: Arrays,
     valid: Sequence[Candidate],
     weight_key: str,
-) -> tuple[Arrays, dict[str, float | None]]:
-    """Run ``rule`` on screened replies; return new arrays and diagnostics.
+    report: ScreenReport,
+    round_label: str,
+) -> tuple[Arrays | None, dict[str, float | None], list[Candidate]]:
+    """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
     Client-reported ``update-sq-norm`` values are used when every reply has
     one (secure-aggregation friendly); otherwise the rule recomputes them.
+    Replies whose data turn out inconsistent or non-finite are dropped here
+    (counted in ``report``) and the round is aggregated again without them;
+    ``(None, {}, [])`` when none remain.
     """
     ordered = canonical_order(list(valid), weight_key)
-    norms = [c.metrics.get(UPDATE_SQ_NORM_KEY) for c in ordered]
-    reported = None if any(n is None for n in norms) else [float(n) for n in norms]
-    new, diagnostics = rule.step(
-        reference,
-        [c.arrays for c in ordered],  # type: ignore[misc]
-        [float(c.metrics[weight_key]) for c in ordered],
-        reported,
-    )
+    while ordered:
+        norms = [c.metrics.get(UPDATE_SQ_NORM_KEY) for c in ordered]
+        reported = None if any(n is None for n in norms) else [float(n) for n in norms]
+        try:
+            stats = rule.statistics(
+                reference,
+                [c.arrays for c in ordered],  # type: ignore[misc]
+                [float(c.metrics[weight_key]) for c in ordered],
+                reported,
+            )
+        except ReplyError as error:
+            bad = [c for c in ordered if c.arrays is error.arrays]
+            reason = error.reason
+        else:
+            if _statistics_finite(stats):
+                break
+            bad = [c for c in ordered if not all_finite(c.arrays)]  # type: ignore[arg-type]
+            reason = "arrays contain NaN or Inf"
+            if not bad:  # finite inputs whose sums overflow: nothing to single out
+                bad, reason = list(ordered), "aggregate overflowed (values too large)"
+        for candidate in bad:
+            report.reject_late(candidate.node, reason, round_label)
+        ordered = [c for c in ordered if all(c is not b for b in bad)]
+    else:
+        log(WARNING, "%s: no usable replies (%s failed, %s rejected)",
+            round_label, report.failed, report.rejected)  # fmt: skip
+        return None, {}, []
+    new, diagnostics = rule.apply(reference, stats)
     clean: dict[str, float | None] = {
         k: (v if math.isfinite(v) else None) for k, v in diagnostics.items()
     }
     clean["norms-reported"] = float(reported is not None)
-    return new, clean
+    return new, clean, ordered
 
 
 def evaluation_average(previous: Arrays, new: Arrays) -> Arrays:

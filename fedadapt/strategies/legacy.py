@@ -98,6 +98,7 @@ class LegacyRuleStrategy(RuleHost):
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
         self._evaluation: Parameters | None = None
+        self._evaluation_pair: tuple[Arrays, Arrays] | None = None
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -125,7 +126,13 @@ class LegacyRuleStrategy(RuleHost):
         entry["train_replies"] = report.as_dict()
         if not valid or self._sent is None or (failures and not self.accept_failures):
             return None, {}
-        new, diagnostics = apply_rule(self.rule, self._sent, valid, WEIGHT_KEY)
+        label = f"Round {server_round}"
+        new, diagnostics, valid = apply_rule(
+            self.rule, self._sent, valid, WEIGHT_KEY, report, label
+        )
+        entry["train_replies"] = report.as_dict()
+        if new is None:
+            return None, {}
         diagnostics.update(self.after_aggregate(valid))
         entry["diagnostics"] = diagnostics
         metrics: dict[str, Scalar] = {}
@@ -141,18 +148,18 @@ class LegacyRuleStrategy(RuleHost):
         )
         parameters = ndarrays_to_parameters(_listed(new))
         self._last_output = parameters
-        self._evaluation = (
-            ndarrays_to_parameters(_listed(evaluation_average(self._sent, new)))
-            if self.average_last_two
-            else None
-        )
+        self._evaluation = None
+        self._evaluation_pair = (self._sent, new) if self.average_last_two else None
         return parameters, metrics
 
     def evaluation_parameters(self, parameters: Parameters) -> Parameters:
         """Return (w_t + w_{t+1})/2 for our latest output when averaging is on."""
-        if self._evaluation is not None and parameters is self._last_output:
-            return self._evaluation
-        return parameters
+        if self._evaluation_pair is None or parameters is not self._last_output:
+            return parameters
+        if self._evaluation is None:  # built on first use only
+            average = evaluation_average(*self._evaluation_pair)
+            self._evaluation = ndarrays_to_parameters(_listed(average))
+        return self._evaluation
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager

@@ -144,22 +144,27 @@ class ServerRule(ABC):
         instead of being recomputed (what secure aggregation requires).
         """
         weights = client_weights(num_examples, self.weighting)
-        keys = self.adaptive_keys(current)
+        adaptive = set(self.adaptive_keys(current))
         need_norms = self.needs_sq_norms and sq_norms is None
         mean_update: Arrays = {}
         norms = np.zeros(len(clients))
+        # Δ̄ accumulates weighted *differences* x_i − x_t through one reused
+        # buffer: no per-client allocation, and better accuracy than
+        # Σω_i x_i − x_t when updates are small relative to the weights.
+        # Python-float weights keep float32 arrays float32 (NumPy 2 would
+        # promote them to float64 with np.float64 scalars).
         for key, x_t in current.items():
             acc = np.zeros(x_t.shape, dtype=np.result_type(x_t.dtype, np.float32))
-            if need_norms and key in keys:
-                for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
-                    delta = client[key] - x_t
+            delta = np.empty_like(acc)
+            norm_here = need_norms and key in adaptive
+            for i, (client, w) in enumerate(
+                zip(clients, weights.tolist(), strict=True)
+            ):
+                np.subtract(client[key], x_t, out=delta)
+                if norm_here:
                     norms[i] += float(np.vdot(delta, delta))
-                    delta *= w
-                    acc += delta
-            else:
-                for client, w in zip(clients, weights, strict=True):
-                    acc += w * client[key]
-                acc -= x_t
+                delta *= w
+                acc += delta
             mean_update[key] = acc
         if not self.needs_sq_norms:
             mean_sq_norm = None
