@@ -93,3 +93,37 @@ def test_device_choice():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="sees no CUDA device"):
             pick_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("optimizer", ["sgd", "delta-sgd"])
+def test_training_on_cuda_matches_cpu(optimizer):
+    """Issue #5: client training runs unchanged on CUDA (same result as CPU)."""
+    from fedadapt.client.optim import DeltaSGD
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    data = TensorDataset(x, y)
+
+    def run(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=0.1)
+            if optimizer == "sgd"
+            else DeltaSGD(model.parameters(), lr=0.2, module=model)
+        )
+        model.to(device)
+        result = train_local(model, opt, nn.CrossEntropyLoss(), data, epochs=2,
+                             steps=0, batch_size=16, seed=0, device=device)  # fmt: skip
+        return result, [p.detach().cpu() for p in model.parameters()]
+
+    (cpu, cpu_params), (gpu, gpu_params) = (
+        run(torch.device("cpu")),
+        run(torch.device("cuda:0")),
+    )
+    assert gpu.loss == pytest.approx(cpu.loss, rel=1e-4)
+    assert gpu.update_sq_norm == pytest.approx(cpu.update_sq_norm, rel=1e-4)
+    for a, b in zip(cpu_params, gpu_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
