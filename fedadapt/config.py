@@ -111,6 +111,10 @@ RUN_CONFIG: tuple[Key, ...] = (
         choices=_registry_names("partition")),
     Key("dirichlet-alpha", 0.5, "Concentration α of the Dirichlet label partition "
         "(smaller = more skew).", minimum=0.0, exclusive_minimum=True),
+    Key("classes-per-client", 2, "Classes per client of partition=shards (1 = "
+        "Fed-LAMB's one digit per device).", minimum=1),
+    Key("samples-per-client", 500, "Samples per client of partition=delta-sgd "
+        "(drawn with replacement).", minimum=1),
     Key("num-server-rounds", 20, "Number of federated rounds.", minimum=1),
     Key("clients-per-round", 10, "Clients sampled for training each round "
         "(must not exceed the connected nodes).", minimum=1),

@@ -1,4 +1,4 @@
-"""Partition statistics: coverage, determinism, skew, minimum sizes."""
+"""Partition statistics: coverage, determinism, skew, class counts (spec U23)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from fedadapt.tasks.partition import (
+    PARTITIONS,
+    client_indices,
+    delta_sgd_partition,
     dirichlet_partition,
+    equal_dirichlet_partition,
     iid_partition,
+    shard_partition,
     train_test_split_indices,
 )
 
@@ -39,10 +44,18 @@ def test_dirichlet_assigns_every_sample_exactly_once(alpha):
     assert min(len(p) for p in parts) >= 10
 
 
-def test_dirichlet_same_seed_same_partition_other_seed_differs():
-    a = dirichlet_partition(LABELS, 10, 0.5, seed=1)
-    b = dirichlet_partition(LABELS, 10, 0.5, seed=1)
-    c = dirichlet_partition(LABELS, 10, 0.5, seed=2)
+@pytest.mark.parametrize(
+    "split",
+    [
+        lambda s: iid_partition(LABELS, 10, s),
+        lambda s: dirichlet_partition(LABELS, 10, 0.5, s),
+        lambda s: equal_dirichlet_partition(LABELS, 10, 0.5, s),
+        lambda s: shard_partition(LABELS, 10, 2, s),
+        lambda s: delta_sgd_partition(LABELS, 10, 0.5, 100, s),
+    ],
+)
+def test_same_seed_same_partition_other_seed_differs(split):
+    a, b, c = split(1), split(1), split(2)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
@@ -67,10 +80,58 @@ def test_dirichlet_impossible_request_is_a_clear_error():
 
 
 def test_iid_is_an_exact_near_equal_cover():
-    parts = iid_partition(1003, 10, seed=0)
+    labels = np.resize(LABELS, 1003)
+    parts = iid_partition(labels, 10, seed=0)
     _assert_exact_cover(parts, 1003)
     assert {len(p) for p in parts} == {100, 101}
-    assert _mean_label_skew(parts, np.resize(LABELS, 1003)) < 0.15
+    assert _mean_label_skew(parts, labels) < 0.15
+
+
+def test_equal_dirichlet_gives_equal_disjoint_clients_with_skew():
+    """FedExP's equal-size sampler (U23): exactly N/n per client, disjoint."""
+    parts = equal_dirichlet_partition(LABELS, 10, 0.3, seed=0)
+    _assert_exact_cover(parts, len(LABELS))
+    assert {len(p) for p in parts} == {200}
+    assert _mean_label_skew(parts, LABELS) > 0.3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_shards_give_exactly_k_classes(k):
+    parts = shard_partition(LABELS, 10, k, seed=0)
+    assert all(len(np.unique(LABELS[p])) == k for p in parts)
+    _assert_exact_cover(parts, len(LABELS))
+    if k == 1:  # Fed-LAMB non-iid MNIST: one digit per device, 5 devices per digit
+        many = shard_partition(LABELS, 50, 1, seed=0)
+        owners = np.bincount([int(LABELS[p][0]) for p in many], minlength=10)
+        assert owners.tolist() == [5] * 10
+
+
+def test_delta_sgd_sampler_matches_the_papers_code():
+    """U23: class counts round(n·q), remainder to the last class, with replacement."""
+    alpha, n, seed = 0.5, 500, 7
+    parts = delta_sgd_partition(LABELS, 4, alpha, n, seed)
+    rng = np.random.default_rng(seed)  # step-by-step reference of sampling.py
+    members = [np.flatnonzero(LABELS == c) for c in range(10)]
+    for part in parts:
+        q = rng.dirichlet(alpha * np.full(10, 0.1))
+        counts = np.round(n * q).astype(int)
+        counts[-1] = n - counts[:-1].sum()
+        draws = [
+            rng.choice(m, size=k, replace=True)
+            for m, k in zip(members, counts, strict=True)
+            if k > 0
+        ]
+        expected = np.sort(np.concatenate(draws))
+        assert len(part) == n
+        np.testing.assert_array_equal(part, expected)
+        np.testing.assert_array_equal(np.bincount(LABELS[part], minlength=10), counts)
+
+
+def test_registry_and_cache_agree(cfg):
+    config = cfg(partition="dirichlet", dirichlet_alpha=0.5, seed=4)
+    direct = PARTITIONS.get("dirichlet")(LABELS, 10, config)
+    for i in range(10):
+        np.testing.assert_array_equal(client_indices(LABELS, 10, i, config), direct[i])
 
 
 def test_local_train_test_split():

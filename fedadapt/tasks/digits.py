@@ -17,7 +17,7 @@ from torch.utils.data import Subset, TensorDataset
 
 from fedadapt.tasks.base import ClientData, Task
 from fedadapt.tasks.models import MLP
-from fedadapt.tasks.partition import PARTITIONS, train_test_split_indices
+from fedadapt.tasks.partition import client_indices, train_test_split_indices
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # the global test set is the same whatever the run's seed
@@ -44,10 +44,11 @@ def load_client(
 ) -> ClientData:
     """Return client ``partition_id``'s local train/test data."""
     train, _ = load_digits_split()
-    labels = train.tensors[1].numpy()
-    parts = PARTITIONS.get(cfg["partition"])(labels, num_partitions, cfg)
+    indices = client_indices(
+        train.tensors[1].numpy(), num_partitions, partition_id, cfg
+    )
     local_train, local_test = train_test_split_indices(
-        parts[partition_id], cfg["client-test-fraction"], cfg["seed"] + partition_id
+        indices, cfg["client-test-fraction"], cfg["seed"] + partition_id
     )
     return ClientData(
         train=Subset(train, local_train.tolist()),

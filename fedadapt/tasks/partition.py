@@ -1,12 +1,35 @@
 """Splitting a labelled training set over federated clients.
 
-Pure NumPy and deterministic from a seed: every client computes the same full
-partition and keeps its own part, so no coordination is needed.
+Selected by run-config ``partition``; deterministic from run-config ``seed``:
+every client computes the same full partition and keeps its own part, so no
+coordination is needed (results are cached per process).
+
+Where Flower Datasets implements the papers' scheme we use its partitioner
+(on a two-column ``datasets.Dataset`` of labels and row indices):
+
+=================  ==========================================================
+``iid``            shuffled equal split (flwr-datasets ``IidPartitioner``)
+``dirichlet``      per-class Dir(α) proportions, Hsu et al. 2019 (flwr-datasets
+                   ``DirichletPartitioner``, min. 10 samples per client)
+``dirichlet-equal`` equal client sizes, per-client Dir(α) class mix without
+                   replacement (flwr-datasets ``InnerDirichletPartitioner``;
+                   FedExP's ``getDirichletData_equal``, DUA's CIFAR split,
+                   A-F9)
+``shards``         ``classes-per-client`` classes each, the pathological
+                   split (flwr-datasets ``PathologicalPartitioner``; 1 class
+                   per client is Fed-LAMB's non-iid MNIST, spec §7.2)
+``delta-sgd``      the Δ-SGD code's sampler (spec §7.1), which flwr-datasets
+                   lacks: per client q ~ Dir(α·p), ``round(n·q)`` samples per
+                   class (remainder to the last class), drawn *with
+                   replacement* and independently per client, so clients may
+                   overlap (A-D17)
+=================  ==========================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -19,6 +42,31 @@ PartitionFn = Callable[[NDArray[Any], int, Mapping[str, Any]], Partition]
 
 PARTITIONS: Registry[PartitionFn] = Registry("partition")
 
+DIRICHLET_MIN_SIZE = 10
+
+
+def _with_flower_partitioner(
+    labels: NDArray[Any], num_partitions: int, make: Callable[[], Any]
+) -> Partition:
+    """Run a flwr-datasets partitioner over ``labels``; return row indices."""
+    import datasets
+
+    labels = np.asarray(labels)
+    table = datasets.Dataset.from_dict(
+        {"label": labels.tolist(), "row": np.arange(len(labels)).tolist()}
+    )
+    partitioner = make()
+    partitioner.dataset = table
+    try:
+        return [
+            np.sort(np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64))
+            for i in range(num_partitions)
+        ]
+    except ValueError as error:  # e.g. no Dirichlet draw met the minimum size
+        raise ValueError(
+            f"cannot split {len(labels)} samples over {num_partitions} clients: {error}"
+        ) from None
+
 
 def _check_count(num_samples: int, num_partitions: int, min_size: int) -> None:
     if num_partitions < 1:
@@ -30,11 +78,18 @@ def _check_count(num_samples: int, num_partitions: int, min_size: int) -> None:
         )
 
 
-def iid_partition(num_samples: int, num_partitions: int, seed: int) -> Partition:
-    """Shuffle the indices and cut them into near-equal parts."""
-    _check_count(num_samples, num_partitions, 1)
-    order = np.random.default_rng(seed).permutation(num_samples)
-    return [np.sort(part) for part in np.array_split(order, num_partitions)]
+def iid_partition(labels: NDArray[Any], num_partitions: int, seed: int) -> Partition:
+    """Shuffle with ``seed``, then near-equal contiguous parts (IidPartitioner)."""
+    from flwr_datasets.partitioner import IidPartitioner
+
+    _check_count(len(labels), num_partitions, 1)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    parts = _with_flower_partitioner(
+        np.asarray(labels)[order],
+        num_partitions,
+        lambda: IidPartitioner(num_partitions),
+    )
+    return [np.sort(order[p]) for p in parts]
 
 
 def dirichlet_partition(
@@ -42,38 +97,100 @@ def dirichlet_partition(
     num_partitions: int,
     alpha: float,
     seed: int,
-    min_size: int = 10,
-    max_tries: int = 1000,
+    min_size: int = DIRICHLET_MIN_SIZE,
 ) -> Partition:
-    """Label-skewed split: each class is divided by proportions ~ Dir(α·1).
+    """Label-skewed split: each class divided by proportions ~ Dir(α·1).
 
-    The scheme of Hsu et al. (2019, arXiv:1909.06335), also used by
-    flwr-datasets' ``DirichletPartitioner``: for every class, draw client
-    proportions from a symmetric Dirichlet(α) and cut that class's shuffled
-    indices accordingly. Draws are repeated until every client holds at least
-    ``min_size`` samples. Every sample is assigned to exactly one client.
+    Hsu et al. (2019, arXiv:1909.06335) via flwr-datasets'
+    ``DirichletPartitioner``; redrawn until every client holds ``min_size``
+    samples. Every sample is assigned to exactly one client.
+    """
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    if not alpha > 0:
+        raise ValueError(f"Invalid alpha: {alpha}")
+    _check_count(len(labels), num_partitions, min_size)
+    return _with_flower_partitioner(
+        labels,
+        num_partitions,
+        lambda: DirichletPartitioner(
+            num_partitions, "label", alpha, min_partition_size=min_size, seed=seed
+        ),
+    )
+
+
+def equal_dirichlet_partition(
+    labels: NDArray[Any], num_partitions: int, alpha: float, seed: int
+) -> Partition:
+    """Equal-size clients whose class mixes are drawn from Dir(α) (disjoint)."""
+    from flwr_datasets.partitioner import InnerDirichletPartitioner
+
+    _check_count(len(labels), num_partitions, 1)
+    sizes = [len(p) for p in np.array_split(np.arange(len(labels)), num_partitions)]
+    return _with_flower_partitioner(
+        labels,
+        num_partitions,
+        lambda: InnerDirichletPartitioner(sizes, "label", alpha, seed=seed),
+    )
+
+
+def shard_partition(
+    labels: NDArray[Any], num_partitions: int, classes_per_client: int, seed: int
+) -> Partition:
+    """Each client gets exactly ``classes_per_client`` classes (pathological)."""
+    from flwr_datasets.partitioner import PathologicalPartitioner
+
+    num_classes = len(np.unique(labels))
+    if not 1 <= classes_per_client <= num_classes:
+        raise ValueError(
+            f"classes-per-client must be in [1, {num_classes}], "
+            f"got {classes_per_client}"
+        )
+    # client i's first class is i mod C, so every class is used when there are
+    # at least C clients; further classes are drawn at random
+    mode = "deterministic" if classes_per_client == 1 else "first-deterministic"
+    return _with_flower_partitioner(
+        labels,
+        num_partitions,
+        lambda: PathologicalPartitioner(
+            num_partitions, "label", classes_per_client, mode, seed=seed
+        ),
+    )
+
+
+def delta_sgd_partition(
+    labels: NDArray[Any],
+    num_partitions: int,
+    alpha: float,
+    samples_per_client: int,
+    seed: int,
+) -> Partition:
+    """Sample clients as the Δ-SGD code does (``sampling.py``; spec §7.1, A-D17).
+
+    For each client: q ~ Dir(α·p) with uniform prior p over the classes;
+    class counts ``round(samples_per_client·q)`` with the last class taking
+    the remainder; each class's samples drawn with replacement. Clients are
+    drawn independently, so their data may overlap.
     """
     if not alpha > 0:
         raise ValueError(f"Invalid alpha: {alpha}")
     labels = np.asarray(labels)
-    _check_count(len(labels), num_partitions, min_size)
-    rng = np.random.default_rng(seed)
     classes = np.unique(labels)
-    for _ in range(max_tries):
-        parts: list[list[NDArray[np.int64]]] = [[] for _ in range(num_partitions)]
-        for cls in classes:
-            members = rng.permutation(np.flatnonzero(labels == cls))
-            shares = rng.dirichlet(np.full(num_partitions, alpha))
-            cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
-            for part, chunk in zip(parts, np.split(members, cuts), strict=True):
-                part.append(chunk)
-        merged = [np.sort(np.concatenate(part)) for part in parts]
-        if min(len(part) for part in merged) >= min_size:
-            return merged
-    raise ValueError(
-        f"No Dirichlet(alpha={alpha}) draw in {max_tries} tries gave every one of "
-        f"{num_partitions} clients {min_size} samples; raise alpha or use fewer clients"
-    )
+    members = [np.flatnonzero(labels == c) for c in classes]
+    rng = np.random.default_rng(seed)
+    prior = np.full(len(classes), 1.0 / len(classes))
+    parts = []
+    for _ in range(num_partitions):
+        q = rng.dirichlet(alpha * prior)
+        counts = np.round(samples_per_client * q).astype(int)[:-1]
+        counts = np.append(counts, max(samples_per_client - counts.sum(), 0))
+        drawn = [
+            rng.choice(m, size=k, replace=True)
+            for m, k in zip(members, counts, strict=True)
+            if k > 0
+        ]
+        parts.append(np.sort(np.concatenate(drawn)).astype(np.int64))
+    return parts
 
 
 def train_test_split_indices(
@@ -93,7 +210,7 @@ def train_test_split_indices(
 def _iid(
     labels: NDArray[Any], num_partitions: int, cfg: Mapping[str, Any]
 ) -> Partition:
-    return iid_partition(len(labels), num_partitions, cfg["seed"])
+    return iid_partition(labels, num_partitions, cfg["seed"])
 
 
 @PARTITIONS.register("dirichlet")
@@ -103,3 +220,64 @@ def _dirichlet(
     return dirichlet_partition(
         labels, num_partitions, cfg["dirichlet-alpha"], cfg["seed"]
     )
+
+
+@PARTITIONS.register("dirichlet-equal")
+def _dirichlet_equal(
+    labels: NDArray[Any], num_partitions: int, cfg: Mapping[str, Any]
+) -> Partition:
+    return equal_dirichlet_partition(
+        labels, num_partitions, cfg["dirichlet-alpha"], cfg["seed"]
+    )
+
+
+@PARTITIONS.register("shards")
+def _shards(
+    labels: NDArray[Any], num_partitions: int, cfg: Mapping[str, Any]
+) -> Partition:
+    return shard_partition(
+        labels, num_partitions, cfg["classes-per-client"], cfg["seed"]
+    )
+
+
+@PARTITIONS.register("delta-sgd")
+def _delta_sgd(
+    labels: NDArray[Any], num_partitions: int, cfg: Mapping[str, Any]
+) -> Partition:
+    return delta_sgd_partition(
+        labels,
+        num_partitions,
+        cfg["dirichlet-alpha"],
+        cfg["samples-per-client"],
+        cfg["seed"],
+    )
+
+
+#: run-config keys that each partition scheme reads (for caching)
+PARTITION_KEYS = {
+    "iid": ("seed",),
+    "dirichlet": ("dirichlet-alpha", "seed"),
+    "dirichlet-equal": ("dirichlet-alpha", "seed"),
+    "shards": ("classes-per-client", "seed"),
+    "delta-sgd": ("dirichlet-alpha", "samples-per-client", "seed"),
+}
+
+
+@lru_cache(maxsize=8)
+def _cached(
+    name: str, labels: bytes, dtype: str, num_partitions: int, params: tuple
+) -> tuple[NDArray[np.int64], ...]:
+    array = np.frombuffer(labels, dtype=dtype)
+    cfg = dict(params)
+    return tuple(PARTITIONS.get(name)(array, num_partitions, cfg))
+
+
+def client_indices(
+    labels: NDArray[Any], num_partitions: int, partition_id: int, cfg: Mapping[str, Any]
+) -> NDArray[np.int64]:
+    """Return client ``partition_id``'s sample indices (partition cached)."""
+    name = cfg["partition"]
+    labels = np.ascontiguousarray(labels)
+    params = tuple((k, cfg[k]) for k in PARTITION_KEYS.get(name, ("seed",)))
+    parts = _cached(name, labels.tobytes(), str(labels.dtype), num_partitions, params)
+    return parts[partition_id]
