@@ -107,6 +107,10 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("strategy", "fedavg", "Server strategy.", choices=_registry_names("strategy")),
     Key("client-optimizer", "sgd", "Optimizer of local training.",
         choices=_registry_names("client-optimizer")),
+    Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
+        "formats (nothing is downloaded); use an absolute path."),
+    Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "
+        "flip, as the Δ-SGD code)."),
     Key("partition", "dirichlet", "How the training set is split over clients.",
         choices=_registry_names("partition")),
     Key("dirichlet-alpha", 0.5, "Concentration α of the Dirichlet label partition "

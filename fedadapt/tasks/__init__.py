@@ -3,8 +3,10 @@
 from fedadapt.registry import Registry
 from fedadapt.tasks.base import ClientData, Task, evaluate_model, pick_device
 from fedadapt.tasks.digits import DIGITS_MLP
+from fedadapt.tasks.paper_tasks import PAPER_TASKS
 
 TASKS: Registry[Task] = Registry("task")
-TASKS.register(DIGITS_MLP.name)(DIGITS_MLP)
+for _task in (DIGITS_MLP, *PAPER_TASKS):
+    TASKS.register(_task.name)(_task)
 
 __all__ = ["TASKS", "ClientData", "Task", "evaluate_model", "pick_device"]

@@ -1,0 +1,189 @@
+"""The papers' tasks: dataset + model + loss, selected by ``task=<name>``.
+
+Data are read from run-config ``data-dir`` (nothing is downloaded; see
+:mod:`fedadapt.tasks.datasets`). Image tasks split the training set over
+the clients with run-config ``partition`` and hold out
+``client-test-fraction`` of each client's share for federated evaluation;
+the official test set is the central test set. LEAF tasks use their natural
+clients (writers, speakers): ``num-partitions`` of them, chosen with
+``seed``, each with its own LEAF train/test split. The synthetic task
+generates DUA's per-client data from ``seed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
+
+from fedadapt.tasks import models
+from fedadapt.tasks.base import ClientData, Task
+from fedadapt.tasks.datasets import (
+    SHAKESPEARE_VOCAB_SIZE,
+    labels_of,
+    leaf_client_data,
+    leaf_users,
+    load_torchvision,
+)
+from fedadapt.tasks.partition import client_indices, train_test_split_indices
+from fedadapt.tasks.synthetic import make_feddua_linreg
+
+
+@lru_cache(maxsize=8)
+def _torchvision(name: str, data_dir: str, train: bool, augment: bool) -> Dataset:
+    return load_torchvision(name, data_dir, train=train, augment=augment)
+
+
+def vision_task(
+    name: str, dataset: str, build_model: Callable[[], nn.Module], summary: str
+) -> Task:
+    """Build a task on a torchvision dataset split by run-config ``partition``."""
+
+    def load_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
+        augment = bool(cfg["augment"])
+        train = _torchvision(dataset, cfg["data-dir"], True, augment)
+        plain = _torchvision(dataset, cfg["data-dir"], True, False)
+        indices = client_indices(labels_of(plain), num, pid, cfg)
+        local_train, local_test = train_test_split_indices(
+            indices, cfg["client-test-fraction"], cfg["seed"] + pid
+        )
+        return ClientData(
+            Subset(train, local_train.tolist()), Subset(plain, local_test.tolist())
+        )
+
+    def load_test(cfg: Mapping[str, Any]) -> Dataset:
+        return _torchvision(dataset, cfg["data-dir"], False, False)
+
+    return Task(name, summary, build_model, load_client, load_test)
+
+
+def chosen_users(cfg: Mapping[str, Any], dataset: str, num: int) -> list[str]:
+    """``num`` LEAF users drawn without replacement with ``seed`` (DUA: 100)."""
+    users = leaf_users(cfg["data-dir"], dataset)
+    if num > len(users):
+        raise ValueError(
+            f"{dataset} has {len(users)} users but {num} clients were requested"
+        )
+    rng = np.random.default_rng(cfg["seed"])
+    return [users[i] for i in np.sort(rng.choice(len(users), num, replace=False))]
+
+
+def leaf_task(
+    name: str, dataset: str, build_model: Callable[[], nn.Module], summary: str
+) -> Task:
+    """Build a task on a LEAF dataset with natural clients (writers, speakers)."""
+
+    def user_index(cfg: Mapping[str, Any], num: int, pid: int) -> int:
+        users = leaf_users(cfg["data-dir"], dataset)
+        return users.index(chosen_users(cfg, dataset, num)[pid])
+
+    def load_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
+        train, test = leaf_client_data(
+            cfg["data-dir"], dataset, user_index(cfg, num, pid)
+        )
+        return ClientData(train, test)
+
+    def load_test(cfg: Mapping[str, Any]) -> Dataset:
+        # the chosen clients' test data; the number of clients is a node
+        # property, so the server evaluates on every user's test split
+        users = leaf_users(cfg["data-dir"], dataset)
+        parts = [
+            leaf_client_data(cfg["data-dir"], dataset, i)[1] for i in range(len(users))
+        ]
+        return ConcatDataset([p for p in parts if len(p) > 0])
+
+    return Task(name, summary, build_model, load_client, load_test)
+
+
+class HalfSquaredError(nn.Module):
+    """½·mean((ŷ − y)²): DUA's (1/(2n))‖Xw − y‖² per batch (spec §10.2 C1)."""
+
+    def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Return the loss."""
+        return 0.5 * torch.mean((prediction - target) ** 2)
+
+
+def _synthetic_clients(cfg: Mapping[str, Any], num: int) -> list[TensorDataset]:
+    x, y = make_feddua_linreg(seed=cfg["seed"], num_clients=num)
+    return [
+        TensorDataset(
+            torch.from_numpy(x[i].astype(np.float32)),
+            torch.from_numpy(y[i].astype(np.float32)),
+        )
+        for i in range(num)
+    ]
+
+
+def _synthetic_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
+    data = _synthetic_clients(cfg, num)[pid]
+    # the paper reports the training objective: evaluate on the same data
+    return ClientData(data, data)
+
+
+SYNTHETIC_CLIENTS = 20
+
+SYNTHETIC_LINREG = Task(
+    name="synthetic-linreg",
+    summary="FedDuA's synthetic linear regression (DUA §5.1, App. H.2): 20 "
+    "clients × 30 samples, d = 1000; central evaluation = the global objective",
+    build_model=lambda: models.LinearRegression(1000),
+    load_client=_synthetic_client,
+    load_test=lambda cfg: ConcatDataset(_synthetic_clients(cfg, SYNTHETIC_CLIENTS)),
+    criterion=HalfSquaredError,
+    classification=False,
+)
+
+PAPER_TASKS = (
+    vision_task(
+        "mnist-cnn", "mnist", lambda: models.CNNMnist(10),
+        "MNIST, CNN of the Δ-SGD code (21,840 params); Δ-SGD §4, Fed-LAMB §4",
+    ),
+    vision_task(
+        "mnist-mlp", "mnist", lambda: models.LambMLP(),
+        "MNIST, MLP 784→200→10 with dropout (159,010 params); Fed-LAMB §4",
+    ),
+    vision_task(
+        "fmnist-cnn", "fmnist", lambda: models.CNNMnist(10),
+        "Fashion-MNIST, CNN of the Δ-SGD code; Δ-SGD §4",
+    ),
+    vision_task(
+        "cifar10-resnet18", "cifar10", lambda: models.resnet18_cifar(10),
+        "CIFAR-10, ResNet-18 (CIFAR variant, BatchNorm, 11.2 M params); Δ-SGD §4",
+    ),
+    vision_task(
+        "cifar100-resnet18", "cifar100", lambda: models.resnet18_cifar(100),
+        "CIFAR-100, ResNet-18 (CIFAR variant); Δ-SGD §4",
+    ),
+    vision_task(
+        "cifar10-resnet18-gn", "cifar10",
+        lambda: models.resnet18_cifar(10, norm="group", pool_kernel=3),
+        "CIFAR-10, ResNet-18 with GroupNorm(2) and 3×3 final pooling, the FedExP "
+        "code's model that DUA uses (A-F8); DUA §5",
+    ),
+    vision_task(
+        "cifar100-resnet18-gn", "cifar100",
+        lambda: models.resnet18_cifar(100, norm="group", pool_kernel=3),
+        "CIFAR-100, ResNet-18 GroupNorm variant of FedExP/DUA; DUA §5",
+    ),
+    vision_task(
+        "cifar100-resnet50", "cifar100", lambda: models.resnet50_cifar(100),
+        "CIFAR-100, ResNet-50 (CIFAR variant); Δ-SGD §4",
+    ),
+    leaf_task(
+        "femnist-cnn", "femnist", lambda: models.FemnistCNN(62),
+        "LEAF FEMNIST (natural writers), CNN of DUA App. Table 5; DUA §5",
+    ),
+    leaf_task(
+        "shakespeare-lstm", "shakespeare",
+        # LEAF's alphabet has 80 characters; DUA's count (1,093,199) implies 79,
+        # which cannot encode real LEAF data, so the task uses 80 (+513 params)
+        lambda: models.ShakespeareLSTM(vocab_size=SHAKESPEARE_VOCAB_SIZE),
+        "LEAF Shakespeare (natural speakers), 2×256 LSTM of DUA App. Table 4",
+    ),
+    SYNTHETIC_LINREG,
+)  # fmt: skip
