@@ -265,10 +265,34 @@ def _replace_between(text: str, begin: str, end: str, body: str) -> str:
     return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
 
 
-def sync_files(root: Path, write: bool) -> list[str]:
-    """Regenerate (or, with ``write=False``, check) pyproject.toml and README.md.
+def render_task_confs() -> dict[str, str]:
+    """Return ``conf/tasks/<task>.toml`` files: each paper's setup as overrides."""
+    from fedadapt.registry import lookup
 
-    Returns the names of the files that were (or would be) changed.
+    tasks = lookup("task")
+    files = {}
+    for name in tasks.names():
+        setup = dict(tasks.get(name).paper_config)
+        if not setup:
+            continue
+        nodes = setup.pop("num-supernodes", None)
+        lines = [
+            f"# {tasks.get(name).summary}",
+            "# Generated from fedadapt/tasks (paper_config); edit there.",
+            f"# flwr run . <connection> --run-config conf/tasks/{name}.toml "
+            f'--federation-config "num-supernodes={nodes}"',
+            f'task = "{name}"',
+            *(f"{k} = {_toml_value(v)}" for k, v in setup.items()),
+        ]
+        files[f"conf/tasks/{name}.toml"] = "\n".join(lines) + "\n"
+    return files
+
+
+def sync_files(root: Path, write: bool) -> list[str]:
+    """Regenerate (or, with ``write=False``, check) the generated files.
+
+    pyproject.toml's run-config table, README.md's configuration table and
+    ``conf/tasks/*.toml``. Returns the files that were (or would be) changed.
     """
     targets = {
         "pyproject.toml": (_TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
@@ -283,6 +307,13 @@ def sync_files(root: Path, write: bool) -> list[str]:
             changed.append(name)
             if write:
                 path.write_text(new, encoding="utf-8")
+    for name, content in render_task_confs().items():
+        path = root / name
+        if not path.exists() or path.read_text(encoding="utf-8") != content:
+            changed.append(name)
+            if write:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(content, encoding="utf-8")
     return changed
 
 

@@ -154,3 +154,15 @@ def test_readme_lists_every_key():
     assert render_markdown_table() in readme
     for name in KEYS:
         assert re.search(rf"\| `{re.escape(name)}` \|", readme), name
+
+
+def test_paper_setups_are_valid_run_configs():
+    import tomllib as toml
+
+    from fedadapt.tasks import TASKS
+
+    for path in sorted((ROOT / "conf" / "tasks").glob("*.toml")):
+        overrides = toml.loads(path.read_text())
+        cfg = validate_run_config(overrides)
+        assert TASKS.get(cfg["task"]).paper_config
+        assert path.stem == cfg["task"]

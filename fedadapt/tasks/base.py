@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,10 @@ class Task:
         Builds the loss (mean over the batch).
     classification : bool
         Whether accuracy is a meaningful metric.
+    paper_config : Mapping[str, Any]
+        The source paper's setup as run-config overrides (written to
+        ``conf/tasks/<name>.toml``), plus ``num-supernodes``, the number of
+        clients, which is a federation setting.
     """
 
     name: str
@@ -48,6 +52,7 @@ class Task:
     load_test: Callable[[Mapping[str, Any]], Dataset]
     criterion: Callable[[], nn.Module] = nn.CrossEntropyLoss
     classification: bool = True
+    paper_config: Mapping[str, Any] = field(default_factory=dict)
 
 
 def pick_device(name: str = "auto") -> torch.device:

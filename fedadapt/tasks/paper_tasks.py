@@ -40,7 +40,11 @@ def _torchvision(name: str, data_dir: str, train: bool, augment: bool) -> Datase
 
 
 def vision_task(
-    name: str, dataset: str, build_model: Callable[[], nn.Module], summary: str
+    name: str,
+    dataset: str,
+    build_model: Callable[[], nn.Module],
+    summary: str,
+    paper_config: Mapping[str, Any],
 ) -> Task:
     """Build a task on a torchvision dataset split by run-config ``partition``."""
 
@@ -59,7 +63,9 @@ def vision_task(
     def load_test(cfg: Mapping[str, Any]) -> Dataset:
         return _torchvision(dataset, cfg["data-dir"], False, False)
 
-    return Task(name, summary, build_model, load_client, load_test)
+    return Task(
+        name, summary, build_model, load_client, load_test, paper_config=paper_config
+    )
 
 
 def chosen_users(cfg: Mapping[str, Any], dataset: str, num: int) -> list[str]:
@@ -74,7 +80,11 @@ def chosen_users(cfg: Mapping[str, Any], dataset: str, num: int) -> list[str]:
 
 
 def leaf_task(
-    name: str, dataset: str, build_model: Callable[[], nn.Module], summary: str
+    name: str,
+    dataset: str,
+    build_model: Callable[[], nn.Module],
+    summary: str,
+    paper_config: Mapping[str, Any],
 ) -> Task:
     """Build a task on a LEAF dataset with natural clients (writers, speakers)."""
 
@@ -97,7 +107,9 @@ def leaf_task(
         ]
         return ConcatDataset([p for p in parts if len(p) > 0])
 
-    return Task(name, summary, build_model, load_client, load_test)
+    return Task(
+        name, summary, build_model, load_client, load_test, paper_config=paper_config
+    )
 
 
 class HalfSquaredError(nn.Module):
@@ -127,6 +139,42 @@ def _synthetic_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
 
 SYNTHETIC_CLIENTS = 20
 
+# The papers' setups (spec §7); num-supernodes is the number of clients.
+DELTA_SGD_SETUP = {
+    "num-supernodes": 100,
+    "clients-per-round": 10,
+    "partition": "delta-sgd",
+    "dirichlet-alpha": 0.1,
+    "samples-per-client": 500,
+    "local-epochs": 1,
+    "batch-size": 64,
+    "strategy": "fedavg",
+    "client-optimizer": "delta-sgd",
+    "client-lr": 0.2,
+}  # Δ-SGD ICLR §4 / App. A: 100 clients x 500 samples, 10 %/round, E=1, b=64
+FED_LAMB_SETUP = {
+    "num-supernodes": 50,
+    "clients-per-round": 25,
+    "partition": "shards",
+    "classes-per-client": 1,
+    "local-epochs": 1,
+    "batch-size": 32,
+    "strategy": "fed-lamb",
+    "client-optimizer": "fed-lamb",
+    "client-lr": 0.01,
+    "num-server-rounds": 100,
+}  # Fed-LAMB §4: 50 devices, 50 %/round, one digit per device, b=32
+FEDDUA_SETUP = {
+    "num-supernodes": 100,
+    "clients-per-round": 20,
+    "local-steps": 20,
+    "batch-size": 50,
+    "strategy": "feddua",
+    "num-server-rounds": 500,
+    "average-last-two": True,
+    "weighting": "uniform",
+}  # DUA §5.1: 20 participants, tau = 20 steps, batch 50, 500 rounds
+
 SYNTHETIC_LINREG = Task(
     name="synthetic-linreg",
     summary="FedDuA's synthetic linear regression (DUA §5.1, App. H.2): 20 "
@@ -136,47 +184,68 @@ SYNTHETIC_LINREG = Task(
     load_test=lambda cfg: ConcatDataset(_synthetic_clients(cfg, SYNTHETIC_CLIENTS)),
     criterion=HalfSquaredError,
     classification=False,
+    paper_config={
+        **FEDDUA_SETUP,
+        "num-supernodes": SYNTHETIC_CLIENTS,
+        "clients-per-round": 20,
+        "feddua-variant": "adagrad",
+        "epsilon": 0.0,
+        "epsilon-g": 0.0,
+        "client-lr": 0.1,
+        "local-epochs": 1,
+    },  # fmt: skip
 )
 
 PAPER_TASKS = (
     vision_task(
         "mnist-cnn", "mnist", lambda: models.CNNMnist(10),
         "MNIST, CNN of the Δ-SGD code (21,840 params); Δ-SGD §4, Fed-LAMB §4",
+        {**DELTA_SGD_SETUP, "num-server-rounds": 500},
     ),
     vision_task(
         "mnist-mlp", "mnist", lambda: models.LambMLP(),
         "MNIST, MLP 784→200→10 with dropout (159,010 params); Fed-LAMB §4",
+        FED_LAMB_SETUP,
     ),
     vision_task(
         "fmnist-cnn", "fmnist", lambda: models.CNNMnist(10),
         "Fashion-MNIST, CNN of the Δ-SGD code; Δ-SGD §4",
+        {**DELTA_SGD_SETUP, "num-server-rounds": 1000},
     ),
     vision_task(
         "cifar10-resnet18", "cifar10", lambda: models.resnet18_cifar(10),
         "CIFAR-10, ResNet-18 (CIFAR variant, BatchNorm, 11.2 M params); Δ-SGD §4",
+        {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     vision_task(
         "cifar100-resnet18", "cifar100", lambda: models.resnet18_cifar(100),
         "CIFAR-100, ResNet-18 (CIFAR variant); Δ-SGD §4",
+        {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     vision_task(
         "cifar10-resnet18-gn", "cifar10",
         lambda: models.resnet18_cifar(10, norm="group", pool_kernel=3),
         "CIFAR-10, ResNet-18 with GroupNorm(2) and 3×3 final pooling, the FedExP "
         "code's model that DUA uses (A-F8); DUA §5",
+        {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
+         "client-lr": 0.01, "epsilon-g": 0.01},
     ),
     vision_task(
         "cifar100-resnet18-gn", "cifar100",
         lambda: models.resnet18_cifar(100, norm="group", pool_kernel=3),
         "CIFAR-100, ResNet-18 GroupNorm variant of FedExP/DUA; DUA §5",
+        {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
+         "client-lr": 0.01, "epsilon-g": 0.1},
     ),
     vision_task(
         "cifar100-resnet50", "cifar100", lambda: models.resnet50_cifar(100),
         "CIFAR-100, ResNet-50 (CIFAR variant); Δ-SGD §4",
+        {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     leaf_task(
         "femnist-cnn", "femnist", lambda: models.FemnistCNN(62),
         "LEAF FEMNIST (natural writers), CNN of DUA App. Table 5; DUA §5",
+        {**FEDDUA_SETUP, "client-lr": 0.1, "epsilon-g": 0.1},
     ),
     leaf_task(
         "shakespeare-lstm", "shakespeare",
@@ -184,6 +253,7 @@ PAPER_TASKS = (
         # which cannot encode real LEAF data, so the task uses 80 (+513 params)
         lambda: models.ShakespeareLSTM(vocab_size=SHAKESPEARE_VOCAB_SIZE),
         "LEAF Shakespeare (natural speakers), 2×256 LSTM of DUA App. Table 4",
+        {**FEDDUA_SETUP, "client-lr": 1.0, "epsilon-g": 1.0},
     ),
     SYNTHETIC_LINREG,
 )  # fmt: skip
