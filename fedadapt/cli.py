@@ -21,6 +21,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,90 @@ def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
     return found
 
 
+@dataclass
+class RunOutcome:
+    """How one ``flwr run`` ended, judged by Flower's status and results.json."""
+
+    run_id: int
+    status: str
+    details: str
+    wall_time_s: float
+    results: Path | None
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the run completed every round with usable replies."""
+        return self.status == "finished:completed" and not self.problems
+
+
+def submit_run(
+    superlink: SimulationSuperLink,
+    app: Path,
+    overrides: dict[str, Any],
+    num_supernodes: int,
+    timeout: float,
+    stream: bool = False,
+) -> RunOutcome:
+    """Run the app once on ``superlink`` and wait for its real outcome.
+
+    ``overrides`` must hold an absolute ``output-dir``; they are validated
+    before anything is submitted (ConfigError names the key).
+    """
+    from fedadapt.config import validate_run_config
+
+    cfg = validate_run_config(overrides)
+    env = flower_env(superlink.flwr_home)
+    write_connection(superlink.flwr_home, CONNECTION, superlink.address)
+    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    started = time.monotonic()
+    out = _flwr(
+        ["run", str(app), CONNECTION, "--format", "json", "--run-config", run_config,
+         "--federation-config", f"num-supernodes={num_supernodes}"],
+        env,
+    )  # fmt: skip
+    run_id = int(json.loads(out)["run-id"])
+    streamer = None
+    if stream:
+        print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
+        flwr = str(Path(sys.executable).parent / "flwr")
+        streamer = subprocess.Popen(
+            [flwr, "log", str(run_id), CONNECTION, "--stream"], env=env
+        )
+    try:
+        while True:
+            status = run_status(run_id, env)
+            if status["status"].startswith(TERMINAL_PREFIX):
+                break
+            if time.monotonic() - started > timeout:
+                _flwr(["stop", str(run_id), CONNECTION], env)
+                status = {"status": "timed-out", "status-details": f"> {timeout}s"}
+                break
+            time.sleep(1.0)
+    finally:
+        if streamer is not None:
+            time.sleep(1.0)  # let the last log lines through
+            streamer.terminate()
+            streamer.wait(timeout=10)
+    path = find_results(Path(cfg["output-dir"]).expanduser().resolve(), run_id)
+    problems = []
+    if status["status"] == "finished:completed":
+        if path is None:
+            problems = ["no results.json written"]
+        else:
+            problems = problems_in(
+                json.loads(path.read_text()), cfg["num-server-rounds"]
+            )
+    return RunOutcome(
+        run_id,
+        status["status"],
+        status.get("status-details", ""),
+        time.monotonic() - started,
+        path,
+        problems,
+    )
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Run one simulation end to end; return the process exit code."""
     from fedadapt.config import validate_run_config
@@ -204,57 +289,23 @@ def simulate(args: argparse.Namespace) -> int:
     flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
     overrides = parse_config_args([args.run_config] if args.run_config else None)
     overrides.setdefault("output-dir", str(Path("outputs").resolve()))
-    cfg = validate_run_config(overrides)  # fail fast, before starting anything
-    output_dir = Path(cfg["output-dir"]).expanduser().resolve()
-    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
-    env = flower_env(flwr_home)
+    validate_run_config(overrides)  # fail fast, before starting anything
     with SimulationSuperLink(flwr_home, args.port) as superlink:
-        write_connection(flwr_home, CONNECTION, superlink.address)
-        started = time.monotonic()
-        out = _flwr(
-            ["run", str(app), CONNECTION, "--format", "json",
-             "--run-config", run_config,
-             "--federation-config", f"num-supernodes={args.num_supernodes}"],
-            env,
+        outcome = submit_run(
+            superlink, app, overrides, args.num_supernodes, args.timeout,
+            stream=not args.quiet,
         )  # fmt: skip
-        run_id = int(json.loads(out)["run-id"])
-        print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
-        streamer = None
-        if not args.quiet:
-            flwr = str(Path(sys.executable).parent / "flwr")
-            streamer = subprocess.Popen(
-                [flwr, "log", str(run_id), CONNECTION, "--stream"], env=env
-            )
-        try:
-            while True:
-                status = run_status(run_id, env)
-                if status["status"].startswith(TERMINAL_PREFIX):
-                    break
-                if time.monotonic() - started > args.timeout:
-                    _flwr(["stop", str(run_id), CONNECTION], env)
-                    print(f"fedadapt: run {run_id} timed out", file=sys.stderr)
-                    return 1
-                time.sleep(1.0)
-        finally:
-            if streamer is not None:
-                time.sleep(1.0)  # let the last log lines through
-                streamer.terminate()
-                streamer.wait(timeout=10)
-    wall = time.monotonic() - started
-    print(f"fedadapt: run {run_id} {status['status']} in {wall:.1f}s", flush=True)
-    if status["status"] != "finished:completed":
-        print(f"fedadapt: {status.get('status-details', '')}", file=sys.stderr)
+    print(f"fedadapt: run {outcome.run_id} {outcome.status} in "
+          f"{outcome.wall_time_s:.1f}s", flush=True)  # fmt: skip
+    if outcome.status != "finished:completed":
+        print(f"fedadapt: {outcome.details}", file=sys.stderr)
         return 1
-    path = find_results(output_dir, run_id)
-    if path is None:
-        print(f"fedadapt: no results.json for run {run_id} in {output_dir}",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    problems = problems_in(json.loads(path.read_text()), cfg["num-server-rounds"])
-    print(f"fedadapt: results: {path}\nfedadapt: curves:  {path.parent / 'curves.png'}")
-    for problem in problems:
+    if outcome.results is not None:
+        print(f"fedadapt: results: {outcome.results}")
+        print(f"fedadapt: curves:  {outcome.results.parent / 'curves.png'}")
+    for problem in outcome.problems:
         print(f"fedadapt: problem: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    return 0 if outcome.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
