@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test smoke lint format install clean
 
 install: $(STAMP)
 
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+SMOKE_SUITES := feddua-synthetic-smoke delta-sgd-digits-smoke fed-lamb-digits-smoke
+
+# the papers' qualitative claims at CPU scale (docs/reproduction.md)
+smoke: $(STAMP)
+	@for suite in $(SMOKE_SUITES); do \
+		$(BIN)/fedadapt-exp run conf/$$suite.yaml --output outputs/experiments --check || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,396 @@
+"""Experiment suites: YAML grids of runs, a resumable runner, tables and plots.
+
+A suite (``conf/<suite>.yaml``) names a base run config, methods (run-config
+overrides; a list value is a grid axis), seeds, rounds, the metric to
+compare and optionally the paper's claims. ``fedadapt-exp run`` runs every
+cell through the Flower simulation (one private SuperLink per suite, one
+``flwr run`` per cell), skipping cells already finished, so it is safe to
+interrupt and resume. ``fedadapt-exp report`` writes ``report.md`` (mean ±
+std over seeds, the best grid point per method), ``report.json`` and
+``report.png``, and checks the claims.
+
+Suite keys::
+
+    name: feddua-synthetic-smoke     # output folder name
+    description: ...                 # what it reproduces (paper, table/figure)
+    num-supernodes: 20               # clients
+    rounds: 60                       # num-server-rounds of every cell
+    seeds: [0, 1]
+    metric: eval-loss                # eval-loss | eval-accuracy | train-loss
+    base: {task: synthetic-linreg, ...}          # run-config overrides
+    methods: {fedavg: {strategy: fedavg, client-lr: [0.01, 0.1]}, ...}
+    claims:                          # optional, checked by the report
+      - {method: feddua, beats: [fedavg, fedexp], factor: 1.0, note: "..."}
+      # min metric: mine·factor ≤ theirs + margin; max: mine ≥ theirs·factor − margin
+    timeout: 900                     # seconds per cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedadapt.config import KEYS, ConfigError, validate_run_config
+
+SUITE_KEYS = {
+    "name", "description", "num-supernodes", "rounds", "seeds", "metric", "base",
+    "methods", "claims", "timeout",
+}  # fmt: skip
+CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
+METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
+RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name")
+
+
+class SuiteError(ValueError):
+    """A suite file is malformed; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a suite: a method, a grid point and a seed."""
+
+    method: str
+    point: tuple[tuple[str, Any], ...]
+    seed: int
+    overrides: Mapping[str, Any]
+
+    @property
+    def point_label(self) -> str:
+        """Grid point as ``key=value,...`` ("default" when no grid)."""
+        return ",".join(f"{k}={v}" for k, v in self.point) or "default"
+
+    @property
+    def run_name(self) -> str:
+        """Folder name of the cell inside the suite's output folder."""
+        label = self.point_label.replace("/", "_").replace("=", "-").replace(",", "_")
+        return f"{self.method}__{label}__seed{self.seed}"
+
+
+@dataclass
+class Suite:
+    """A parsed, validated suite."""
+
+    name: str
+    description: str
+    num_supernodes: int
+    rounds: int
+    seeds: list[int]
+    metric: str
+    base: dict[str, Any]
+    methods: dict[str, dict[str, Any]]
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    timeout: float = 900.0
+
+    def cells(self, output_dir: Path) -> list[Cell]:
+        """Every (method, grid point, seed) with its full run-config overrides."""
+        cells = []
+        for method, spec in self.methods.items():
+            axes = {k: v for k, v in spec.items() if isinstance(v, list)}
+            fixed = {k: v for k, v in spec.items() if not isinstance(v, list)}
+            for values in itertools.product(*axes.values()):
+                point = tuple(zip(axes, values, strict=True))
+                for seed in self.seeds:
+                    cell = Cell(method, point, seed, {})
+                    overrides = {
+                        **self.base, **fixed, **dict(point), "seed": seed,
+                        "num-server-rounds": self.rounds,
+                        "output-dir": str(output_dir), "run-name": cell.run_name,
+                    }  # fmt: skip
+                    cells.append(Cell(method, point, seed, overrides))
+        return cells
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise SuiteError(f"Invalid suite key '{key}': {message}")
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate a suite; every cell's run config is checked too.
+
+    Raises SuiteError (unknown or malformed suite keys) or ConfigError (a
+    cell's run config is invalid), naming the key, before anything runs.
+    """
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    _require(isinstance(data, dict), "(file)", "expected a mapping at the top")
+    for key in data:
+        _require(key in SUITE_KEYS, key, f"unknown. Valid keys: {sorted(SUITE_KEYS)}")
+    for key in ("name", "methods", "base"):
+        _require(key in data, key, "missing")
+    _require(isinstance(data["methods"], dict) and data["methods"], "methods",
+             "expected a non-empty mapping of method name to overrides")  # fmt: skip
+    metric = data.get("metric", "eval-loss")
+    _require(metric in METRICS, "metric", f"one of {sorted(METRICS)}")
+    seeds = data.get("seeds", [0])
+    _require(isinstance(seeds, list) and all(isinstance(s, int) for s in seeds),
+             "seeds", "expected a list of integers")  # fmt: skip
+    for owned in RUN_OWNED:
+        for where, overrides in [("base", data["base"]), *data["methods"].items()]:
+            _require(owned not in (overrides or {}), f"{where}.{owned}",
+                     "set by the suite (seeds, rounds) and the runner")  # fmt: skip
+    claims = data.get("claims", []) or []
+    for claim in claims:
+        for key in claim:
+            _require(key in CLAIM_KEYS, f"claims.{key}", f"valid: {sorted(CLAIM_KEYS)}")
+        _require(claim.get("method") in data["methods"], "claims.method",
+                 f"{claim.get('method')!r} is not a method of this suite")  # fmt: skip
+        for other in claim.get("beats", []):
+            _require(other in data["methods"], "claims.beats", f"unknown {other!r}")
+    suite = Suite(
+        name=str(data["name"]),
+        description=str(data.get("description", "")),
+        num_supernodes=int(data.get("num-supernodes", 10)),
+        rounds=int(data.get("rounds", 20)),
+        seeds=seeds,
+        metric=metric,
+        base=dict(data["base"]),
+        methods={k: dict(v or {}) for k, v in data["methods"].items()},
+        claims=claims,
+        timeout=float(data.get("timeout", 900)),
+    )
+    for cell in suite.cells(Path("/validate")):
+        try:
+            validate_run_config(cell.overrides)
+        except ConfigError as error:
+            raise ConfigError(error.key, f"{error} (method {cell.method!r})") from None
+        _require(
+            cell.overrides.get("clients-per-round", KEYS["clients-per-round"].default)
+            <= suite.num_supernodes,
+            "num-supernodes",
+            "smaller than clients-per-round",
+        )
+    return suite
+
+
+# --- running -------------------------------------------------------------------
+
+
+def cell_done(results: Path, rounds: int) -> bool:
+    """Whether a cell's results.json says it completed all its rounds."""
+    try:
+        data = json.loads(results.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return data.get("status") == "completed" and len(data.get("rounds", [])) == rounds
+
+
+def run_suite(suite: Suite, output_root: Path, app: Path) -> int:
+    """Run every unfinished cell; return the number of failed cells."""
+    from tqdm import tqdm
+
+    from fedadapt.cli import SimulationSuperLink, submit_run
+
+    out = (output_root / suite.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cells = suite.cells(out)
+    todo = [c for c in cells if not cell_done(out / c.run_name / "results.json",
+                                                suite.rounds)]  # fmt: skip
+    print(f"{suite.name}: {len(cells)} cells, {len(cells) - len(todo)} already done",
+          flush=True)  # fmt: skip
+    failed = 0
+    if not todo:
+        return 0
+    with SimulationSuperLink(out / ".flwr") as superlink:
+        bar = tqdm(todo, desc=suite.name, unit="cell", file=sys.stdout)
+        for cell in bar:
+            bar.set_postfix_str(f"{cell.method} {cell.point_label} seed {cell.seed}")
+            outcome = submit_run(
+                superlink, app, dict(cell.overrides), suite.num_supernodes,
+                suite.timeout,
+            )  # fmt: skip
+            if not outcome.ok:
+                failed += 1
+                tqdm.write(f"FAILED {cell.run_name}: {outcome.status} "
+                           f"{outcome.details} {outcome.problems}")  # fmt: skip
+    return failed
+
+
+# --- reporting -----------------------------------------------------------------
+
+
+def _series(results: Mapping[str, Any], metric: str) -> list[tuple[int, float]]:
+    phase, key = (
+        ("train", "train-loss")
+        if metric == "train-loss"
+        else ("eval", metric.removeprefix("eval-"))
+    )
+    points = []
+    for entry in results.get("rounds", []):
+        values = entry.get(phase) or {}
+        if key in values and values[key] is not None:
+            points.append((entry["round"], float(values[key])))
+    return points
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+    return mean, math.sqrt(var)
+
+
+def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
+    """Per method: every grid point's final metric over seeds, and the best."""
+    out = output_root / suite.name
+    better = min if METRICS[suite.metric] == "min" else max
+    methods: dict[str, Any] = {}
+    for cell in suite.cells(out):
+        path = out / cell.run_name / "results.json"
+        if not cell_done(path, suite.rounds):
+            continue
+        series = _series(json.loads(path.read_text()), suite.metric)
+        if not series:
+            continue
+        point = methods.setdefault(cell.method, {}).setdefault(
+            cell.point_label, {"final": [], "curves": []}
+        )
+        point["final"].append(series[-1][1])
+        point["curves"].append(series)
+    summary: dict[str, Any] = {"suite": suite.name, "metric": suite.metric,
+                               "methods": {}}  # fmt: skip
+    for method, points in methods.items():
+        stats = {
+            label: {"mean": _mean_std(p["final"])[0], "std": _mean_std(p["final"])[1],
+                    "seeds": len(p["final"]), "curves": p["curves"]}
+            for label, p in points.items()
+        }  # fmt: skip
+        best = better(stats, key=lambda label: stats[label]["mean"])
+        summary["methods"][method] = {"best": best, "points": stats}
+    summary["claims"] = [check_claim(c, summary, suite.metric) for c in suite.claims]
+    return summary
+
+
+def check_claim(
+    claim: Mapping[str, Any], summary: Mapping[str, Any], metric: str
+) -> dict[str, Any]:
+    """Evaluate one claim on the best grid points: holds, fails or missing."""
+    methods = summary["methods"]
+    factor = float(claim.get("factor", 1.0))
+    margin = float(claim.get("margin", 0.0))
+    result = {**claim, "status": "holds", "details": []}
+    if claim["method"] not in methods:
+        return {**result, "status": "missing"}
+    mine = methods[claim["method"]]["points"][methods[claim["method"]]["best"]]["mean"]
+    for other in claim.get("beats", []):
+        if other not in methods:
+            result["status"] = "missing"
+            continue
+        theirs = methods[other]["points"][methods[other]["best"]]["mean"]
+        if METRICS[metric] == "min":
+            ok = mine * factor <= theirs + margin
+        else:
+            ok = mine >= theirs * factor - margin
+        result["details"].append(
+            f"{claim['method']} {mine:.4g} vs {other} {theirs:.4g}"
+        )
+        if not ok and result["status"] == "holds":
+            result["status"] = "fails"
+    if result["status"] == "fails" and claim.get("known-deviation"):
+        result["status"] = "fails (known deviation)"
+    return result
+
+
+def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
+    """Write report.md, report.json and report.png; return the summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = output_root / suite.name
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(suite, output_root)
+    lines = [
+        f"# {suite.name}", "", suite.description, "",
+        f"Final {suite.metric} after {suite.rounds} rounds, mean ± std over seeds "
+        f"{suite.seeds}; for grids, the best grid point per method.", "",
+        "| method | best grid point | final metric | seeds |", "|---|---|---|---|",
+    ]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, info in summary["methods"].items():
+        best = info["points"][info["best"]]
+        lines.append(f"| {method} | {info['best']} | {best['mean']:.4g} ± "
+                     f"{best['std']:.2g} | {best['seeds']} |")  # fmt: skip
+        rounds = [r for r, _ in best["curves"][0]]
+        mean = [
+            sum(c[i][1] for c in best["curves"]) / len(best["curves"])
+            for i in range(len(rounds))
+        ]
+        ax.plot(rounds, mean, label=f"{method} ({info['best']})")
+    if summary["claims"]:
+        lines += ["", "## Claims", ""]
+        for claim in summary["claims"]:
+            lines.append(f"- **{claim['status']}**: {claim['method']} beats "
+                         f"{', '.join(claim.get('beats', []))} "
+                         f"({'; '.join(claim['details'])})"
+                         + (f" — {claim['note']}" if claim.get("note") else "")
+                         + (f" — {claim['known-deviation']}"
+                            if claim.get("known-deviation") else ""))  # fmt: skip
+    ax.set_xlabel("round")
+    ax.set_ylabel(suite.metric)
+    if METRICS[suite.metric] == "min":
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(suite.name)
+    fig.tight_layout()
+    fig.savefig(out / "report.png", dpi=100)
+    plt.close(fig)
+    (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    slim = json.loads(json.dumps(summary))
+    for info in slim["methods"].values():
+        for point in info["points"].values():
+            point.pop("curves")
+    (out / "report.json").write_text(json.dumps(slim, indent=2), encoding="utf-8")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fedadapt-exp run|report|check SUITE.yaml``."""
+    parser = argparse.ArgumentParser(prog="fedadapt-exp", description=__doc__)
+    parser.add_argument("command", choices=("run", "report", "validate"))
+    parser.add_argument("suite", type=Path, help="conf/<suite>.yaml")
+    parser.add_argument("--output", type=Path, default=Path("outputs/experiments"))
+    parser.add_argument("--app", type=Path, default=Path("."))
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a claim fails (known deviations excepted)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        suite = load_suite(args.suite)
+    except (SuiteError, ConfigError, yaml.YAMLError, OSError) as error:
+        print(f"fedadapt-exp: {error}", file=sys.stderr)
+        return 2
+    output = args.output.resolve()
+    if args.command == "validate":
+        print(f"{suite.name}: {len(suite.cells(output))} cells, valid")
+        return 0
+    if args.command == "run":
+        started = time.monotonic()
+        failed = run_suite(suite, output, args.app.resolve())
+        print(f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
+              f"{failed} failed")  # fmt: skip
+        if failed:
+            return 1
+    summary = write_report(suite, output)
+    print((output / suite.name / "report.md").read_text())
+    if args.check and any(
+        c["status"] in ("fails", "missing") for c in summary["claims"]
+    ):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

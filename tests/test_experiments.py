@@ -1,0 +1,149 @@
+"""Experiment suites: validation, grid expansion, resume, report and claims."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from fedadapt.config import ConfigError
+from fedadapt.experiments import (
+    SuiteError,
+    cell_done,
+    load_suite,
+    summarise,
+    write_report,
+)
+from tests.helpers import ROOT, VENV_BIN
+
+SUITE = """
+name: tiny
+description: test suite
+num-supernodes: 3
+rounds: 2
+seeds: [0, 1]
+metric: eval-loss
+base: {task: digits-mlp, clients-per-round: 3}
+methods:
+  sgd: {client-optimizer: sgd, client-lr: [0.05, 0.1]}
+  adam: {client-optimizer: adam, client-lr: 0.01}
+claims:
+  - {method: adam, beats: [sgd]}
+"""
+
+
+def _write(tmp_path, text=SUITE):
+    path = tmp_path / "suite.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_grid_expands_over_axes_and_seeds(tmp_path):
+    suite = load_suite(_write(tmp_path))
+    cells = suite.cells(tmp_path / "out")
+    assert len(cells) == (2 + 1) * 2
+    names = {c.run_name for c in cells}
+    assert len(names) == len(cells)
+    sgd = [c for c in cells if c.method == "sgd" and c.seed == 1]
+    assert sorted(c.overrides["client-lr"] for c in sgd) == [0.05, 0.1]
+    assert all(c.overrides["num-server-rounds"] == 2 for c in cells)
+    assert all(c.overrides["task"] == "digits-mlp" for c in cells)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "pattern"),
+    [
+        (("rounds: 2", "rounds: 2\nepochs: 3"), SuiteError, r"'epochs': unknown"),
+        (("client-lr: 0.01}", "client-lr: 0.01, lr-warmup: 3}"), ConfigError,
+         r"'lr-warmup': unknown key"),
+        (("client-lr: 0.01}", "client-lr: -1.0}"), ConfigError, r"'client-lr'"),
+        (("client-lr: 0.01}", "client-lr: 0.01, seed: 3}"), SuiteError, r"adam.seed"),
+        (("metric: eval-loss", "metric: f1"), SuiteError, r"'metric'"),
+        (("beats: [sgd]", "beats: [sgdm]"), SuiteError, r"'claims.beats'"),
+        (("num-supernodes: 3", "num-supernodes: 2"), SuiteError, r"num-supernodes"),
+    ],
+)  # fmt: skip
+def test_bad_suites_fail_before_running_naming_the_key(tmp_path, edit, error, pattern):
+    with pytest.raises(error, match=pattern):
+        load_suite(_write(tmp_path, SUITE.replace(*edit)))
+
+
+def _fake_results(folder, losses, status="completed"):
+    folder.mkdir(parents=True)
+    rounds = [{"round": i + 1, "eval": {"loss": v}} for i, v in enumerate(losses)]
+    (folder / "results.json").write_text(
+        json.dumps({"status": status, "rounds": rounds})
+    )
+
+
+def test_report_mean_std_best_point_and_claims(tmp_path):
+    suite = load_suite(_write(tmp_path))
+    out = tmp_path / "out"
+    finals = {
+        ("sgd", 0.05): (0.9, 0.7),
+        ("sgd", 0.1): (0.5, 0.3),
+        ("adam", 0.01): (0.2, 0.4),
+    }
+    for cell in suite.cells(out / "tiny"):
+        lr = cell.overrides["client-lr"]
+        final = finals[(cell.method, lr)][cell.seed]
+        _fake_results(out / "tiny" / cell.run_name, [1.0, final])
+    summary = write_report(suite, out)
+    sgd = summary["methods"]["sgd"]
+    assert sgd["best"] == "client-lr=0.1"
+    assert sgd["points"]["client-lr=0.1"]["mean"] == pytest.approx(0.4)
+    assert sgd["points"]["client-lr=0.1"]["std"] == pytest.approx(math.sqrt(0.02))
+    adam = summary["methods"]["adam"]["points"]["default"]
+    assert adam["mean"] == pytest.approx(0.3)
+    assert summary["claims"][0]["status"] == "holds"  # 0.3 <= 0.4
+    report = (out / "tiny" / "report.md").read_text()
+    assert "| sgd | client-lr=0.1 | 0.4 ± 0.14 | 2 |" in report
+    assert (out / "tiny" / "report.png").stat().st_size > 3000
+
+
+def test_claim_that_fails_is_reported(tmp_path):
+    suite = load_suite(
+        _write(tmp_path, SUITE.replace("beats: [sgd]", "beats: [sgd], factor: 2.0"))
+    )
+    out = tmp_path / "out"
+    for cell in suite.cells(out / "tiny"):
+        _fake_results(out / "tiny" / cell.run_name, [1.0, 0.3])
+    summary = summarise(suite, out)
+    assert summary["claims"][0]["status"] == "fails"
+
+
+def test_only_completed_cells_count_as_done(tmp_path):
+    _fake_results(tmp_path / "a", [1.0, 0.5])
+    _fake_results(tmp_path / "b", [1.0], status="completed")
+    _fake_results(tmp_path / "c", [1.0, 0.5], status="failed")
+    assert cell_done(tmp_path / "a" / "results.json", 2)
+    assert not cell_done(tmp_path / "b" / "results.json", 2)
+    assert not cell_done(tmp_path / "c" / "results.json", 2)
+    assert not cell_done(tmp_path / "missing" / "results.json", 2)
+
+
+@pytest.mark.e2e
+def test_run_through_flower_then_resume_skips_finished_cells(tmp_path):
+    text = SUITE.replace("seeds: [0, 1]", "seeds: [0]").replace(
+        "client-lr: [0.05, 0.1]", "client-lr: 0.1"
+    )
+    path = _write(tmp_path, text)
+    command = [str(VENV_BIN / "fedadapt-exp"), "run", str(path), "--output",
+               str(tmp_path / "out"), "--app", str(ROOT)]  # fmt: skip
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "2 cells, 0 already done" in first.stdout
+    assert (tmp_path / "out" / "tiny" / "report.md").exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0
+    assert "2 cells, 2 already done" in again.stdout
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_shipped_suites_are_valid(path):
+    suite = load_suite(path)
+    assert suite.description and suite.cells(ROOT / "outputs")
