@@ -17,6 +17,7 @@ Suite keys::
     rounds: 60                       # num-server-rounds of every cell
     seeds: [0, 1]
     metric: eval-loss                # eval-loss | eval-accuracy | train-loss
+    last: 5                          # average the metric over the last 5 evaluations
     base: {task: synthetic-linreg, ...}          # run-config overrides
     methods: {fedavg: {strategy: fedavg, client-lr: [0.01, 0.1]}, ...}
     claims:                          # optional, checked by the report
@@ -44,7 +45,7 @@ from fedadapt.config import KEYS, ConfigError, validate_run_config
 
 SUITE_KEYS = {
     "name", "description", "num-supernodes", "rounds", "seeds", "metric", "base",
-    "methods", "claims", "timeout",
+    "methods", "claims", "timeout", "last",
 }  # fmt: skip
 CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
 METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
@@ -90,6 +91,7 @@ class Suite:
     methods: dict[str, dict[str, Any]]
     claims: list[dict[str, Any]] = field(default_factory=list)
     timeout: float = 900.0
+    last: int = 1
 
     def cells(self, output_dir: Path) -> list[Cell]:
         """Every (method, grid point, seed) with its full run-config overrides."""
@@ -157,6 +159,7 @@ def load_suite(path: str | Path) -> Suite:
         methods={k: dict(v or {}) for k, v in data["methods"].items()},
         claims=claims,
         timeout=float(data.get("timeout", 900)),
+        last=int(data.get("last", 1)),
     )
     for cell in suite.cells(Path("/validate")):
         try:
@@ -253,7 +256,8 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
         point = methods.setdefault(cell.method, {}).setdefault(
             cell.point_label, {"final": [], "curves": []}
         )
-        point["final"].append(series[-1][1])
+        tail = [value for _, value in series[-suite.last :]]
+        point["final"].append(sum(tail) / len(tail))
         point["curves"].append(series)
     summary: dict[str, Any] = {"suite": suite.name, "metric": suite.metric,
                                "methods": {}}  # fmt: skip
@@ -311,8 +315,9 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
     summary = summarise(suite, output_root)
     lines = [
         f"# {suite.name}", "", suite.description, "",
-        f"Final {suite.metric} after {suite.rounds} rounds, mean ± std over seeds "
-        f"{suite.seeds}; for grids, the best grid point per method.", "",
+        f"Final {suite.metric} after {suite.rounds} rounds (mean of the last "
+        f"{suite.last} evaluations), mean ± std over seeds {suite.seeds}; for "
+        "grids, the best grid point per method.", "",
         "| method | best grid point | final metric | seeds |", "|---|---|---|---|",
     ]  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 4))
