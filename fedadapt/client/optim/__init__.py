@@ -31,6 +31,12 @@ def _sgd(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Opt
     return torch.optim.SGD(model.parameters(), lr=lr)
 
 
+@OPTIMIZERS.register("sgdm")
+def _sgdm(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, restarted every round (a Δ-SGD paper baseline)."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
 @OPTIMIZERS.register("delta-sgd")
 def _delta_sgd(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
