@@ -704,6 +704,82 @@ def test_state_dict_round_trip_lock_step(mode):
     np.testing.assert_allclose([h.eta for h in opt_b.history[0]], etas[5:], rtol=1e-10)
 
 
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_state_dict_is_a_snapshot_and_loading_copies(mode):
+    """x_{k-1} / g_{k-1} are buffers refreshed in place, so ``state_dict``
+    returns copies (it does not follow later steps) and ``load_state_dict``
+    copies what it loads (two optimizers loaded from one dict stay apart)."""
+    X, y, batches, x0 = _logreg_data()
+    w, b, Xt, yt = _logreg_torch(X, y, x0)
+    opt = DeltaSGD([w, b], mode=mode)
+
+    def make_closure(opt, w, b, k):
+        idx = torch.as_tensor(batches[k % len(batches)])
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                Xt[idx] @ w + b, yt[idx]
+            )
+            loss.backward()
+            return loss
+
+        return closure
+
+    for k in range(4):
+        opt.step(make_closure(opt, w, b, k))
+    saved = opt.state_dict()
+    frozen = copy.deepcopy(saved)
+    point = [w.detach().clone(), b.detach().clone()]
+    for k in range(4, 7):
+        opt.step(make_closure(opt, w, b, k))
+    for key, entry in frozen["state"].items():
+        assert entry.keys() == saved["state"][key].keys()
+        for name, value in entry.items():
+            assert torch.equal(saved["state"][key][name], value)
+    clones = []
+    for _ in range(2):
+        wc, bc = (t.clone().requires_grad_(True) for t in point)
+        other = DeltaSGD([wc, bc], mode=mode)
+        other.load_state_dict(saved)
+        for key, entry in saved["state"].items():
+            loaded = other.state[other.param_groups[0]["params"][key]]
+            for name, value in entry.items():
+                assert loaded[name].data_ptr() != value.data_ptr()
+        clones.append((other, wc, bc))
+    for k in range(4, 7):
+        for other, wc, bc in clones:
+            other.step(make_closure(other, wc, bc, k))
+    for other, wc, bc in clones:
+        assert torch.equal(wc, w) and torch.equal(bc, b)
+        assert other.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_same_batch_pass_follows_reassigned_buffers():
+    """The cached buffer list notices a re-assigned BatchNorm buffer."""
+    model = _bn_model()
+    opt = DeltaSGD(model.parameters(), module=model)
+    inputs, targets = _bn_batches()[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    model[1].running_mean = model[1].running_mean.clone()
+    model[1].num_batches_tracked = model[1].num_batches_tracked.clone()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference(inputs)  # the one train-mode pass at x_k that should count
+    opt.step(closure)
+    for got, want in zip(model.buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert model[1].num_batches_tracked.item() == 4
+
+
 # ---------------------------------------------------------------------- GPU
 
 

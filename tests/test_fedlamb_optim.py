@@ -530,6 +530,25 @@ def test_closure_and_params_without_grad(cls):
     assert opt.step() is None
 
 
+def test_default_foreach_path(monkeypatch):
+    """``foreach=None``: foreach for small CPU tensors, for-loop for large."""
+    assert fedlamb._default_foreach([torch.zeros(50, 20), torch.zeros(7)])
+    assert not fedlamb._default_foreach([torch.zeros(300, 300), torch.zeros(9)])
+    assert not fedlamb._default_foreach([])
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[0]))
+
+    monkeypatch.setattr(fedlamb, "_foreach_fed_lamb", spy)
+    params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    opt = FedLAMB(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == [2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cls", [FedLAMB, FedAMS])

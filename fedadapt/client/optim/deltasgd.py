@@ -70,6 +70,62 @@ class StepInfo(NamedTuple):
     smooth_term: float
 
 
+class _BufferSnapshot:
+    """Saves and restores every buffer of a module with a few foreach copies.
+
+    The buffer list is collected once and re-collected only when a buffer
+    was re-assigned (``module.x = tensor``); the snapshot tensors are
+    allocated once and reused. Buffers are copied with one
+    ``torch._foreach_copy_`` per (device, dtype) bucket, in place, so their
+    identity (and any reference held elsewhere) is kept.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._owners: list[tuple[nn.Module, str, torch.Tensor]] | None = None
+        self._live: list[list[torch.Tensor]] = []
+        self._saved: list[list[torch.Tensor]] = []
+
+    def _refresh(self) -> None:
+        owners, seen = [], set()
+        for mod in self.module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is None or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                owners.append((mod, name, buf))
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, _, buf in owners:
+            buckets.setdefault((buf.device, buf.dtype), []).append(buf)
+        self._owners = owners
+        self._live = list(buckets.values())
+        self._saved = [[torch.empty_like(b) for b in live] for live in self._live]
+
+    def save(self) -> None:
+        """Snapshot the current values of every buffer."""
+        if self._owners is None or not all(
+            mod._buffers.get(name) is buf for mod, name, buf in self._owners
+        ):
+            self._refresh()
+        with torch.no_grad():
+            for saved, live in zip(self._saved, self._live, strict=True):
+                torch._foreach_copy_(saved, live)
+
+    def restore(self) -> None:
+        """Copy the snapshot back into the buffers, in place."""
+        with torch.no_grad():
+            for live, saved in zip(self._live, self._saved, strict=True):
+                torch._foreach_copy_(live, saved)
+
+    @contextmanager
+    def preserved(self) -> Iterator[None]:
+        self.save()
+        try:
+            yield
+        finally:
+            self.restore()
+
+
 @contextmanager
 def preserve_buffers(module: nn.Module | None) -> Iterator[None]:
     """Restore every buffer of ``module`` on exit (BatchNorm statistics etc.).
@@ -78,35 +134,94 @@ def preserve_buffers(module: nn.Module | None) -> Iterator[None]:
     ``num_batches_tracked``, ...) on entry and copies the snapshot back in
     place on exit, also when the body raises. ``None`` is a no-op.
 
-    :class:`DeltaSGD` wraps its extra ``same_batch`` pass in this when given
-    ``module=``; custom training loops can use it for any forward pass that
-    must not count towards the running statistics.
+    :class:`DeltaSGD` wraps its extra ``same_batch`` pass in the same
+    snapshot when given ``module=`` (keeping the buffer list and the snapshot
+    tensors from step to step); custom training loops can use this for any
+    forward pass that must not count towards the running statistics.
     """
     if module is None:
         yield
         return
-    buffers = list(module.buffers())
-    saved = [b.detach().clone() for b in buffers]
-    try:
+    with _BufferSnapshot(module).preserved():
         yield
-    finally:
-        with torch.no_grad():
-            for buf, old in zip(buffers, saved, strict=True):
-                buf.copy_(old)
 
 
-def _global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Euclidean norm of the concatenation of ``tensors`` (spec §2.4).
+def _global_norms(tensors: list[torch.Tensor], parts: int = 1) -> torch.Tensor:
+    """Euclidean norms of ``parts`` equal consecutive slices of ``tensors``.
 
-    Per-tensor norms come from one ``torch._foreach_norm`` call and are
-    combined in float64 (float32 on MPS, which lacks float64) on the first
-    tensor's device; nothing is synchronised with the host here.
+    Spec §2.4: the norm of the concatenation of each slice (``parts=2``
+    gives ``‖Δx‖`` and ``‖Δg‖`` from ``dx + dg``). Per-tensor norms come from
+    one ``torch._foreach_norm`` call and are combined in float64 (float32 on
+    MPS, which lacks float64) on the first tensor's device; returns a 1-d
+    tensor of ``parts`` values. Nothing is synchronised with the host here.
     """
     device = tensors[0].device
     dtype = torch.float32 if device.type == "mps" else torch.float64
     norms = torch._foreach_norm(tensors)
-    stacked = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
-    return torch.linalg.vector_norm(stacked)
+    try:
+        stacked = torch.stack(norms)
+    except RuntimeError:  # parameters on several devices
+        stacked = torch.stack([n.to(device) for n in norms])
+    # ``dtype`` casts every per-tensor norm before the reduction (exact).
+    return torch.linalg.vector_norm(stacked.view(parts, -1), dim=1, dtype=dtype)
+
+
+class _GroupBuffers:
+    """One group's round buffers, reused from step to step (spec §2.4).
+
+    ``params`` are the parameters that stepped at the previous step (those
+    with a gradient), ``states`` their ``self.state`` dicts, ``prev`` their
+    ``state["prev_param"]`` (x_{k-1}) and ``prev_grad`` their
+    ``state["prev_grad"]`` (g_{k-1}, consecutive mode, else ``None``): the
+    same tensor objects as in the optimizer state. ``spare`` (same_batch) is
+    scratch space for x_k during the extra pass, not part of the state; after
+    a step it swaps roles with ``prev``.
+    """
+
+    __slots__ = ("mode", "params", "prev", "prev_grad", "spare", "states")
+
+    def __init__(
+        self,
+        mode: str,
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        prev: list[torch.Tensor],
+        prev_grad: list[torch.Tensor] | None,
+    ) -> None:
+        self.mode = mode
+        self.params = params
+        self.states = states
+        self.prev = prev
+        self.prev_grad = prev_grad
+        self.spare: list[torch.Tensor] | None = None
+
+    def matches(self, mode: str, params: list[torch.Tensor]) -> bool:
+        """Whether this step has the same mode and parameters with a gradient."""
+        return (
+            mode == self.mode
+            and len(params) == len(self.params)
+            and all(p is q for p, q in zip(params, self.params, strict=True))
+        )
+
+
+class _Plan:
+    """One group's work in one step."""
+
+    __slots__ = ("buffers", "grads", "group", "olds", "params", "spare_holds_x")
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        buffers: _GroupBuffers | None,
+    ) -> None:
+        self.group = group
+        self.params = params
+        self.grads = grads
+        self.buffers = buffers
+        self.olds: list[torch.Tensor | None] | None = None  # same_batch g(x_{k-1})
+        self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
 
 class DeltaSGD(Optimizer):
@@ -146,9 +261,10 @@ class DeltaSGD(Optimizer):
         Which gradient ``g̃(x_{k-1})`` is compared with (spec §2.5, A-D9).
         ``"same_batch"`` (official code): recompute the gradient at the
         previous iterate on the *current* batch; costs **two forward/backward
-        passes per step** plus one parameter copy and requires ``closure``.
+        passes per step** and requires ``closure``; keeps two parameter-sized
+        buffers (``x_{k-1}`` and a spare that receives ``x_k``).
         ``"consecutive"``: reuse the stored gradient of the previous step
-        (previous batch); one pass plus one gradient-sized buffer.
+        (previous batch); one pass; keeps ``x_{k-1}`` and ``g_{k-1}``.
     first_step : {"paper", "official"}, optional
         ``"paper"`` (default, Alg. 1): the first step uses ``η0``.
         ``"official"``: the code's zero-norm guard fires at the first step,
@@ -216,7 +332,15 @@ class DeltaSGD(Optimizer):
     stay at ``x_k`` with their gradients, and the optimizer state is intact.
 
     One host synchronisation per step (the scalar norms for the min); all
-    tensor arithmetic uses ``torch._foreach_*`` kernels.
+    tensor arithmetic uses ``torch._foreach_*`` kernels, so a step issues a
+    fixed number of operations whatever the number of tensors (7 in
+    ``consecutive`` mode, 13 plus the closure calls in ``same_batch`` mode
+    with a ``module`` holding buffers of two dtypes, for one parameter group
+    without weight decay). ``x_{k-1}`` and
+    ``g_{k-1}`` live in buffers allocated at the first step of a round and
+    refreshed in place (``state[p]["prev_param"]``, ``["prev_grad"]``);
+    :meth:`state_dict` therefore returns copies of them and
+    :meth:`load_state_dict` copies what it loads.
 
     Deviations from the spec: none in the arithmetic. ``first_step`` and
     ``step_eps`` default to ``None`` (resolved as documented) so that an
@@ -262,6 +386,9 @@ class DeltaSGD(Optimizer):
         self.compat = compat
         self._module = module
         self._history: list[list[StepInfo]] = []
+        # Per group index: this round's x_{k-1} / g_{k-1} buffers (not state).
+        self._buffers: dict[int, _GroupBuffers] = {}
+        self._snapshot: _BufferSnapshot | None = None
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ groups
@@ -281,10 +408,43 @@ class DeltaSGD(Optimizer):
         self.__dict__.setdefault("compat", None)
         self.__dict__.setdefault("_module", None)
         self.__dict__.setdefault("_history", [])
+        self.__dict__.setdefault("_snapshot", None)
+        self._buffers = {}  # the state may have been replaced: rebuild lazily
         for group in self.param_groups:
             group.setdefault("eta0", group["lr"])
             group.setdefault("theta", group["theta0"])
             group.setdefault("k", 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's ``state_dict``, with copies of the state tensors.
+
+        The buffers ``prev_param`` / ``prev_grad`` are refreshed in place at
+        every step, so the returned dict holds copies: it stays a snapshot of
+        this step.
+        """
+        out = super().state_dict()
+        out["state"] = {
+            key: {
+                name: value.clone() if isinstance(value, torch.Tensor) else value
+                for name, value in entry.items()
+            }
+            for key, entry in out["state"].items()
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's ``load_state_dict``; the state tensors are copied.
+
+        The loaded ``prev_param`` / ``prev_grad`` become this optimizer's
+        buffers, which are refreshed in place, so they never share memory
+        with ``state_dict``.
+        """
+        super().load_state_dict(state_dict)
+        for entry in self.state.values():
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    entry[name] = value.clone()
+        self._buffers = {}
 
     # ----------------------------------------------------------------- logging
 
@@ -349,6 +509,7 @@ class DeltaSGD(Optimizer):
             group["theta"] = group["theta0"]
             group["k"] = 0
         self.state.clear()
+        self._buffers = {}
         self._history = [[] for _ in self.param_groups]
 
     # -------------------------------------------------------------------- step
@@ -389,59 +550,58 @@ class DeltaSGD(Optimizer):
                 loss = closure()
 
         # Parameters with a gradient at x_k, per group (spec §2.4).
-        plans: list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]] = []
-        for group in self.param_groups:
+        plans: list[_Plan] = []
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("DeltaSGD does not support sparse gradients")
-            plans.append((group, params, [p.grad for p in params]))
+            grads = [p.grad for p in params]
+            if any(g.is_sparse for g in grads):
+                raise RuntimeError("DeltaSGD does not support sparse gradients")
+            buffers = self._buffers.get(index)
+            if buffers is not None and not buffers.matches(group["mode"], params):
+                buffers = None  # the parameters with a gradient changed
+            plans.append(_Plan(group, params, grads, buffers))
 
         # Same-batch: g̃_{B_k}(x_{k-1}) for every same_batch group with k ≥ 1.
-        extra_groups = [
-            group
-            for group, params, _ in plans
-            if params and group["mode"] == "same_batch" and group["k"] > 0
+        extra = [
+            plan
+            for plan in plans
+            if plan.params
+            and plan.group["mode"] == "same_batch"
+            and plan.group["k"] > 0
         ]
-        prev_grads: dict[torch.Tensor, torch.Tensor | None] = {}
-        current: dict[torch.Tensor, torch.Tensor] = {}
-        if extra_groups:
+        if extra:
             assert closure is not None  # checked above
-            prev_grads, current = self._grads_at_previous_iterate(closure, extra_groups)
+            self._grads_at_previous_iterate(closure, extra)
 
         # Norms (device tensors) for every group, then one host sync.
         checks: list[torch.Tensor] = []
-        for group, params, grads in plans:
+        for plan in plans:
+            group, params, grads = plan.group, plan.params, plan.grads
             if not params:
                 continue
             if group["k"] == 0:
-                checks.append(_global_norm(grads))
+                checks.append(_global_norms(grads))
                 continue
-            state = [self.state.get(p, {}) for p in params]
-            prevs = [s.get("prev_param", p) for s, p in zip(state, params, strict=True)]
-            if group["mode"] == "same_batch":
-                olds = [prev_grads.get(p) for p in params]
-            else:
-                olds = [s.get("prev_grad") for s in state]
-            olds = [
-                torch.zeros_like(g) if h is None else h
-                for g, h in zip(grads, olds, strict=True)
-            ]
-            dx = torch._foreach_sub(params, prevs)
-            dg = torch._foreach_sub(grads, olds)
+            prevs, olds = self._previous(plan)
+            n = len(params)
+            diffs = torch._foreach_sub(params + grads, prevs + olds)  # dx + dg
             if group["weight_decay"] != 0.0:
-                torch._foreach_add_(dg, dx, alpha=group["weight_decay"])
-            checks.extend((_global_norm(dx), _global_norm(dg)))
+                torch._foreach_add_(diffs[n:], diffs[:n], alpha=group["weight_decay"])
+            checks.append(_global_norms(diffs, parts=2))
         if not checks:
             return loss
-        device = checks[0].device
-        values = torch.stack([c.to(device) for c in checks]).tolist()
+        if len(checks) == 1:
+            values = checks[0].tolist()
+        else:
+            device = checks[0].device
+            values = torch.cat([c.to(device) for c in checks]).tolist()
 
         # Step sizes for every group; raise before changing anything.
         decisions: list[StepInfo | None] = []
         pos = 0
-        for index, (group, params, _) in enumerate(plans):
-            if not params:
+        for index, plan in enumerate(plans):
+            group = plan.group
+            if not plan.params:
                 decisions.append(None)
                 continue
             if group["k"] == 0:
@@ -465,23 +625,11 @@ class DeltaSGD(Optimizer):
                 decisions.append(_adaptive_step(group, a, b))
 
         # Apply: store x_k (and g_k in consecutive mode), then x ← x - η(g + λx).
-        for index, ((group, params, grads), info) in enumerate(
-            zip(plans, decisions, strict=True)
-        ):
+        for index, (plan, info) in enumerate(zip(plans, decisions, strict=True)):
             if info is None:
                 continue
-            with_grad = set(params)
-            for p in group["params"]:
-                if p not in with_grad:
-                    self.state.pop(p, None)  # it does not move: x_prev = x
-            for p, g in zip(params, grads, strict=True):
-                state = self.state[p]
-                prev = current.get(p)
-                state["prev_param"] = p.detach().clone() if prev is None else prev
-                if group["mode"] == "consecutive":
-                    state["prev_grad"] = g.detach().clone()
-                else:
-                    state.pop("prev_grad", None)
+            group, params, grads = plan.group, plan.params, plan.grads
+            self._store_previous(index, plan)
             direction = grads
             if group["weight_decay"] != 0.0:
                 direction = torch._foreach_add(
@@ -494,48 +642,142 @@ class DeltaSGD(Optimizer):
             self.history[index].append(info)
         return loss
 
-    def _grads_at_previous_iterate(
-        self, closure: Closure, groups: list[dict[str, Any]]
-    ) -> tuple[
-        dict[torch.Tensor, torch.Tensor | None], dict[torch.Tensor, torch.Tensor]
-    ]:
+    def _previous(self, plan: _Plan) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``x_{k-1}`` and ``g̃(x_{k-1})`` aligned with ``plan.params``.
+
+        A parameter without stored ``x_{k-1}`` did not move at the previous
+        step (``x_{k-1} = x_k``); a missing previous gradient counts as zero.
+        """
+        params, grads, buffers = plan.params, plan.grads, plan.buffers
+        if buffers is not None:
+            prevs = buffers.prev
+        else:
+            states = [self.state.get(p, {}) for p in params]
+            prevs = [
+                s.get("prev_param", p) for s, p in zip(states, params, strict=True)
+            ]
+        if plan.group["mode"] == "same_batch":
+            olds = plan.olds
+        elif buffers is not None and buffers.prev_grad is not None:
+            return prevs, buffers.prev_grad
+        else:
+            olds = [self.state.get(p, {}).get("prev_grad") for p in params]
+        assert olds is not None
+        olds = [
+            torch.zeros_like(g) if h is None else h
+            for g, h in zip(grads, olds, strict=True)
+        ]
+        return prevs, olds
+
+    def _store_previous(self, index: int, plan: _Plan) -> None:
+        """Keep ``x_k`` (and ``g_k`` in consecutive mode) for the next step.
+
+        Reuses the round's buffers (one ``torch._foreach_copy_``, or in
+        same_batch a swap with the spare that already holds ``x_k``).
+        Otherwise (first step of a round, a change in the parameters with a
+        gradient, a loaded state): drops the state of parameters without a
+        gradient (they do not move: ``x_{k-1} = x_k``) and (re)allocates.
+        """
+        group, params, grads = plan.group, plan.params, plan.grads
+        consecutive = group["mode"] == "consecutive"
+        buffers = plan.buffers
+        if buffers is None:
+            with_grad = set(params)
+            for p in group["params"]:
+                if p not in with_grad:
+                    self.state.pop(p, None)
+            states = [self.state[p] for p in params]
+            prev = [
+                _buffer(s, "prev_param", p) for s, p in zip(states, params, strict=True)
+            ]
+            prev_grad = None
+            if consecutive:
+                prev_grad = [
+                    _buffer(s, "prev_grad", g)
+                    for s, g in zip(states, grads, strict=True)
+                ]
+            else:
+                for s in states:
+                    s.pop("prev_grad", None)
+            buffers = _GroupBuffers(group["mode"], params, states, prev, prev_grad)
+            self._buffers[index] = buffers
+        elif plan.spare_holds_x:
+            assert buffers.spare is not None
+            buffers.prev, buffers.spare = buffers.spare, buffers.prev
+            for s, t in zip(buffers.states, buffers.prev, strict=True):
+                s["prev_param"] = t
+            return
+        if buffers.prev_grad is not None:
+            torch._foreach_copy_(buffers.prev + buffers.prev_grad, params + grads)
+        else:
+            torch._foreach_copy_(buffers.prev, params)
+
+    def _grads_at_previous_iterate(self, closure: Closure, plans: list[_Plan]) -> None:
         """Run the closure once at ``x_{k-1}`` (spec §2.5, same_batch).
 
-        Sets every parameter of ``groups`` that moved at the previous step to
-        its stored ``x_{k-1}``, detaches all gradients of the optimizer (so
-        the closure's ``zero_grad`` cannot touch ``g̃(x_k)``), runs the
-        closure with the module's buffers preserved, and restores ``x_k`` and
-        the gradients, also on error. Returns the new gradients by parameter
-        and the clones of ``x_k`` (reused as the next ``x_prev``).
+        Saves ``x_k``, sets every parameter of the plans' groups that moved at
+        the previous step to its stored ``x_{k-1}``, detaches all gradients
+        of the optimizer (so the closure's ``zero_grad`` cannot touch
+        ``g̃(x_k)``), runs the closure with the module's buffers preserved,
+        and restores ``x_k`` and the gradients, also on error. Sets
+        ``plan.olds`` to the new gradients of ``plan.params``.
         """
+        swap: list[torch.Tensor] = []
+        prevs: list[torch.Tensor] = []
+        saves: list[torch.Tensor] = []
+        for plan in plans:
+            buffers = plan.buffers
+            if buffers is not None:
+                if buffers.spare is None:
+                    buffers.spare = [torch.empty_like(p) for p in buffers.params]
+                swap += buffers.params
+                prevs += buffers.prev
+                saves += buffers.spare
+                plan.spare_holds_x = True
+                continue
+            for p in plan.group["params"]:
+                state = self.state.get(p, {})
+                if "prev_param" in state:
+                    swap.append(p)
+                    prevs.append(state["prev_param"])
+                    saves.append(torch.empty_like(p))
         all_params = [p for group in self.param_groups for p in group["params"]]
         saved_grads = [p.grad for p in all_params]
-        swap = [
-            p
-            for group in groups
-            for p in group["params"]
-            if "prev_param" in self.state.get(p, {})
-        ]
-        current = [p.detach().clone() for p in swap]
+        if swap:
+            torch._foreach_copy_(saves, swap)
         for p in all_params:
             p.grad = None
         try:
             if swap:
-                torch._foreach_copy_(swap, [self.state[p]["prev_param"] for p in swap])
-            guard = (
-                preserve_buffers(self._module)
-                if self._module is not None
-                else nullcontext()
-            )
+                torch._foreach_copy_(swap, prevs)
+            guard = nullcontext()
+            if self._module is not None:
+                if self._snapshot is None or self._snapshot.module is not self._module:
+                    self._snapshot = _BufferSnapshot(self._module)
+                guard = self._snapshot.preserved()
             with torch.enable_grad(), guard:
                 closure()
-            new_grads = {p: p.grad for p in all_params}
+            for plan in plans:
+                plan.olds = [p.grad for p in plan.params]
         finally:
             if swap:
-                torch._foreach_copy_(swap, current)
+                torch._foreach_copy_(swap, saves)
             for p, g in zip(all_params, saved_grads, strict=True):
                 p.grad = g
-        return new_grads, dict(zip(swap, current, strict=True))
+
+
+def _buffer(state: dict[str, Any], key: str, like: torch.Tensor) -> torch.Tensor:
+    """``state[key]`` if it can hold a copy of ``like``, else a new buffer."""
+    buf = state.get(key)
+    if (
+        buf is None
+        or buf.shape != like.shape
+        or buf.dtype != like.dtype
+        or buf.device != like.device
+    ):
+        buf = torch.empty_like(like, memory_format=torch.preserve_format)
+        state[key] = buf
+    return buf
 
 
 def _first_step(group: dict[str, Any]) -> StepInfo:

@@ -91,15 +91,41 @@ def _trust_ratios(
     it a zero-initialised tensor would never move (φ(0) = 0). φ is the identity
     (LAMB §4) or ``clamp(z, lo, hi)`` when ``phi_bounds`` is given (spec §3.2
     (a)). Works on 0-d tensors and on stacked norms alike, with no host sync.
+    A NaN norm also gives 1 (``min`` propagates it and ``NaN > 0`` is false).
     """
     phi = w_norm if phi_bounds is None else w_norm.clamp(phi_bounds[0], phi_bounds[1])
-    ok = (w_norm > 0) & (u_norm > 0)
-    return torch.where(ok, phi / u_norm, torch.ones_like(w_norm))
+    ok = torch.minimum(w_norm, u_norm) > 0
+    return torch.where(ok, phi / u_norm, 1.0)
+
+
+#: ``foreach=None`` on CPU takes the foreach path when the parameters hold at
+#: most this many elements per tensor on average (see :func:`_default_foreach`).
+_CPU_FOREACH_MAX_MEAN_NUMEL = 2**15
 
 
 def _default_foreach(params: Sequence[Tensor]) -> bool:
-    """Torch's default: the foreach path when every tensor is on CUDA."""
-    return len(params) > 0 and all(p.is_cuda for p in params)
+    """Pick the path of ``foreach=None``: foreach on CUDA and for small CPU tensors.
+
+    On CUDA, torch's default (the foreach path). On CPU the foreach kernels
+    loop over the tensors once per operation: they save the per-tensor
+    dispatch of the for-loop path (about 10 operations per tensor) but lose
+    its cache locality (there each tensor goes through every operation while
+    it is in cache). Measured on 2 CPU cores with the ResNet-18 structure (62
+    tensors), foreach vs for-loop per step: 2.1x faster at 48 elements per
+    tensor on average, 1.2x faster at 11k, even at 45k, 1.3x slower at 180k
+    (11.2 M parameters); on the MNIST CNN (8 tensors, 2.7k on average) 1.2x
+    faster. Hence foreach when the mean is at most
+    ``_CPU_FOREACH_MAX_MEAN_NUMEL`` (32,768). Both paths give bit-identical
+    values on CPU.
+    """
+    if not params:
+        return False
+    if all(p.is_cuda for p in params):
+        return True
+    if all(p.device.type == "cpu" for p in params):
+        total = sum(p.numel() for p in params)
+        return total <= _CPU_FOREACH_MAX_MEAN_NUMEL * len(params)
+    return False
 
 
 def fed_lamb(
@@ -151,7 +177,9 @@ def fed_lamb(
         Clip bounds of φ; ``None`` is the identity. Defaults to None.
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path; ``None`` picks it when all tensors
-        are on CUDA. Both paths compute the same values. Defaults to None.
+        are on CUDA, or all on CPU with at most 32,768 elements per tensor on
+        average (faster there, see ``_default_foreach``). Both paths compute the
+        same values. Defaults to None.
     """
     if foreach is None:
         foreach = _default_foreach(params)
@@ -184,6 +212,28 @@ def _bias_corrections(
     return bc1, bc2_sqrt
 
 
+def _bucket_bias_corrections(
+    steps: list[Tensor], beta1: float, beta2: float, correct_m: bool, correct_v: bool
+) -> tuple[float | list[float], float | list[float]]:
+    """:func:`_bias_corrections` for a bucket of step counters.
+
+    Reads every t in one go (one ``stack``, no per-tensor ``.item()``) and
+    returns plain floats when all t are equal (the usual case: every
+    parameter had a gradient at every step), else one value per tensor.
+    """
+    if not (correct_m or correct_v):
+        return 1.0, 1.0
+    try:
+        values = torch.stack(steps).tolist()
+    except RuntimeError:  # counters on several devices
+        values = [s.item() for s in steps]
+    first = values[0]
+    if all(v == first for v in values):
+        return _bias_corrections(first, beta1, beta2, correct_m, correct_v)
+    pairs = [_bias_corrections(v, beta1, beta2, correct_m, correct_v) for v in values]
+    return [c[0] for c in pairs], [c[1] for c in pairs]
+
+
 def _single_tensor_fed_lamb(
     params: list[Tensor],
     grads: list[Tensor],
@@ -206,21 +256,29 @@ def _single_tensor_fed_lamb(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, strict=True
     ):
         step_t.add_(1)
-        bc1, bc2_sqrt = _bias_corrections(
-            step_t.item(), beta1, beta2, bias_correction_m, bias_correction_v
-        )
+        bc1, bc2_sqrt = 1.0, 1.0
+        if bias_correction_m or bias_correction_v:
+            bc1, bc2_sqrt = _bias_corrections(
+                step_t.item(), beta1, beta2, bias_correction_m, bias_correction_v
+            )
         # LAMB Alg. 1 lines 8-9 (spec §3.2): m and the raw EMA v.
         m.lerp_(grad, 1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        # Local AMSGrad max (A-L3) and denominator (spec §3.2 (b)).
+        # Local AMSGrad max (A-L3) and denominator (spec §3.2 (b)); dividing
+        # by a correction of 1 is skipped (it is exact).
         torch.maximum(v_max, v, out=v_max)
-        den = v_max.sqrt().div_(bc2_sqrt).add_(eps)
+        den = v_max.sqrt()
+        if bias_correction_v:
+            den.div_(bc2_sqrt)
+        den.add_(eps)
         if not trust_ratio:
             # Fed-AMS (spec §3.4): θ ← θ − α m̂ / den.
             param.addcdiv_(m, den, value=-lr / bc1)
             continue
         # Fed-LAMB, LAMB Alg. 1 line 12: u = p + λθ, θ ← θ − α r u.
-        update = m.div(den).div_(bc1)
+        update = m.div(den)
+        if bias_correction_m:
+            update.div_(bc1)
         if weight_decay != 0.0:
             update.add_(param, alpha=weight_decay)
         ratio = _trust_ratios(
@@ -264,35 +322,38 @@ def _foreach_fed_lamb(
         steps = [state_steps[i] for i in idx]
 
         torch._foreach_add_(steps, 1)
-        corrections = [
-            _bias_corrections(
-                s.item(), beta1, beta2, bias_correction_m, bias_correction_v
-            )
-            for s in steps
-        ]
-        bc1 = [c[0] for c in corrections]
-        bc2_sqrt = [c[1] for c in corrections]
+        bc1, bc2_sqrt = _bucket_bias_corrections(
+            steps, beta1, beta2, bias_correction_m, bias_correction_v
+        )
 
         torch._foreach_lerp_(m_, g_, 1.0 - beta1)
         torch._foreach_mul_(v_, beta2)
         torch._foreach_addcmul_(v_, g_, g_, value=1.0 - beta2)
         torch._foreach_maximum_(vmax_, v_)
         den = torch._foreach_sqrt(vmax_)
-        torch._foreach_div_(den, bc2_sqrt)
+        if bias_correction_v:
+            torch._foreach_div_(den, bc2_sqrt)
         torch._foreach_add_(den, eps)
         if not trust_ratio:
-            torch._foreach_addcdiv_(p_, m_, den, [-lr / c for c in bc1])
+            if isinstance(bc1, list):
+                torch._foreach_addcdiv_(p_, m_, den, [-lr / c for c in bc1])
+            else:
+                torch._foreach_addcdiv_(p_, m_, den, value=-lr / bc1)
             continue
         update = torch._foreach_div(m_, den)
-        torch._foreach_div_(update, bc1)
+        if bias_correction_m:
+            torch._foreach_div_(update, bc1)
         if weight_decay != 0.0:
             torch._foreach_add_(update, p_, alpha=weight_decay)
-        ratios = _trust_ratios(
-            torch.stack(torch._foreach_norm(p_)),
-            torch.stack(torch._foreach_norm(update)),
-            phi_bounds,
-        )
-        torch._foreach_mul_(update, list(ratios.unbind()))
+        # ‖θ‖ and ‖u‖ of every tensor in one call, read back to the host once
+        # (one sync on CUDA): r then costs no kernel launches, and as plain
+        # numbers the factors keep _foreach_mul_ on its fused path (a list of
+        # 0-d device tensors would broadcast: one kernel per tensor). The
+        # elementwise float arithmetic of r is the same on every device.
+        n = len(p_)
+        norms = torch.stack(torch._foreach_norm([*p_, *update])).view(2, n).cpu()
+        ratios = _trust_ratios(norms[0], norms[1], phi_bounds)
+        torch._foreach_mul_(update, ratios.tolist())
         torch._foreach_add_(p_, update, alpha=-lr)
 
 
@@ -519,7 +580,9 @@ class FedLAMB(_LocalAMSGrad):
         ``None``: the identity (LAMB §4; A-L9). Defaults to None.
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path (same values as the for-loop path).
-        ``None``: foreach when all parameters are on CUDA. Defaults to None.
+        ``None``: foreach when all parameters are on CUDA, or all on CPU and
+        small (at most 32,768 elements per tensor on average, per group);
+        else the for-loop path. Defaults to None.
 
     Notes
     -----
@@ -529,6 +592,13 @@ class FedLAMB(_LocalAMSGrad):
     ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``. Parameters
     without a gradient are skipped and their t does not advance.
     Hyperparameters must be Python numbers (no tensor ``lr``).
+
+    The foreach path issues a fixed number of operations per step whatever
+    the number of tensors, and reads the per-tensor norms back to the host
+    once per step (one synchronisation on CUDA): the trust ratios are then
+    computed on the host and, as plain numbers, keep the final scaling on
+    the fused ``_foreach_mul_`` kernel, where 0-d device tensors would cost
+    one kernel launch per tensor.
     """
 
     _trust_ratio = True
@@ -588,7 +658,8 @@ class FedAMS(_LocalAMSGrad):
         Defaults to False.
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path. ``None``: foreach when all
-        parameters are on CUDA. Defaults to None.
+        parameters are on CUDA, or all on CPU and small (as in
+        :class:`FedLAMB`). Defaults to None.
 
     Notes
     -----
