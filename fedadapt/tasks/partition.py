@@ -253,14 +253,9 @@ def _delta_sgd(
     )
 
 
-#: run-config keys that each partition scheme reads (for caching)
-PARTITION_KEYS = {
-    "iid": ("seed",),
-    "dirichlet": ("dirichlet-alpha", "seed"),
-    "dirichlet-equal": ("dirichlet-alpha", "seed"),
-    "shards": ("classes-per-client", "seed"),
-    "delta-sgd": ("dirichlet-alpha", "samples-per-client", "seed"),
-}
+#: every run-config key a partition scheme may read; all of them key the cache,
+#: so a new scheme can never be served another configuration's partition
+PARTITION_KEYS = ("dirichlet-alpha", "samples-per-client", "classes-per-client", "seed")
 
 
 @lru_cache(maxsize=8)
@@ -278,6 +273,6 @@ def client_indices(
     """Return client ``partition_id``'s sample indices (partition cached)."""
     name = cfg["partition"]
     labels = np.ascontiguousarray(labels)
-    params = tuple((k, cfg[k]) for k in PARTITION_KEYS.get(name, ("seed",)))
+    params = tuple((k, cfg[k]) for k in PARTITION_KEYS)
     parts = _cached(name, labels.tobytes(), str(labels.dtype), num_partitions, params)
     return parts[partition_id]
