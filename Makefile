@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test smoke lint format install clean
+.PHONY: demo test test-docker smoke lint format install clean
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# real containers: Docker engine, offline base image, compose (docs/deployment.md)
+test-docker: $(STAMP)
+	$(BIN)/python -m pytest -q -m docker -rs tests/docker
 
 SMOKE_SUITES := feddua-synthetic-smoke delta-sgd-digits-smoke fed-lamb-digits-smoke
 
