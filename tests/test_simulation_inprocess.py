@@ -105,6 +105,7 @@ def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
         ("delta-sgd", "fedavg", 0.2),
         ("delta-sgd-consecutive", "fedavg", 0.2),
         ("adam", "fedavg", 0.01),
+        ("sps", "fedavg", 1.0),
         ("fed-lamb", "fed-lamb", 0.01),
         ("fed-ams", "fed-lamb", 0.01),
     ],
@@ -131,7 +132,7 @@ def test_each_client_optimizer_improves_the_loss(
     assert data["status"] == "completed"
     assert all(r["replies"]["used"] == 3 for r in data["rounds"])
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
-    if optimizer.startswith("delta-sgd"):
+    if optimizer.startswith("delta-sgd") or optimizer == "sps":
         train = data["rounds"][-1]["train"]
         assert 0 < train["opt-eta-min"] <= train["opt-eta-mean"] <= train["opt-eta-max"]
     if strategy == "fed-lamb":

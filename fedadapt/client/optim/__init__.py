@@ -16,6 +16,7 @@ from torch import nn
 
 from fedadapt.client.optim.deltasgd import DeltaSGD, StepInfo, preserve_buffers
 from fedadapt.client.optim.fedlamb import FedAMS, FedLAMB
+from fedadapt.client.optim.sps import SPS
 from fedadapt.registry import Registry
 
 OptimizerFactory = Callable[
@@ -88,6 +89,15 @@ def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Op
     )
 
 
+@OPTIMIZERS.register("sps")
+def _sps(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """Stochastic Polyak step size, official defaults (a Δ-SGD paper baseline).
+
+    ``client-lr`` is the initial step size that caps the first step.
+    """
+    return SPS(model.parameters(), lr=lr)
+
+
 def uses_second_moments(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer exchanges v / v̂ with the server (Fed-LAMB/AMS)."""
     return hasattr(optimizer, "load_second_moments")
@@ -98,6 +108,7 @@ __all__ = [
     "DeltaSGD",
     "FedAMS",
     "FedLAMB",
+    "SPS",
     "OptimizerFactory",
     "StepInfo",
     "preserve_buffers",
