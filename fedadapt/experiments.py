@@ -7,7 +7,9 @@ cell through the Flower simulation (one private SuperLink per suite, one
 ``flwr run`` per cell), skipping cells already finished, so it is safe to
 interrupt and resume. ``fedadapt-exp report`` writes ``report.md`` (mean ±
 std over seeds, the best grid point per method), ``report.json`` and
-``report.png``, and checks the claims.
+``report.png``, and checks the claims. ``--set key=value`` (repeatable)
+overrides a run-config key in every cell and names the variant, e.g.
+``fedadapt-exp run conf/delta-sgd-mnist.yaml --set dirichlet-alpha=0.01``.
 
 Suite keys::
 
@@ -117,14 +119,34 @@ def _require(condition: bool, key: str, message: str) -> None:
         raise SuiteError(f"Invalid suite key '{key}': {message}")
 
 
-def load_suite(path: str | Path) -> Suite:
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``--set key=value`` items; values are YAML scalars (0.01, true, x)."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        _require(bool(sep) and bool(key), f"--set {item}", "expected key=value")
+        settings[key.strip()] = yaml.safe_load(value)
+    return settings
+
+
+def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> Suite:
     """Read and validate a suite; every cell's run config is checked too.
+
+    ``settings`` (``fedadapt-exp --set``) override run-config keys in every
+    cell, after the base and the methods (a grid axis they set collapses to
+    one point); they are appended to the suite's name, so each variant of a
+    suite (e.g. another Dirichlet α) gets its own output folder.
 
     Raises SuiteError (unknown or malformed suite keys) or ConfigError (a
     cell's run config is invalid), naming the key, before anything runs.
     """
     data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     _require(isinstance(data, dict), "(file)", "expected a mapping at the top")
+    settings = dict(settings or {})
+    for key in settings:
+        _require(key in KEYS, f"--set {key}", "not a run-config key")
+        _require(key not in RUN_OWNED, f"--set {key}",
+                 "set by the suite (seeds, rounds) and the runner")  # fmt: skip
     for key in data:
         _require(key in SUITE_KEYS, key, f"unknown. Valid keys: {sorted(SUITE_KEYS)}")
     for key in ("name", "methods", "base"):
@@ -148,6 +170,13 @@ def load_suite(path: str | Path) -> Suite:
                  f"{claim.get('method')!r} is not a method of this suite")  # fmt: skip
         for other in claim.get("beats", []):
             _require(other in data["methods"], "claims.beats", f"unknown {other!r}")
+    if settings:
+        data["name"] = "__".join(
+            [str(data.get("name")), *(f"{k}-{v}" for k, v in settings.items())]
+        )
+        data["methods"] = {
+            m: {**(spec or {}), **settings} for m, spec in data["methods"].items()
+        }
     suite = Suite(
         name=str(data["name"]),
         description=str(data.get("description", "")),
@@ -371,9 +400,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="exit 1 when a claim fails (known deviations excepted)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run-config key in every cell (e.g. dirichlet-alpha=0.01); "
+        "the variant gets its own output folder",
+    )
     args = parser.parse_args(argv)
     try:
-        suite = load_suite(args.suite)
+        suite = load_suite(args.suite, parse_settings(args.set))
     except (SuiteError, ConfigError, yaml.YAMLError, OSError) as error:
         print(f"fedadapt-exp: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ from fedadapt.experiments import (
     SuiteError,
     cell_done,
     load_suite,
+    main,
+    parse_settings,
     summarise,
     write_report,
 )
@@ -50,6 +52,40 @@ def test_grid_expands_over_axes_and_seeds(tmp_path):
     assert sorted(c.overrides["client-lr"] for c in sgd) == [0.05, 0.1]
     assert all(c.overrides["num-server-rounds"] == 2 for c in cells)
     assert all(c.overrides["task"] == "digits-mlp" for c in cells)
+
+
+def test_settings_override_every_cell_and_name_the_variant(tmp_path):
+    """--set dirichlet-alpha=0.01 client-lr=0.2: a grid axis collapses too."""
+    settings = parse_settings(["dirichlet-alpha=0.01", "client-lr=0.2"])
+    assert settings == {"dirichlet-alpha": 0.01, "client-lr": 0.2}
+    suite = load_suite(_write(tmp_path), settings)
+    assert suite.name == "tiny__dirichlet-alpha-0.01__client-lr-0.2"
+    cells = suite.cells(tmp_path / "out")
+    assert len(cells) == (1 + 1) * 2
+    assert {c.overrides["dirichlet-alpha"] for c in cells} == {0.01}
+    assert {c.overrides["client-lr"] for c in cells} == {0.2}
+    assert load_suite(_write(tmp_path)).name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("items", "error", "pattern"),
+    [
+        (["alpha=0.1"], SuiteError, r"'--set alpha': not a run-config key"),
+        (["seed=3"], SuiteError, r"'--set seed'"),
+        (["dirichlet-alpha"], SuiteError, r"expected key=value"),
+        (["dirichlet-alpha=-1"], ConfigError, r"'dirichlet-alpha'"),
+    ],
+)
+def test_bad_settings_fail_naming_the_key(tmp_path, items, error, pattern):
+    with pytest.raises(error, match=pattern):
+        load_suite(_write(tmp_path), parse_settings(items))
+
+
+def test_validate_command_takes_settings(tmp_path, capsys):
+    path = _write(tmp_path)
+    assert main(["validate", str(path), "--set", "client-lr=0.3"]) == 0
+    assert "tiny__client-lr-0.3: 4 cells, valid" in capsys.readouterr().out
+    assert main(["validate", str(path), "--set", "lr=0.3"]) == 2
 
 
 @pytest.mark.parametrize(
