@@ -96,7 +96,6 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
     """Run the legacy ServerApp + NumPyClient with ``run_simulation``."""
     from flwr.app import Context
     from flwr.client import ClientApp
-    from flwr.server import ServerApp
     from flwr.simulation import run_simulation
 
     from fedadapt.client import numpy_client
@@ -115,7 +114,7 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
         )
 
     run_simulation(
-        server_app=ServerApp(server_fn=server_fn),
+        server_app=legacy_app.make_app(server_fn),
         client_app=ClientApp(client_fn=client_fn),
         num_supernodes=num_supernodes,
         backend_config=BACKEND_CONFIG,

@@ -137,3 +137,27 @@ def test_each_client_optimizer_improves_the_loss(
         assert 0 < train["opt-eta-min"] <= train["opt-eta-mean"] <= train["opt-eta-max"]
     if strategy == "fed-lamb":
         assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0
+
+
+def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
+    """A legacy run whose loop raises in round 2 ends ``failed``, not ``running``."""
+    from fedadapt.server import legacy_app
+
+    class BreaksInRoundTwo(legacy_app.RoundHook):
+        def __call__(self, server_round, state):
+            if server_round == 2:
+                raise RuntimeError("injected failure")
+            return super().__call__(server_round, state)
+
+    monkeypatch.setattr(legacy_app, "RoundHook", BreaksInRoundTwo)
+    try:
+        run_legacy_in_process(
+            {"output-dir": str(tmp_path), "run-name": "broken",
+             "num-server-rounds": 3, "clients-per-round": 3}
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - whether run_simulation re-raises is Flower's
+        pass
+    data = json.loads((tmp_path / "broken" / "results.json").read_text())
+    assert data["status"] == "failed"
+    assert "before the last round" in data["error"]
+    assert [r["round"] for r in data["rounds"]] == [1]

@@ -9,6 +9,7 @@ curves.png. Checkpoints and resume are Message-API only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flwr.common import Context, NDArrays, Scalar, ndarrays_to_parameters
@@ -19,6 +20,9 @@ from fedadapt.server.results import RunRecorder, run_directory
 from fedadapt.server.run import RoundHook, check_names, initial_state
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
+
+# the recorder of each run this process serves, for the lifespan's failure mark
+_RECORDERS: dict[int, RunRecorder] = {}
 
 
 def weighted_mean(results: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
@@ -43,6 +47,7 @@ def server_fn(context: Context) -> ServerAppComponents:
     state = initial_state(task, cfg)
     keys = list(state)
     recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
+    _RECORDERS[context.run_id] = recorder
 
     def evaluate_fn(
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]
@@ -71,4 +76,26 @@ def server_fn(context: Context) -> ServerAppComponents:
     return ServerAppComponents(strategy=strategy, config=config)
 
 
-app = ServerApp(server_fn=server_fn)
+def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
+    """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
+
+    Flower's legacy loop gives no hook on failure, so a lifespan checks after
+    the run: results.json still ``running`` (the last round's evaluate_fn
+    never marked it ``completed``) means the loop raised or was stopped, and
+    the run is marked ``failed`` as the Message-API ServerApp does.
+    """
+    app = ServerApp(server_fn=server_fn)
+
+    @app.lifespan()
+    def _mark_unfinished(context: Context) -> Iterator[None]:
+        yield
+        recorder = _RECORDERS.pop(context.run_id, None)
+        if recorder is not None and recorder.data["status"] == "running":
+            recorder.finish(
+                "failed", error="the ServerApp stopped before the last round"
+            )
+
+    return app
+
+
+app = make_app(server_fn)
