@@ -1,5 +1,10 @@
 """``fedadapt`` command line.
 
+``fedadapt deploy`` does the same on a real deployment started here (a
+SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
+authentication; ``fedadapt.deploy.local``); ``fedadapt certs`` and
+``fedadapt node-keys`` make the certificates and keys for one elsewhere.
+
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
 with a private, loopback-only SuperLink that it starts and always stops
 (also on Ctrl-C and on failure). It waits for the run's real outcome (``flwr
@@ -11,57 +16,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import tomli_w
 from flwr.common.config import parse_config_args
+
+from fedadapt.deploy.process import (
+    Daemon,
+    flower_env,
+    flwr,
+    free_port,
+    http_ok,
+    venv_bin,
+    write_connection,
+)
 
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
 
 
-def free_port() -> int:
-    """Return a TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@dataclass
+class SuperLinkConnection:
+    """A SuperLink someone else runs (containers, another host): where and how."""
 
-
-def write_connection(flwr_home: Path, name: str, address: str) -> None:
-    """Add or replace connection ``name`` in ``$FLWR_HOME/config.toml``."""
-    flwr_home.mkdir(parents=True, exist_ok=True)
-    path = flwr_home / "config.toml"
-    config: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
-    superlink = config.setdefault("superlink", {})
-    superlink.setdefault("default", name)
-    superlink[name] = {"address": address, "insecure": True}
-    path.write_text(tomli_w.dumps(config))
-
-
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for Flower processes: our FLWR_HOME, no telemetry/installs."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {
-        **os.environ,
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        # daemons spawn flower-superexec / flwr-simulation through PATH
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-    }
+    flwr_home: Path
+    address: str
+    connection: str = "fedadapt"
+    root_certificates: Path | None = None
+    simulation: bool = False
 
 
 class SimulationSuperLink:
@@ -71,104 +58,64 @@ class SimulationSuperLink:
     simulation runtime and its Ray workers) is terminated on exit.
     """
 
+    connection = CONNECTION
+    root_certificates: Path | None = None
+    simulation = True
+
     def __init__(self, flwr_home: Path, port: int | None = None) -> None:
         self.flwr_home = flwr_home
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.log_path = flwr_home / f"superlink-{self.port}.log"
-        self.process: subprocess.Popen[bytes] | None = None
+        self.daemon = Daemon(
+            "SuperLink",
+            [
+                str(venv_bin() / "flower-superlink"),
+                "--simulation",
+                "--insecure",
+                "--isolation=subprocess",
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                "--disable-runtime-dependency-installation",
+            ],
+            flower_env(flwr_home),
+            flwr_home / f"superlink-{self.port}.log",
+        )
 
     def __enter__(self) -> SimulationSuperLink:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        env = flower_env(self.flwr_home)
-        with self.log_path.open("wb") as log_file:
-            self.process = subprocess.Popen(
-                [
-                    str(Path(sys.executable).parent / "flower-superlink"),
-                    "--simulation",
-                    "--insecure",
-                    "--isolation=subprocess",
-                    "--host=127.0.0.1",
-                    f"--port={self.port}",
-                    "--disable-runtime-dependency-installation",
-                ],
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        self.daemon.start()
+        try:
+            self.daemon.wait_until(
+                lambda: http_ok(f"http://{self.address}/health"), 60, "healthy"
             )
-        self._wait_healthy(timeout=60)
+        except BaseException:
+            self.daemon.stop()
+            raise
         return self
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        url = f"http://{self.address}/health"
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"SuperLink exited with {self.process.returncode}; "
-                    f"see {self.log_path}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.3)
-        raise TimeoutError(
-            f"SuperLink not healthy after {timeout}s; see {self.log_path}"
-        )
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> None:
         """Terminate the SuperLink's process group; kill it if it lingers."""
-        if self.process is None:
-            return
-        pgid = self.process.pid
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; give the rest of the group a moment
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(pgid):
-                time.sleep(0.2)
-            if not _group_alive(pgid):
-                break
-        self.process = None
+        self.daemon.stop()
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+class SuperLinkTarget(Protocol):
+    """What submit_run needs of a running SuperLink (simulation or deployment)."""
+
+    flwr_home: Path
+    address: str
+    connection: str
+    root_certificates: Path | None
+    simulation: bool
 
 
-def _flwr(args: Sequence[str], env: dict[str, str], **kw: Any) -> str:
-    flwr = str(Path(sys.executable).parent / "flwr")
-    done = subprocess.run(
-        [flwr, *args], env=env, capture_output=True, text=True, check=False, **kw
-    )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"flwr {' '.join(args)} failed ({done.returncode}):\n"
-            f"{done.stdout}{done.stderr}"
-        )
-    return done.stdout
-
-
-def run_status(run_id: int, env: dict[str, str]) -> dict[str, Any]:
+def run_status(
+    run_id: int, env: dict[str, str], connection: str = CONNECTION
+) -> dict[str, Any]:
     """Return ``flwr ls``'s record of the run (status, status-details, …)."""
-    out = _flwr(["ls", CONNECTION, "--run-id", str(run_id), "--format", "json"], env)
+    out = flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env)
     return json.loads(out)["runs"][0]
 
 
@@ -215,45 +162,50 @@ class RunOutcome:
 
 
 def submit_run(
-    superlink: SimulationSuperLink,
+    superlink: SuperLinkTarget,
     app: Path,
     overrides: dict[str, Any],
     num_supernodes: int,
     timeout: float,
     stream: bool = False,
+    results_dir: Path | None = None,
 ) -> RunOutcome:
     """Run the app once on ``superlink`` and wait for its real outcome.
 
     ``overrides`` must hold an absolute ``output-dir``; they are validated
-    before anything is submitted (ConfigError names the key).
+    before anything is submitted (ConfigError names the key). In simulation
+    ``num_supernodes`` sizes the federation; in deployment the SuperNodes
+    that are connected are the federation. ``results_dir`` is where
+    ``output-dir`` appears on this machine when the ServerApp runs elsewhere
+    (a container's mounted folder); default: ``output-dir`` itself.
     """
     from fedadapt.config import validate_run_config
 
     cfg = validate_run_config(overrides)
     env = flower_env(superlink.flwr_home)
-    write_connection(superlink.flwr_home, CONNECTION, superlink.address)
+    conn = superlink.connection
+    write_connection(
+        superlink.flwr_home, conn, superlink.address, superlink.root_certificates
+    )
     run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    command = ["run", str(app), conn, "--format", "json", "--run-config", run_config]
+    if superlink.simulation:
+        command += ["--federation-config", f"num-supernodes={num_supernodes}"]
     started = time.monotonic()
-    out = _flwr(
-        ["run", str(app), CONNECTION, "--format", "json", "--run-config", run_config,
-         "--federation-config", f"num-supernodes={num_supernodes}"],
-        env,
-    )  # fmt: skip
-    run_id = int(json.loads(out)["run-id"])
+    run_id = int(json.loads(flwr(command, env))["run-id"])
     streamer = None
     if stream:
         print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
-        flwr = str(Path(sys.executable).parent / "flwr")
         streamer = subprocess.Popen(
-            [flwr, "log", str(run_id), CONNECTION, "--stream"], env=env
+            [str(venv_bin() / "flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
     try:
         while True:
-            status = run_status(run_id, env)
+            status = run_status(run_id, env, conn)
             if status["status"].startswith(TERMINAL_PREFIX):
                 break
             if time.monotonic() - started > timeout:
-                _flwr(["stop", str(run_id), CONNECTION], env)
+                flwr(["stop", str(run_id), conn], env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
             time.sleep(1.0)
@@ -262,7 +214,7 @@ def submit_run(
             time.sleep(1.0)  # let the last log lines through
             streamer.terminate()
             streamer.wait(timeout=10)
-    path = find_results(Path(cfg["output-dir"]).expanduser().resolve(), run_id)
+    path = find_results(results_dir or Path(cfg["output-dir"]).resolve(), run_id)
     problems = []
     if status["status"] == "finished:completed":
         if path is None:
@@ -281,20 +233,19 @@ def submit_run(
     )
 
 
-def simulate(args: argparse.Namespace) -> int:
-    """Run one simulation end to end; return the process exit code."""
+def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """App path and validated run-config overrides (fail before starting)."""
     from fedadapt.config import validate_run_config
 
     app = Path(args.app).resolve()
-    flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
     overrides = parse_config_args([args.run_config] if args.run_config else None)
     overrides.setdefault("output-dir", str(Path("outputs").resolve()))
-    validate_run_config(overrides)  # fail fast, before starting anything
-    with SimulationSuperLink(flwr_home, args.port) as superlink:
-        outcome = submit_run(
-            superlink, app, overrides, args.num_supernodes, args.timeout,
-            stream=not args.quiet,
-        )  # fmt: skip
+    validate_run_config(overrides)
+    return app, overrides
+
+
+def report(outcome: RunOutcome) -> int:
+    """Print how a run ended; return the process exit code (0 = success)."""
     print(f"fedadapt: run {outcome.run_id} {outcome.status} in "
           f"{outcome.wall_time_s:.1f}s", flush=True)  # fmt: skip
     if outcome.status != "finished:completed":
@@ -308,27 +259,108 @@ def simulate(args: argparse.Namespace) -> int:
     return 0 if outcome.ok else 1
 
 
+def simulate(args: argparse.Namespace) -> int:
+    """Run one simulation end to end; return the process exit code."""
+    app, overrides = _prepare(args)
+    flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
+    with SimulationSuperLink(flwr_home, args.port) as superlink:
+        outcome = submit_run(
+            superlink, app, overrides, args.num_supernodes, args.timeout,
+            stream=not args.quiet,
+        )  # fmt: skip
+    return report(outcome)
+
+
+def deploy(args: argparse.Namespace) -> int:
+    """Run the app on a SuperLink + SuperNodes started as processes here."""
+    from fedadapt.deploy.local import LocalDeployment
+
+    app, overrides = _prepare(args)
+    workdir = Path(args.workdir or app / ".flwr-deploy").resolve()
+    with LocalDeployment(
+        workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
+    ) as deployment:
+        print(f"fedadapt: SuperLink on {deployment.address} "
+              f"({'TLS' if args.tls else 'insecure'}"
+              f"{', SuperNode auth' if args.auth else ''}), "
+              f"{args.num_supernodes} SuperNodes online; logs in {workdir}",
+              flush=True)  # fmt: skip
+        outcome = submit_run(
+            deployment, app, overrides, args.num_supernodes, args.timeout,
+            stream=not args.quiet,
+        )  # fmt: skip
+    return report(outcome)
+
+
+def certs(args: argparse.Namespace) -> int:
+    """Write a CA and a SuperLink certificate for the given hosts."""
+    from fedadapt.deploy.certs import make_certificates
+
+    for path in make_certificates(
+        Path(args.out), args.host, args.days, args.force
+    ).values():
+        print(path)
+    return 0
+
+
+def node_keys(args: argparse.Namespace) -> int:
+    """Write SuperNode authentication key pairs."""
+    from fedadapt.deploy.certs import make_node_keys, public_key_path
+
+    for path in make_node_keys(Path(args.out), args.count, args.force):
+        print(f"{path}  (register {public_key_path(path)})")
+    return 0
+
+
+def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
+    parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
+    parser.add_argument("--num-supernodes", type=int, default=nodes)
+    parser.add_argument(
+        "--run-config", default="", help='overrides, e.g. "num-server-rounds=5 seed=1"'
+    )
+    parser.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+    parser.add_argument("--quiet", action="store_true", help="do not stream run logs")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedadapt`` command."""
     parser = argparse.ArgumentParser(prog="fedadapt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     sim = commands.add_parser("simulate", help="run the app in a local simulation")
-    sim.add_argument("--app", default=".", help="Flower app directory (default: .)")
-    sim.add_argument("--num-supernodes", type=int, default=10)
-    sim.add_argument(
-        "--run-config", default="", help='overrides, e.g. "num-server-rounds=5 seed=1"'
-    )
+    _run_options(sim, nodes=10)
     sim.add_argument("--flwr-home", help="FLWR_HOME to use (default: <app>/.flwr)")
-    sim.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
-    sim.add_argument("--timeout", type=float, default=3600.0, help="seconds")
-    sim.add_argument("--quiet", action="store_true", help="do not stream run logs")
+    dep = commands.add_parser(
+        "deploy", help="run the app on a SuperLink + SuperNodes started as processes"
+    )
+    _run_options(dep, nodes=3)
+    dep.add_argument("--tls", action="store_true", help="TLS with a generated CA")
+    dep.add_argument("--auth", action="store_true", help="SuperNode authentication")
+    dep.add_argument(
+        "--workdir", help="logs, state, certificates (default: <app>/.flwr-deploy)"
+    )
+    crt = commands.add_parser("certs", help="make a CA + SuperLink TLS certificate")
+    crt.add_argument("--out", required=True, help="output folder")
+    crt.add_argument(
+        "--host", action="append", required=True,
+        help="DNS name or IP the SuperLink is reached at (repeat)",
+    )  # fmt: skip
+    crt.add_argument("--days", type=int, default=365)
+    crt.add_argument("--force", action="store_true", help="replace existing files")
+    keys = commands.add_parser("node-keys", help="make SuperNode auth key pairs")
+    keys.add_argument("--out", required=True, help="output folder")
+    keys.add_argument("--count", type=int, required=True)
+    keys.add_argument("--force", action="store_true", help="replace existing files")
     args = parser.parse_args(argv)
+    handlers = {"simulate": simulate, "deploy": deploy, "certs": certs,
+                "node-keys": node_keys}  # fmt: skip
     try:
-        return simulate(args)
+        return handlers[args.command](args)
     except KeyboardInterrupt:
-        print("fedadapt: interrupted; SuperLink stopped", file=sys.stderr)
+        print("fedadapt: interrupted; every process started was stopped",
+              file=sys.stderr)  # fmt: skip
         return 130
-    except (ValueError, RuntimeError, TimeoutError) as error:
+    except (ValueError, RuntimeError, TimeoutError, OSError) as error:
         print(f"fedadapt: error: {error}", file=sys.stderr)
         return 2
 

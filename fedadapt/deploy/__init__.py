@@ -1,0 +1,1 @@
+"""Deployment helpers: certificates, keys and local SuperLink/SuperNode processes."""

@@ -1,0 +1,196 @@
+"""A real deployment on this host: one SuperLink and N SuperNodes as processes.
+
+``LocalDeployment`` starts ``flower-superlink`` (state in a SQLite database,
+optionally TLS and SuperNode authentication) and ``flower-supernode``
+processes on loopback, each SuperNode with its partition through
+``--node-config "partition-id=<i> num-partitions=<N>"``, waits until the
+SuperLink lists every node online, and stops all of them on exit (also on
+Ctrl-C and on failure). Runs are submitted with ``fedadapt.cli.submit_run``
+exactly as in simulation. The same commands, spread over hosts, are a
+multi-host deployment (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
+from fedadapt.deploy.process import (
+    Daemon,
+    flower_env,
+    flwr,
+    free_port,
+    http_ok,
+    venv_bin,
+    write_connection,
+)
+
+CONNECTION = "fedadapt-deploy"
+
+
+class LocalDeployment:
+    """SuperLink + ``num_supernodes`` SuperNodes on 127.0.0.1, as processes.
+
+    Parameters
+    ----------
+    workdir : Path
+        Holds per-daemon FLWR_HOMEs and logs, the SuperLink database, and,
+        with ``tls``/``auth``, the generated certificates and keys.
+    num_supernodes : int
+        SuperNodes to start; node ``i`` gets ``partition-id=i``.
+    tls : bool
+        Serve the SuperLink over TLS with a CA made in ``workdir/certs``.
+    auth : bool
+        Enable SuperNode authentication (needs ``tls``): one key pair per
+        node, registered with ``flwr supernode register`` before it starts.
+    port : int, optional
+        SuperLink port (default: a free one).
+    """
+
+    simulation = False
+
+    def __init__(
+        self,
+        workdir: Path,
+        num_supernodes: int,
+        tls: bool = False,
+        auth: bool = False,
+        port: int | None = None,
+    ) -> None:
+        if num_supernodes < 1:
+            raise ValueError(f"deploy: invalid num_supernodes={num_supernodes}")
+        if auth and not tls:
+            raise ValueError("deploy: SuperNode authentication needs TLS (--tls)")
+        self.workdir = workdir.resolve()
+        self.num_supernodes = num_supernodes
+        self.tls, self.auth = tls, auth
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.flwr_home = self.workdir / "cli"
+        self.connection = CONNECTION
+        self.certs = self.workdir / "certs"
+        self.root_certificates = self.certs / "ca.crt" if tls else None
+        self.superlink: Daemon | None = None
+        self.supernodes: list[Daemon] = []
+        self.node_keys: list[Path] = []
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the SuperLink, register keys, start and await the SuperNodes."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            make_certificates(self.certs, ["localhost", "127.0.0.1"], force=True)
+        if self.auth:
+            self.node_keys = make_node_keys(self.certs, self.num_supernodes, force=True)
+        write_connection(
+            self.flwr_home, self.connection, self.address, self.root_certificates
+        )
+        self.superlink = self._superlink().start()
+        scheme = "https" if self.tls else "http"
+        self.superlink.wait_until(
+            lambda: http_ok(
+                f"{scheme}://{self.address}/health", self.root_certificates
+            ),
+            60,
+            "healthy",
+        )
+        for key in self.node_keys:
+            self.register(key)
+        for index in range(self.num_supernodes):
+            self.supernodes.append(self.supernode(index).start())
+        self.superlink.wait_until(
+            lambda: len(self.online_nodes()) >= self.num_supernodes,
+            120,
+            f"seeing {self.num_supernodes} SuperNodes online",
+        )
+
+    def stop(self) -> None:
+        """Stop every SuperNode, then the SuperLink (process groups)."""
+        for node in self.supernodes:
+            node.stop()
+        if self.superlink is not None:
+            self.superlink.stop()
+
+    # --- daemons ---------------------------------------------------------------
+
+    def _security_flags(self) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        return [
+            f"--ssl-ca-certfile={self.certs / 'ca.crt'}",
+            f"--ssl-certfile={self.certs / 'server.crt'}",
+            f"--ssl-keyfile={self.certs / 'server.key'}",
+        ]
+
+    def _superlink(self) -> Daemon:
+        home = self.workdir / "superlink"
+        command = [
+            str(venv_bin() / "flower-superlink"),
+            *self._security_flags(),
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            f"--database={home / 'state.db'}",
+            "--disable-runtime-dependency-installation",
+        ]
+        if self.auth:
+            command.append("--enable-supernode-auth")
+        return Daemon("SuperLink", command, flower_env(home), home / "superlink.log")
+
+    def supernode(self, index: int, private_key: Path | None = None) -> Daemon:
+        """Build (not start) SuperNode ``index``, which holds partition ``index``.
+
+        ``private_key`` overrides its authentication key (tests use an
+        unregistered one).
+        """
+        home = self.workdir / f"supernode-{index}"
+        command = [
+            str(venv_bin() / "flower-supernode"),
+            f"--superlink={self.address}",
+            f"--port={free_port()}",
+            f"--node-config=partition-id={index} num-partitions={self.num_supernodes}",
+        ]
+        if self.tls:
+            command.append(f"--root-certificates={self.root_certificates}")
+        else:
+            command.append("--insecure")
+        key = private_key or (self.node_keys[index] if self.auth else None)
+        if key is not None:
+            command.append(f"--auth-supernode-private-key={key}")
+        return Daemon(
+            f"SuperNode {index}", command, flower_env(home), home / "supernode.log"
+        )
+
+    # --- queries ---------------------------------------------------------------
+
+    def register(self, private_key: Path) -> None:
+        """Register the public key of ``private_key`` with the SuperLink."""
+        flwr(
+            ["supernode", "register", str(public_key_path(private_key)),
+             self.connection],
+            flower_env(self.flwr_home),
+        )  # fmt: skip
+
+    def online_nodes(self) -> list[int]:
+        """Node ids the SuperLink lists as online."""
+        try:
+            out = flwr(
+                ["supernode", "list", self.connection, "--format", "json"],
+                flower_env(self.flwr_home),
+            )
+        except RuntimeError:
+            return []
+        nodes = json.loads(out).get("nodes", [])
+        return [n["node-id"] for n in nodes if n.get("status") == "online"]
