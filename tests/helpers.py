@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -119,3 +121,29 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
         num_supernodes=num_supernodes,
         backend_config=BACKEND_CONFIG,
     )
+
+
+def processes_under(root: Path) -> list[str]:
+    """Command lines of live processes whose FLWR_HOME is ``root`` or inside it."""
+    prefix = f"FLWR_HOME={root}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            if any(v == prefix or v.startswith(prefix + b"/") for v in environ):
+                found.append(
+                    (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
+        except OSError:
+            continue
+    return found
+
+
+def assert_no_processes_under(root: Path, wait: float = 20.0) -> None:
+    """Fail if a process started with FLWR_HOME under ``root`` outlives ``wait``."""
+    deadline = time.monotonic() + wait
+    while processes_under(root) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_under(root) == [], "processes left running"

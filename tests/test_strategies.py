@@ -269,3 +269,35 @@ def test_reply_whose_data_contradict_its_metadata_is_rejected():
     report = strategy.round_reports[1]["train_replies"]
     assert (report["rejected"], report["used"]) == (1, 1)
     assert "do not match its metadata" in report["rejections"][0]
+
+
+def test_node_loss_samples_from_the_nodes_still_connected():
+    """3 of 4 wanted nodes connected: after the grace period, sample those 3."""
+    strategy = ours.FedDuA(fraction_train=1.0, min_train_nodes=4, min_available_nodes=4,
+                           fraction_evaluate=1.0, min_evaluate_nodes=4)  # fmt: skip
+    strategy.node_grace_s = 0.05
+    arrays = _record({"w": np.zeros(3, np.float32)})
+    grid = _grid(num_nodes=3)
+    train = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    evaluate = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in train) == [1, 2, 3]
+    assert len(evaluate) == 3
+    assert strategy.round_reports[1]["nodes"] == {
+        "train": {"wanted": 4, "connected": 3},
+        "evaluate": {"wanted": 4, "connected": 3},
+    }
+    # the minimums come back: a returning node is sampled again
+    assert (strategy.min_train_nodes, strategy.min_available_nodes) == (4, 4)
+    full = list(strategy.configure_train(2, arrays, ConfigRecord(), _grid(4)))
+    assert len(full) == 4 and "nodes" not in strategy.round_reports.get(2, {})
+
+
+def test_node_that_returns_within_the_grace_period_is_waited_for():
+    strategy = ours.FedAvg(fraction_train=1.0, min_train_nodes=3, min_available_nodes=3)
+    strategy.node_grace_s = 5.0
+    grid = Mock(spec=Grid)
+    grid.get_node_ids.side_effect = [[1, 2], [1, 2], [1, 2, 3]] + [[1, 2, 3]] * 10
+    arrays = _record({"w": np.zeros(3, np.float32)})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert len(messages) == 3
+    assert "nodes" not in strategy.round_reports.get(1, {})

@@ -94,6 +94,8 @@ class RunRecorder:
             "evaluate_replies": report.get("evaluate_replies"),
             "strategy": report.get("diagnostics", {}),
         }
+        if "nodes" in report:  # fewer nodes than wanted after node loss
+            entry["nodes"] = report["nodes"]
         self._round_started = now
         self.data["rounds"].append(entry)
         self.write()

@@ -24,6 +24,13 @@ from fedadapt.tasks import TASKS
 
 app = ServerApp()
 
+#: After node loss, seconds a round waits for missing nodes before it samples
+#: from the connected ones. Flower marks a SuperNode that stopped without
+#: saying goodbye offline after two missed heartbeats (about 60 s); until
+#: then its messages wait, and then come back as NODE_UNAVAILABLE errors,
+#: counted as failed replies in results.json.
+NODE_GRACE_S = 10.0
+
 
 def wait_for_nodes(grid: Grid, wanted: int, timeout: float) -> int:
     """Wait up to ``timeout`` s until ``wanted`` nodes are connected.
@@ -58,6 +65,7 @@ def main(grid: Grid, context: Context) -> None:
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     num_nodes = wait_for_nodes(grid, cfg["clients-per-round"], cfg["node-wait-timeout"])
     strategy = build_strategy(cfg, num_nodes)
+    strategy.node_grace_s = NODE_GRACE_S  # node loss: go on with the others
     state = initial_state(task, cfg)
     first_round = 0
     if resume is not None:

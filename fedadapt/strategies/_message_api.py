@@ -8,10 +8,14 @@ screening + a :class:`~fedadapt.strategies.core.ServerRule`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from logging import WARNING
 from typing import Any, TypedDict
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
@@ -89,6 +93,11 @@ class RuleStrategy(RuleHost):
     arrayrecord_key: str
     train_metrics_aggr_fn: Callable[..., MetricRecord]
 
+    #: Node loss: seconds to wait for missing nodes before a round samples
+    #: from the nodes still connected. None (default) keeps Flower's
+    #: behaviour of waiting for ``min_available_nodes`` indefinitely.
+    node_grace_s: float | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.round_offset = 0
@@ -103,9 +112,10 @@ class RuleStrategy(RuleHost):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Remember the global arrays, then sample and configure as Flower does."""
-        messages = super().configure_train(  # type: ignore[misc]
-            server_round + self.round_offset, arrays, config, grid
-        )
+        with self._connected_nodes_only(grid, server_round, "min_train_nodes"):
+            messages = super().configure_train(  # type: ignore[misc]
+                server_round + self.round_offset, arrays, config, grid
+            )
         # Flower's FedOpt already keeps a NumPy copy; reuse it instead of a second
         kept = getattr(self, "current_arrays", None)
         self._sent = kept if isinstance(kept, dict) else _to_numpy(arrays)
@@ -151,12 +161,57 @@ class RuleStrategy(RuleHost):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Configure evaluation of the evaluation model (see average_last_two)."""
-        return super().configure_evaluate(  # type: ignore[misc]
-            server_round + self.round_offset,
-            self.evaluation_arrays(arrays),
-            config,
-            grid,
-        )
+        if getattr(self, "fraction_evaluate", 0.0) == 0.0:
+            return []
+        with self._connected_nodes_only(grid, server_round, "min_evaluate_nodes"):
+            return super().configure_evaluate(  # type: ignore[misc]
+                server_round + self.round_offset,
+                self.evaluation_arrays(arrays),
+                config,
+                grid,
+            )
+
+    @contextmanager
+    def _connected_nodes_only(
+        self, grid: Grid, server_round: int, minimum: str
+    ) -> Iterator[None]:
+        """Lower the node minimums to the connected nodes after node loss.
+
+        Flower's sampling waits until ``min_available_nodes`` (and the
+        ``minimum`` of this phase) are connected — forever, once a node is
+        gone. With ``node_grace_s`` set, missing nodes get that long to come
+        back; then the round samples from the nodes still connected (at least
+        one), logs a warning and records ``nodes`` (wanted / connected) in
+        ``round_reports``. The minimums are restored afterwards, so nodes that
+        return are sampled again.
+        """
+        wanted = max(self.min_available_nodes, getattr(self, minimum))
+        connected = len(list(grid.get_node_ids()))
+        if self.node_grace_s is None or connected >= wanted:
+            yield
+            return
+        deadline = time.monotonic() + self.node_grace_s
+        while connected < wanted and time.monotonic() < deadline:
+            time.sleep(min(1.0, self.node_grace_s))
+            connected = len(list(grid.get_node_ids()))
+        if connected == 0 or connected >= wanted:
+            yield  # nobody left: Flower waits for nodes to (re)connect
+            return
+        phase = "train" if minimum == "min_train_nodes" else "evaluate"
+        log(WARNING, "Round %s %s: %d of %d nodes connected after %gs; sampling "
+            "from those", server_round + self.round_offset, phase, connected, wanted,
+            self.node_grace_s)  # fmt: skip
+        entry = self.round_reports.setdefault(server_round + self.round_offset, {})
+        nodes = entry.setdefault("nodes", {})
+        nodes[phase] = {"wanted": wanted, "connected": connected}
+        saved = self.min_available_nodes, getattr(self, minimum)
+        self.min_available_nodes = connected
+        setattr(self, minimum, min(saved[1], connected))
+        try:
+            yield
+        finally:
+            self.min_available_nodes = saved[0]
+            setattr(self, minimum, saved[1])
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
