@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -192,7 +193,10 @@ def submit_run(
     if superlink.simulation:
         command += ["--federation-config", f"num-supernodes={num_supernodes}"]
     started = time.monotonic()
-    run_id = int(json.loads(flwr(command, env))["run-id"])
+    submitted = json.loads(flwr(command, env))
+    if "run-id" not in submitted:
+        raise RuntimeError(f"flwr run was refused: {submitted}")
+    run_id = int(submitted["run-id"])
     streamer = None
     if stream:
         print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
@@ -323,6 +327,11 @@ def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
     parser.add_argument("--quiet", action="store_true", help="do not stream run logs")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """Turn SIGTERM into SystemExit so that context managers stop the daemons."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedadapt`` command."""
     parser = argparse.ArgumentParser(prog="fedadapt", description=__doc__)
@@ -352,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--count", type=int, required=True)
     keys.add_argument("--force", action="store_true", help="replace existing files")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop what we started
     handlers = {"simulate": simulate, "deploy": deploy, "certs": certs,
                 "node-keys": node_keys}  # fmt: skip
     try:

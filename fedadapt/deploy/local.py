@@ -12,7 +12,6 @@ multi-host deployment (docs/deployment.md).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
@@ -22,6 +21,8 @@ from fedadapt.deploy.process import (
     flwr,
     free_port,
     http_ok,
+    online_supernodes,
+    stop_all,
     venv_bin,
     write_connection,
 )
@@ -118,9 +119,8 @@ class LocalDeployment:
         )
 
     def stop(self) -> None:
-        """Stop every SuperNode, then the SuperLink (process groups)."""
-        for node in self.supernodes:
-            node.stop()
+        """Stop every SuperNode (all at once), then the SuperLink."""
+        stop_all(self.supernodes)
         if self.superlink is not None:
             self.superlink.stop()
 
@@ -183,14 +183,6 @@ class LocalDeployment:
             flower_env(self.flwr_home),
         )  # fmt: skip
 
-    def online_nodes(self) -> list[int]:
-        """Node ids the SuperLink lists as online."""
-        try:
-            out = flwr(
-                ["supernode", "list", self.connection, "--format", "json"],
-                flower_env(self.flwr_home),
-            )
-        except RuntimeError:
-            return []
-        nodes = json.loads(out).get("nodes", [])
-        return [n["node-id"] for n in nodes if n.get("status") == "online"]
+    def online_nodes(self) -> list[str]:
+        """Node ids the SuperLink lists as online (as ``flwr`` prints them)."""
+        return online_supernodes(flower_env(self.flwr_home), self.connection) or []

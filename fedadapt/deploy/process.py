@@ -8,6 +8,7 @@ SuperLink) and ``fedadapt deploy`` (a SuperLink and N SuperNodes).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,18 +74,43 @@ def write_connection(
     path.write_text(tomli_w.dumps(config))
 
 
-def flwr(args: Sequence[str], env: dict[str, str], **kw: Any) -> str:
-    """Run the ``flwr`` CLI; return its stdout, raise RuntimeError on failure."""
-    done = subprocess.run(
-        [str(venv_bin() / "flwr"), *args],
-        env=env, capture_output=True, text=True, check=False, **kw,
-    )  # fmt: skip
+UNAVAILABLE = "Connection to the SuperLink is unavailable"
+
+
+def flwr(args: Sequence[str], env: dict[str, str], retries: int = 3, **kw: Any) -> str:
+    """Run the ``flwr`` CLI; return its stdout, raise RuntimeError on failure.
+
+    A SuperLink that is briefly unreachable (busy starting its SuperExec on a
+    loaded machine, a restarting container) is retried ``retries`` times with
+    a growing pause; the CLI reports that before anything reached it.
+    """
+    for attempt in range(retries + 1):
+        done = subprocess.run(
+            [str(venv_bin() / "flwr"), *args],
+            env=env, capture_output=True, text=True, check=False, **kw,
+        )  # fmt: skip
+        if UNAVAILABLE not in done.stdout + done.stderr or attempt == retries:
+            break
+        time.sleep(2.0 * (attempt + 1))
     if done.returncode != 0:
         raise RuntimeError(
             f"flwr {' '.join(args)} failed ({done.returncode}):\n"
             f"{done.stdout}{done.stderr}"
         )
     return done.stdout
+
+
+def online_supernodes(env: dict[str, str], connection: str) -> list[str] | None:
+    """Node ids the SuperLink lists as online; None while it does not answer."""
+    try:
+        out = json.loads(
+            flwr(["supernode", "list", connection, "--format", "json"], env, retries=0)
+        )
+    except (RuntimeError, json.JSONDecodeError):
+        return None
+    if not out.get("success", False):
+        return None
+    return [n["node-id"] for n in out.get("nodes", []) if n.get("status") == "online"]
 
 
 class Daemon:
@@ -136,6 +162,14 @@ class Daemon:
         raise TimeoutError(f"{self.name}: not {what} after {timeout}s; "
                            f"see {self.log_path}")  # fmt: skip
 
+    def request_stop(self) -> None:
+        """Send SIGTERM to the daemon's process group without waiting."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def stop(self, grace: float = 15.0) -> None:
         """Terminate the daemon's process group; kill what lingers."""
         if self.process is None:
@@ -178,3 +212,11 @@ def http_ok(url: str, cafile: Path | None = None) -> bool:
             return True
     except (urllib.error.URLError, ConnectionError, TimeoutError, ssl.SSLError):
         return False
+
+
+def stop_all(daemons: Sequence[Daemon]) -> None:
+    """Stop several daemons at once (SIGTERM to all, then wait for each)."""
+    for daemon in daemons:
+        daemon.request_stop()
+    for daemon in daemons:
+        daemon.stop()
