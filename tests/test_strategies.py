@@ -301,3 +301,21 @@ def test_node_that_returns_within_the_grace_period_is_waited_for():
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert len(messages) == 3
     assert "nodes" not in strategy.round_reports.get(1, {})
+
+
+def test_after_a_loss_later_rounds_do_not_wait_again_and_never_hang():
+    """The grace wait happens once per loss; sampling uses one snapshot."""
+    strategy = ours.FedAvg(fraction_train=1.0, min_train_nodes=3, min_available_nodes=3)
+    strategy.node_grace_s = 0.2
+    arrays = _record({"w": np.zeros(3, np.float32)})
+    grid = _grid(num_nodes=2)
+    list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    polls = grid.get_node_ids.call_count
+    assert polls > 1  # waited for the missing node
+    messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    assert grid.get_node_ids.call_count == polls + 1 and len(messages) == 2
+    # a node lost between our look and Flower's sampling: the snapshot is sampled
+    racing = Mock(spec=Grid)
+    racing.get_node_ids.side_effect = [[1, 2, 3]] + [[1, 2]] * 100
+    messages = list(strategy.configure_train(3, arrays, ConfigRecord(), racing))
+    assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3]

@@ -76,6 +76,20 @@ def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
     return Candidate(node, arrays, metrics, message)
 
 
+class _NodeSnapshot:
+    """A Grid whose ``get_node_ids`` returns a fixed list (one round's sample)."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
+        self._grid, self._node_ids = grid, node_ids
+
+    def get_node_ids(self) -> list[int]:
+        """Return the snapshot taken when the round was configured."""
+        return list(self._node_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
 class RuleStrategy(RuleHost):
     """Mixin: screen replies, apply ``self.rule``, keep per-round reports.
 
@@ -101,6 +115,7 @@ class RuleStrategy(RuleHost):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.round_offset = 0
+        self._degraded: dict[str, int] = {}  # phase minimum -> nodes after a loss
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
         self._evaluation: ArrayRecord | None = None
@@ -112,9 +127,9 @@ class RuleStrategy(RuleHost):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Remember the global arrays, then sample and configure as Flower does."""
-        with self._connected_nodes_only(grid, server_round, "min_train_nodes"):
+        with self._connected_nodes_only(grid, server_round, "min_train_nodes") as g:
             messages = super().configure_train(  # type: ignore[misc]
-                server_round + self.round_offset, arrays, config, grid
+                server_round + self.round_offset, arrays, config, g
             )
         # Flower's FedOpt already keeps a NumPy copy; reuse it instead of a second
         kept = getattr(self, "current_arrays", None)
@@ -163,52 +178,62 @@ class RuleStrategy(RuleHost):
         """Configure evaluation of the evaluation model (see average_last_two)."""
         if getattr(self, "fraction_evaluate", 0.0) == 0.0:
             return []
-        with self._connected_nodes_only(grid, server_round, "min_evaluate_nodes"):
+        with self._connected_nodes_only(grid, server_round, "min_evaluate_nodes") as g:
             return super().configure_evaluate(  # type: ignore[misc]
                 server_round + self.round_offset,
                 self.evaluation_arrays(arrays),
                 config,
-                grid,
+                g,
             )
 
     @contextmanager
     def _connected_nodes_only(
         self, grid: Grid, server_round: int, minimum: str
-    ) -> Iterator[None]:
-        """Lower the node minimums to the connected nodes after node loss.
+    ) -> Iterator[Grid]:
+        """Yield the grid to sample from, lowering the minimums after node loss.
 
         Flower's sampling waits until ``min_available_nodes`` (and the
         ``minimum`` of this phase) are connected — forever, once a node is
         gone. With ``node_grace_s`` set, missing nodes get that long to come
-        back; then the round samples from the nodes still connected (at least
-        one), logs a warning and records ``nodes`` (wanted / connected) in
-        ``round_reports``. The minimums are restored afterwards, so nodes that
-        return are sampled again.
+        back (once per loss: a round that finds the same reduced set goes on
+        at once); then the round samples from the nodes still connected (at
+        least one), logs a warning and records ``nodes`` (wanted / connected)
+        in ``round_reports``. Sampling sees one snapshot of the connected
+        nodes, so a node lost meanwhile cannot make Flower wait forever (its
+        message comes back as a failed reply). The minimums are restored
+        afterwards: nodes that return are sampled again.
         """
+        if self.node_grace_s is None:
+            yield grid
+            return
         wanted = max(self.min_available_nodes, getattr(self, minimum))
-        connected = len(list(grid.get_node_ids()))
-        if self.node_grace_s is None or connected >= wanted:
-            yield
+        nodes = list(grid.get_node_ids())
+        if len(nodes) < wanted and len(nodes) < self._degraded.get(minimum, wanted):
+            deadline = time.monotonic() + self.node_grace_s  # a new loss: wait
+            while len(nodes) < wanted and time.monotonic() < deadline:
+                time.sleep(min(1.0, self.node_grace_s))
+                nodes = list(grid.get_node_ids())
+        if len(nodes) >= wanted:
+            self._degraded.pop(minimum, None)
+            yield _NodeSnapshot(grid, nodes)
             return
-        deadline = time.monotonic() + self.node_grace_s
-        while connected < wanted and time.monotonic() < deadline:
-            time.sleep(min(1.0, self.node_grace_s))
-            connected = len(list(grid.get_node_ids()))
-        if connected == 0 or connected >= wanted:
-            yield  # nobody left: Flower waits for nodes to (re)connect
+        if not nodes:
+            yield grid  # nobody left: Flower waits for nodes to (re)connect
             return
+        self._degraded[minimum] = len(nodes)
         phase = "train" if minimum == "min_train_nodes" else "evaluate"
-        log(WARNING, "Round %s %s: %d of %d nodes connected after %gs; sampling "
-            "from those", server_round + self.round_offset, phase, connected, wanted,
-            self.node_grace_s)  # fmt: skip
+        log(WARNING, "Round %s %s: %d of %d nodes connected; sampling from those",
+            server_round + self.round_offset, phase, len(nodes), wanted)  # fmt: skip
         entry = self.round_reports.setdefault(server_round + self.round_offset, {})
-        nodes = entry.setdefault("nodes", {})
-        nodes[phase] = {"wanted": wanted, "connected": connected}
+        entry.setdefault("nodes", {})[phase] = {
+            "wanted": wanted,
+            "connected": len(nodes),
+        }
         saved = self.min_available_nodes, getattr(self, minimum)
-        self.min_available_nodes = connected
-        setattr(self, minimum, min(saved[1], connected))
+        self.min_available_nodes = len(nodes)
+        setattr(self, minimum, min(saved[1], len(nodes)))
         try:
-            yield
+            yield _NodeSnapshot(grid, nodes)
         finally:
             self.min_available_nodes = saved[0]
             setattr(self, minimum, saved[1])
