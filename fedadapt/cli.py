@@ -63,7 +63,9 @@ class SimulationSuperLink:
     root_certificates: Path | None = None
     simulation = True
 
-    def __init__(self, flwr_home: Path, port: int | None = None) -> None:
+    def __init__(
+        self, flwr_home: Path, port: int | None = None, ray_address: str | None = None
+    ) -> None:
         self.flwr_home = flwr_home
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -78,7 +80,11 @@ class SimulationSuperLink:
                 f"--port={self.port}",
                 "--disable-runtime-dependency-installation",
             ],
-            flower_env(flwr_home),
+            # ray.init() in the simulation runtime joins the cluster named by
+            # RAY_ADDRESS instead of starting a private one
+            flower_env(
+                flwr_home, **({"RAY_ADDRESS": ray_address} if ray_address else {})
+            ),
             flwr_home / f"superlink-{self.port}.log",
         )
 
@@ -267,7 +273,7 @@ def simulate(args: argparse.Namespace) -> int:
     """Run one simulation end to end; return the process exit code."""
     app, overrides = _prepare(args)
     flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
-    with SimulationSuperLink(flwr_home, args.port) as superlink:
+    with SimulationSuperLink(flwr_home, args.port, args.ray_address) as superlink:
         outcome = submit_run(
             superlink, app, overrides, args.num_supernodes, args.timeout,
             stream=not args.quiet,
@@ -339,6 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim = commands.add_parser("simulate", help="run the app in a local simulation")
     _run_options(sim, nodes=10)
     sim.add_argument("--flwr-home", help="FLWR_HOME to use (default: <app>/.flwr)")
+    sim.add_argument(
+        "--ray-address",
+        help="run on this existing Ray cluster (e.g. 10.0.0.5:6379) instead of a "
+        "private one (docs/ray-cluster.md)",
+    )
     dep = commands.add_parser(
         "deploy", help="run the app on a SuperLink + SuperNodes started as processes"
     )
