@@ -176,6 +176,7 @@ def submit_run(
     timeout: float,
     stream: bool = False,
     results_dir: Path | None = None,
+    federation_config: str = "",
 ) -> RunOutcome:
     """Run the app once on ``superlink`` and wait for its real outcome.
 
@@ -185,6 +186,8 @@ def submit_run(
     that are connected are the federation. ``results_dir`` is where
     ``output-dir`` appears on this machine when the ServerApp runs elsewhere
     (a container's mounted folder); default: ``output-dir`` itself.
+    ``federation_config`` adds simulation settings (``flwr run
+    --federation-config``), e.g. ``"client-resources-num-cpus=1"``.
     """
     from fedadapt.config import validate_run_config
 
@@ -197,7 +200,8 @@ def submit_run(
     run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
     command = ["run", str(app), conn, "--format", "json", "--run-config", run_config]
     if superlink.simulation:
-        command += ["--federation-config", f"num-supernodes={num_supernodes}"]
+        federation = f"num-supernodes={num_supernodes} {federation_config}"
+        command += ["--federation-config", federation.strip()]
     started = time.monotonic()
     submitted = json.loads(flwr(command, env))
     if "run-id" not in submitted:
@@ -276,7 +280,7 @@ def simulate(args: argparse.Namespace) -> int:
     with SimulationSuperLink(flwr_home, args.port, args.ray_address) as superlink:
         outcome = submit_run(
             superlink, app, overrides, args.num_supernodes, args.timeout,
-            stream=not args.quiet,
+            stream=not args.quiet, federation_config=args.federation_config,
         )  # fmt: skip
     return report(outcome)
 
@@ -349,6 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ray-address",
         help="run on this existing Ray cluster (e.g. 10.0.0.5:6379) instead of a "
         "private one (docs/ray-cluster.md)",
+    )
+    sim.add_argument(
+        "--federation-config",
+        default="",
+        help='simulation settings, e.g. "client-resources-num-cpus=1 '
+        'client-resources-num-gpus=0.25" (flwr run --federation-config)',
     )
     dep = commands.add_parser(
         "deploy", help="run the app on a SuperLink + SuperNodes started as processes"
