@@ -3,11 +3,16 @@
 The GPU override cannot run here (no GPU in containers); these checks hold for
 every compose file: each service's command names a Flower daemon whose
 installed ``--help`` lists every flag it passes, GPU reservations are well
-formed, and the compose files use only loopback-published ports.
+formed, the compose files use only loopback-published ports, every
+combination of overrides parses and merges in the installed compose tool
+(skipped where none is installed), and the image runs as a non-root user
+with nothing secret in its build context.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from functools import cache
 
@@ -81,3 +86,80 @@ def test_tls_override_mounts_secrets_read_only_and_each_node_only_its_key():
             assert keys == [
                 "${FEDADAPT_CERTS:-../certs}/server.key:/certs/server.key:ro"
             ]
+
+
+def _compose_tool() -> list[str] | None:
+    """The installed compose command (v2 plugin or v1), or None."""
+    if shutil.which("docker"):
+        v2 = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, check=False
+        )
+        if v2.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["compose.tls.yaml"],
+        ["compose.gpu.yaml"],
+        ["compose.tls.yaml", "compose.gpu.yaml"],
+    ],
+    ids=["base", "tls", "gpu", "tls+gpu"],
+)
+def test_compose_files_parse_and_merge(overrides, tmp_path):
+    tool = _compose_tool()
+    if tool is None:
+        pytest.skip(
+            "no docker compose / docker-compose installed (docker/engine.sh up)"
+        )
+    files = []
+    for name in ["compose.yaml", *overrides]:
+        files += ["-f", str(DOCKER / name)]
+    env = {**os.environ, "FEDADAPT_CERTS": str(tmp_path)}
+    done = subprocess.run(
+        [*tool, "-p", "fadconfig", *files, "config"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    merged = yaml.safe_load(done.stdout)["services"]
+    assert set(merged) == {"superlink", "supernode-1", "supernode-2", "supernode-3"}
+    superlink = merged["superlink"]
+    if "compose.gpu.yaml" in overrides:
+        assert superlink["build"]["args"]["TORCH_VARIANT"] == "gpu"
+        for service in merged.values():
+            assert service["image"] == "fedadapt:gpu"
+            devices = service["deploy"]["resources"]["reservations"]["devices"]
+            assert devices[0]["driver"] == "nvidia"
+    else:
+        assert superlink["build"]["args"]["TORCH_VARIANT"] == "cpu"
+    if "compose.tls.yaml" in overrides:
+        assert "--enable-supernode-auth" in superlink["command"]
+        assert "--insecure" not in " ".join(
+            " ".join(s["command"]) for s in merged.values()
+        )
+    # the SuperLink keeps the state volume and the results mount in every variant
+    targets = {str(v).split(":")[1] if isinstance(v, str) else v["target"]
+               for v in superlink["volumes"]}  # fmt: skip
+    assert {"/data", "/results"} <= targets
+
+
+def test_image_runs_as_non_root_and_context_holds_no_secrets():
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim-bookworm" in dockerfile
+    users = [
+        line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")
+    ]
+    assert users and users[-1] not in {"root", "0"}
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    # everything is excluded except what the image needs: no keys, no certs
+    rules = [line for line in ignore if line and not line.startswith("#")]
+    assert rules[0] == "*"
+    assert all(
+        r.startswith("!") or "__pycache__" in r or r.endswith(".pyc") for r in rules[1:]
+    )
+    assert not any("cert" in r or ".key" in r for r in rules if r.startswith("!"))

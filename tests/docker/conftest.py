@@ -1,60 +1,74 @@
 """Container tests (``make test-docker``): engine, offline image, compose projects.
 
-The session fixture makes a Docker engine available with docker/engine.sh
-(installing Debian's docker.io where none answers, stopping afterwards only a
-daemon it started), builds the base image offline (docker/build-base.sh),
-links the wheels (docker/fetch-wheels.sh; cache outside the repository) and
-builds the app image with them. The base image and the wheel cache are kept
-between runs. Tests skip only when no engine can be installed or started.
+The session fixtures make a Docker engine available with docker/engine.sh
+(installing Debian's docker.io + docker-compose where no engine answers, and
+stopping afterwards only a daemon they started), build the base image offline
+(docker/build-base.sh, kept between runs), link the wheels into the build
+context (docker/fetch-wheels.sh; the cache lies outside the repository and is
+kept) and build the app image exactly as users do, with the local base image
+and the wheels as build arguments. Tests skip only when no engine can be
+installed or started. Each test gets its own compose project (unique name),
+taken down with ``down -v`` afterwards and checked to leave nothing behind.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from fedadapt.cli import SuperLinkConnection
-from fedadapt.deploy.process import free_port
+from fedadapt.deploy.compose import ComposeProject
 from tests.helpers import ROOT
 
 IMAGE = "fedadapt:cpu-test"
 BASE_IMAGE = "fedadapt-base:bookworm"
-TORCH_SPEC = "torch==2.13.0"  # the CPU wheel on this machine's disk
+# the only CPU torch wheel this machine's indexes hold (no torchvision to match)
+TORCH_SPEC = "torch==2.13.0"
 DOCKER = ROOT / "docker"
+TIMINGS: dict[str, float] = {}
 
 
 def sh(command: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProcess:
-    """Run a command; fail the test with its output if it fails."""
+    """Run a command; fail the test with the end of its output if it fails."""
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, check=False, **kw
     )
     if done.returncode != 0:
-        pytest.fail(f"{shlex.join(map(str, command))} exited {done.returncode}:\n"
-                    f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")  # fmt: skip
+        pytest.fail(
+            f"{shlex.join(map(str, command))} exited {done.returncode}:\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return done
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print how long the engine and image set-up took (fresh vs warm runs)."""
+    if TIMINGS:
+        steps = ", ".join(f"{k} {v:.0f}s" for k, v in TIMINGS.items())
+        terminalreporter.write_line(f"docker set-up: {steps}")
 
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[list[str]]:
-    """Yield the compose command; the engine is stopped afterwards if we started it."""
+    """Yield the compose command; stop the engine afterwards only if we started it."""
+    started = time.monotonic()
     up = subprocess.run(
         [str(DOCKER / "engine.sh"), "up"], capture_output=True, text=True, check=False
     )
     if up.returncode != 0:
-        pytest.skip(f"no Docker engine could be installed or started: {up.stderr}")
-    compose = subprocess.run(
-        [str(DOCKER / "engine.sh"), "compose"], capture_output=True, text=True
-    ).stdout.split()
+        pytest.skip(f"no Docker engine could be installed or started:\n{up.stderr}")
+    TIMINGS["engine"] = time.monotonic() - started
+    compose = sh([str(DOCKER / "engine.sh"), "compose"]).stdout.split()
     try:
         yield compose
     finally:
+        # stops the daemon only if engine.sh started it and no one else uses it
         subprocess.run([str(DOCKER / "engine.sh"), "down"], check=False)
 
 
@@ -63,91 +77,76 @@ def image(engine) -> str:
     """Build the base image (if missing), link the wheels and build the app image."""
     started = time.monotonic()
     sh([str(DOCKER / "build-base.sh"), BASE_IMAGE])
-    sh([str(DOCKER / "fetch-wheels.sh"), TORCH_SPEC])
-    sh(["docker", "build", "-q", "-f", str(DOCKER / "Dockerfile"),
-        "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-        "--build-arg", f"TORCH_SPEC={TORCH_SPEC}",
-        "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels",
-        "-t", IMAGE, str(ROOT)])  # fmt: skip
-    print(f"\nimages ready in {time.monotonic() - started:.0f}s")
+    TIMINGS["base image"] = time.monotonic() - started
+    started = time.monotonic()
+    sh(
+        [str(DOCKER / "fetch-wheels.sh"), TORCH_SPEC],
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    TIMINGS["wheels"] = time.monotonic() - started
+    started = time.monotonic()
+    sh(
+        [
+            "docker",
+            "build",
+            "-q",
+            "-f",
+            str(DOCKER / "Dockerfile"),
+            "--build-arg",
+            f"BASE_IMAGE={BASE_IMAGE}",
+            "--build-arg",
+            f"TORCH_SPEC={TORCH_SPEC}",
+            "--build-arg",
+            "PIP_OPTIONS=--no-index --find-links /wheels",
+            "-t",
+            IMAGE,
+            str(ROOT),
+        ]
+    )
+    TIMINGS["app image"] = time.monotonic() - started
     return IMAGE
 
 
-@dataclass
-class ComposeProject:
-    """One compose project of this test session, removed by ``down``."""
+class DockerProject(ComposeProject):
+    """fedadapt's ComposeProject with what the tests also need."""
 
-    compose: list[str]
-    name: str
-    files: list[str]
-    workdir: Path
-    port: int = field(default_factory=free_port)
-
-    @property
-    def results(self) -> Path:
-        """Host folder mounted at /results in the SuperLink container."""
-        return self.workdir / "results"
-
-    @property
-    def certs(self) -> Path:
-        """Host folder with certificates and node keys (TLS variant)."""
-        return self.workdir / "certs"
-
-    def env(self) -> dict[str, str]:
-        """Variables the compose files read."""
-        env = {
-            **os.environ,
-            "FEDADAPT_IMAGE": IMAGE,
-            "SUPERLINK_PORT": str(self.port),
-            "FEDADAPT_RESULTS": str(self.results),
-            "FEDADAPT_CERTS": str(self.certs),
-            "FEDADAPT_DATA": str(self.workdir / "data"),
-        }
-        if os.getuid() != 0:  # run as the user who owns the files
-            env |= {"FEDADAPT_UID": str(os.getuid()), "FEDADAPT_GID": str(os.getgid())}
-        return env
-
-    def __call__(self, *args: str, timeout: float = 300) -> str:
-        """Run ``compose -p name -f ... <args>``; return stdout."""
+    def command(self, *args: str) -> list[str]:
+        """``compose -p name -f ... <args>`` (to run without failing on exit)."""
         command = [*self.compose, "-p", self.name]
-        for f in self.files:
-            command += ["-f", str(DOCKER / f)]
-        return sh([*command, *args], timeout=timeout, env=self.env()).stdout
+        for path in self.files:
+            command += ["-f", str(path)]
+        return [*command, *args]
 
-    def connection(self, root_certificates: Path | None = None) -> SuperLinkConnection:
-        """How the host's flwr CLI reaches the published SuperLink port."""
-        return SuperLinkConnection(
-            flwr_home=self.workdir / "flwr-home",
-            address=f"127.0.0.1:{self.port}",
-            connection=self.name,
-            root_certificates=root_certificates,
-        )
+    def container(self, service: str) -> str:
+        """Id of the service's container."""
+        return self("ps", "-q", service).strip()
 
-    def leftovers(self) -> list[str]:
-        """Containers, volumes and networks of this project still present."""
-        label = f"label=com.docker.compose.project={self.name}"
-        found = []
-        for kind in ("ps -a", "volume ls", "network ls"):
-            out = subprocess.run(
-                ["docker", *kind.split(), "-q", "--filter", label],
-                capture_output=True, text=True, check=False,
-            ).stdout.split()  # fmt: skip
-            found += [f"{kind}: {x}" for x in out]
-        return found
+    def use(self, override: str) -> None:
+        """Add an override file of docker/ (e.g. compose.tls.yaml)."""
+        self.files.append(DOCKER / override)
 
 
 @pytest.fixture
-def project(engine, image, tmp_path, request) -> Iterator[ComposeProject]:
-    """A compose project named after the test; ``down -v`` and checked afterwards."""
-    name = "fadtest" + "".join(c for c in request.node.name.lower() if c.isalnum())
-    proj = ComposeProject(engine, name[:40], ["compose.yaml"], tmp_path)
-    proj.results.mkdir()
-    proj.results.chmod(0o777)  # the containers run as uid 1000
+def project(engine, image, tmp_path, request) -> Iterator[DockerProject]:
+    """A compose project of its own; ``down -v`` and checked empty afterwards."""
+    test = "".join(c for c in request.node.name.lower() if c.isalnum())
+    # unique also across concurrent sessions on the same engine
+    name = f"fad{test.removeprefix('test')[:24]}{secrets.token_hex(3)}"
+    proj = DockerProject(engine, name, [DOCKER / "compose.yaml"], tmp_path, image)
+    proj.prepare()  # results/ writable by the containers' uid 1000
+    (tmp_path / "data").mkdir()
     try:
         yield proj
     finally:
         try:
-            print(proj("logs", "--no-color", "--tail", "30")[-6000:])
+            logs = subprocess.run(
+                proj.command("logs", "--no-color", "--tail", "40"),
+                capture_output=True,
+                text=True,
+                env=proj.env(),
+                check=False,
+            )
+            print(logs.stdout[-8000:])
         finally:
-            proj("down", "-v", "--remove-orphans")
-        assert proj.leftovers() == []
+            proj.down()
+        assert proj.leftovers() == [], "compose down left these behind"
