@@ -16,6 +16,8 @@
 #   status   say whether an engine answers and who started it
 #
 # STATE is ${FEDADAPT_ENGINE_STATE:-${XDG_CACHE_HOME:-~/.cache}/fedadapt/engine}.
+# The caller is $PPID, or FEDADAPT_ENGINE_USER=<pid of a process that uses the
+# engine while it lives> (e.g. a long-lived shell: `FEDADAPT_ENGINE_USER=$$`).
 # Any docker client from API 1.41 on works with Debian's 20.10 daemon (a newer
 # client negotiates the API version down).
 set -euo pipefail
@@ -78,8 +80,10 @@ other_users() {
     for f in "$USERS"/*; do
         [ -e "$f" ] || continue
         pid=${f##*/}
-        if [ "$pid" = "$CALLER" ] || ! kill -0 "$pid" 2>/dev/null; then
-            rm -f "$f"  # this caller, or one that died without `down`
+        # this caller; itself when the caller's shell exec'd this script as its
+        # last command (bash -c "… && engine.sh down"); or a caller that died
+        if [ "$pid" = "$CALLER" ] || [ "$pid" = "$$" ] || ! kill -0 "$pid" 2>/dev/null; then
+            rm -f "$f"
         else
             echo "$pid"
         fi
