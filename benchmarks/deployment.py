@@ -1,143 +1,315 @@
 """Round wall time: Ray simulation vs processes vs containers, and what TLS adds.
 
-Runs the same app and config (digits-mlp, 3 clients, FedAvg, a few local
+Runs the same app and config (digits-mlp, 3 clients, FedAvg, fixed local
 steps, central evaluation each round) in each mode, reads every round's wall
 time from results.json, and prints the median of the steady rounds (round 1
-excluded: it pays for Ray's start in simulation) with the ratio against the
-simulation measured in the same run. Writes JSON to --output.
+excluded: in simulation it pays for Ray's start) with the ratio against the
+simulation measured in the same invocation. Writes JSON (every round time,
+the load of the machine before and after each mode) to --output.
 
-    .venv/bin/python benchmarks/deployment.py [--rounds 4] [--no-containers]
+    .venv/bin/python benchmarks/deployment.py [--rounds 4] [--modes simulation …]
 
-Containers need an engine and the image (docker/engine.sh up; the image is
-built as docs/docker.md shows, tag given by --image); without them that mode
-is skipped with the reason.
+Modes: ``simulation`` (``fedadapt simulate``'s private simulation SuperLink),
+``processes``, ``processes+tls``, ``processes+tls+auth`` (``fedadapt deploy``'s
+SuperLink + 3 SuperNodes on loopback), ``containers`` (docker/compose.yaml:
+needs a Docker engine that answers and the image, built as docs/docker.md
+shows, tag --image; ``--start-engine`` starts one with docker/engine.sh and
+stops only that). A mode that cannot run is reported as skipped, with why.
+Timings are only comparable when nothing else heavy runs: the script lists
+Flower, Docker, Ray, pytest, pip and make processes it finds before each mode.
+
+Measured (2 cores, nothing else running, 4 rounds, benchmarks/results/
+deployment.json): simulation 0.4 s per steady round, processes 24 s, +TLS
+27 s, +TLS+auth 20 s, containers 21 s. A deployment round is dominated by
+the new ``flwr-clientapp`` process each SuperNode starts per message (Python,
+torch and data loaded again every round), which the simulation's long-lived
+Ray actors pay once; TLS and authentication differ by less than the
+run-to-run spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedadapt.cli import SimulationSuperLink, submit_run  # noqa: E402
-from fedadapt.deploy.local import LocalDeployment  # noqa: E402
+from fedadapt.cli import RunOutcome, SimulationSuperLink, submit_run  # noqa: E402
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "task": "digits-mlp",
     "strategy": "fedavg",
     "clients-per-round": 3,
     "local-steps": 10,
     "evaluate-every": 1,
 }
+CLIENTS = 3
+TIMEOUT = 1800.0
+# processes that skew timings when they run beside the benchmark
+HEAVY = "flower|flwr-|dockerd|containerd-shim|raylet|gcs_server|pytest|pip |make "
 
 
-def _round_times(outcome, rounds: int) -> dict:
-    if not outcome.ok:
-        raise RuntimeError(f"run failed: {outcome.status} {outcome.problems}")
+class Skipped(Exception):
+    """A mode that cannot run here (no engine, no image, …)."""
+
+
+def machine_load() -> dict[str, Any]:
+    """Load average and the heavy processes running now besides this script.
+
+    Returns
+    -------
+    dict
+        ``loadavg`` (1, 5, 15 min) and ``others``: command lines of Flower,
+        Docker, Ray and pytest processes (cut to 150 characters).
+    """
+    found = subprocess.run(
+        ["pgrep", "-af", HEAVY], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    own = str(os.getpid())
+    others = [line[:150] for line in found if line.split(" ", 1)[0] != own]
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "others": others}
+
+
+def settled_load(wait: float = 30.0) -> dict[str, Any]:
+    """``machine_load()`` once no heavy process is left, or after ``wait`` s.
+
+    The previous mode's processes may take a few seconds to exit after it
+    stopped them; other users' processes are recorded, not waited for.
+    """
+    deadline = time.monotonic() + wait
+    load = machine_load()
+    while load["others"] and time.monotonic() < deadline:
+        time.sleep(2)
+        load = machine_load()
+    return load
+
+
+def round_times(outcome: RunOutcome, rounds: int) -> dict[str, Any]:
+    """Per-round wall times of a finished run, from its results.json.
+
+    Parameters
+    ----------
+    outcome : RunOutcome
+        What ``submit_run`` returned.
+    rounds : int
+        Rounds the run was asked for.
+
+    Returns
+    -------
+    dict
+        ``round_s`` (every round), ``first_round_s``, ``median_round_s``
+        (rounds 2..N) and ``run_s`` (submit to outcome, as the CLI sees it).
+    """
+    if not outcome.ok or outcome.results is None:
+        raise RuntimeError(f"run {outcome.status}: {outcome.details} "
+                           f"{outcome.problems}")  # fmt: skip
     data = json.loads(outcome.results.read_text())
     times = [r["wall_time_s"] for r in data["rounds"]]
-    assert len(times) == rounds
+    if len(times) != rounds:
+        raise RuntimeError(f"{len(times)} of {rounds} rounds recorded")
     return {
-        "round_s": times,
-        "first_round_s": times[0],
-        "median_round_s": statistics.median(times[1:]),
-        "run_s": outcome.wall_time_s,
+        "round_s": [round(t, 3) for t in times],
+        "first_round_s": round(times[0], 3),
+        "median_round_s": round(statistics.median(times[1:] or times), 3),
+        "run_s": round(outcome.wall_time_s, 1),
     }
 
 
-def simulation(work: Path, rounds: int) -> dict:
-    """Flower's Ray simulation via a private simulation SuperLink."""
-    with SimulationSuperLink(work / "sim") as link:
-        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work / "o1")}
-        return _round_times(submit_run(link, ROOT, cfg, 3, 900), rounds)
+def simulation(work: Path, rounds: int) -> dict[str, Any]:
+    """Flower's Ray simulation on a private simulation SuperLink."""
+    with SimulationSuperLink(work / "home") as link:
+        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work)}
+        return round_times(submit_run(link, ROOT, cfg, CLIENTS, TIMEOUT), rounds)
 
 
-def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict:
-    """SuperLink + 3 SuperNodes as processes on loopback."""
-    name = "processes" + ("-tls" if tls else "") + ("-auth" if auth else "")
-    with LocalDeployment(work / name, 3, tls=tls, auth=auth) as deployment:
-        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work / name)}
-        return _round_times(submit_run(deployment, ROOT, cfg, 3, 900), rounds)
+def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
+    """SuperLink + 3 SuperNodes as processes on loopback (``fedadapt deploy``)."""
+    try:
+        from fedadapt.deploy.local import LocalDeployment
+    except ImportError as error:
+        raise Skipped(f"fedadapt.deploy.local unavailable: {error}") from error
+    with LocalDeployment(work / "deploy", CLIENTS, tls=tls, auth=auth) as deployment:
+        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work)}
+        return round_times(submit_run(deployment, ROOT, cfg, CLIENTS, TIMEOUT), rounds)
 
 
-def containers(work: Path, rounds: int, image: str) -> dict:
-    """docker/compose.yaml: SuperLink + 3 SuperNodes in containers."""
-    from fedadapt.deploy.compose import ComposeProject
+def _engine_answers() -> bool:
+    try:
+        return (
+            subprocess.run(
+                ["docker", "info"], capture_output=True, timeout=30, check=False
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
+
+def containers(
+    work: Path, rounds: int, image: str, start_engine: bool = False
+) -> dict[str, Any]:
+    """docker/compose.yaml: a SuperLink and 3 SuperNodes, each a container.
+
+    With ``start_engine`` an engine is made available with ``docker/engine.sh
+    up`` (this process registered as its user) and released afterwards with
+    ``down``, which stops the daemon only if engine.sh started it and no
+    other user remains.
+    """
+    if not start_engine:
+        return _containers(work, rounds, image)
+    engine = str(ROOT / "docker" / "engine.sh")
+    user = {**os.environ, "FEDADAPT_ENGINE_USER": str(os.getpid())}
+    up = subprocess.run(
+        [engine, "up"], capture_output=True, text=True, env=user, check=False
+    )
+    if up.returncode != 0:
+        raise Skipped(f"docker/engine.sh up failed: {up.stderr.strip()[-300:]}")
+    try:
+        return _containers(work, rounds, image)
+    finally:
+        subprocess.run([engine, "down"], env=user, check=False)
+
+
+def _containers(work: Path, rounds: int, image: str) -> dict[str, Any]:
+    if not _engine_answers():
+        raise Skipped(
+            "no Docker engine answers (docker/engine.sh up, or --start-engine)"
+        )
+    try:
+        from fedadapt.deploy.compose import ComposeProject
+    except ImportError as error:
+        raise Skipped(f"fedadapt.deploy.compose unavailable: {error}") from error
+    inspect = subprocess.run(
+        ["docker", "image", "inspect", image], capture_output=True, check=False
+    )
+    if inspect.returncode != 0:
+        raise Skipped(f"no image {image} (build it as docs/docker.md shows)")
     compose = subprocess.run(
         [str(ROOT / "docker" / "engine.sh"), "compose"],
         capture_output=True, text=True, check=False,
     ).stdout.split()  # fmt: skip
-    if subprocess.run(["docker", "image", "inspect", image],
-                      capture_output=True, check=False).returncode:  # fmt: skip
-        raise RuntimeError(f"no image {image} (docs/docker.md)")
+    if not compose:
+        raise Skipped("no docker compose / docker-compose command")
     project = ComposeProject(
-        compose, "fadbench", [ROOT / "docker" / "compose.yaml"], work / "c", image
-    )
+        compose, f"fadbench{os.getpid()}", [ROOT / "docker" / "compose.yaml"],
+        work, image,
+    )  # fmt: skip
     project.prepare()
     try:
         project("up", "-d")
         connection = project.connection()
-        project.wait_online(connection, 3)
+        project.wait_online(connection, CLIENTS)
         cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": "/results"}
-        outcome = submit_run(connection, ROOT, cfg, 3, 900, results_dir=project.results)
-        return _round_times(outcome, rounds)
-    finally:
-        project.down()
+        outcome = submit_run(
+            connection, ROOT, cfg, CLIENTS, TIMEOUT, results_dir=project.results
+        )
+        result = round_times(outcome, rounds)
+    except BaseException:
+        with contextlib.suppress(Exception):  # keep the first error visible
+            project.down()
+        raise
+    project.down()
+    return result
 
 
-def main() -> None:
-    """Run every mode once, print the table, write the JSON."""
+def modes(
+    rounds: int, image: str, start_engine: bool = False
+) -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """Every mode by name: a function of a fresh work folder."""
+    return {
+        "simulation": lambda w: simulation(w, rounds),
+        "processes": lambda w: processes(w, rounds, tls=False, auth=False),
+        "processes+tls": lambda w: processes(w, rounds, tls=True, auth=False),
+        "processes+tls+auth": lambda w: processes(w, rounds, tls=True, auth=True),
+        "containers": lambda w: containers(w, rounds, image, start_engine),
+    }
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown table: median round, ratio to simulation, round 1, whole run."""
+    base = results.get("simulation", {}).get("median_round_s")
+    lines = [
+        "| mode | median round 2..N (s) | vs simulation | round 1 (s) | run (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "median_round_s" not in r:
+            why = r.get("skipped") or f"failed: {r.get('failed', '')}"
+            lines.append(f"| {name} | {why[:90]} | | | |")
+            continue
+        ratio = f"{r['median_round_s'] / base:.1f}x" if base else "n/a"
+        lines.append(f"| {name} | {r['median_round_s']:.2f} | {ratio} | "
+                     f"{r['first_round_s']:.2f} | {r['run_s']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen modes one after the other, print the table, write JSON."""
+    every = list(modes(0, "").keys())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", choices=every, default=every)
     parser.add_argument("--image", default="fedadapt:cpu-test")
-    parser.add_argument("--no-containers", action="store_true")
     parser.add_argument(
-        "--output", type=Path, default=Path("outputs/bench-deploy.json")
+        "--start-engine", action="store_true",
+        help="containers mode: make an engine available (docker/engine.sh up) "
+        "and release it afterwards (stopped only if started for this script)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--output", type=Path, default=ROOT / "benchmarks/results/deployment.json"
     )
-    args = parser.parse_args()
-    modes = {
-        "simulation": lambda w: simulation(w, args.rounds),
-        "processes": lambda w: processes(w, args.rounds, False, False),
-        "processes+tls": lambda w: processes(w, args.rounds, True, False),
-        "processes+tls+auth": lambda w: processes(w, args.rounds, True, True),
-    }
-    if not args.no_containers:
-        modes["containers"] = lambda w: containers(w, args.rounds, args.image)
-    results: dict = {}
-    with tempfile.TemporaryDirectory(prefix="fa-bench-") as tmp:
-        for name, run in modes.items():
-            started = time.monotonic()
-            try:
-                results[name] = run(Path(tmp))
-            except (RuntimeError, TimeoutError, OSError) as error:
-                results[name] = {"skipped": str(error)}
-            print(f"{name}: done in {time.monotonic() - started:.0f}s", flush=True)
-    base = results["simulation"]["median_round_s"]
-    print("\n| mode | median round (s) | vs simulation | round 1 (s) |")
-    print("|---|---|---|---|")
-    for name, r in results.items():
-        if "skipped" in r:
-            print(f"| {name} | skipped: {r['skipped'][:60]} | | |")
-            continue
-        ratio = r["median_round_s"] / base
-        print(f"| {name} | {r['median_round_s']:.2f} | {ratio:.2f}x | "
-              f"{r['first_round_s']:.2f} |")  # fmt: skip
+    args = parser.parse_args(argv)
+    # SIGTERM → SystemExit, so that every mode stops what it started
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    runs = modes(args.rounds, args.image, args.start_engine)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="fa-bench-") as tmp:
+            for name in args.modes:
+                before = settled_load()
+                if before["others"]:
+                    print(f"{name}: note, also running: {before['others']}",
+                          flush=True)  # fmt: skip
+                started = time.monotonic()
+                try:
+                    result = runs[name](Path(tmp) / name.replace("+", "-"))
+                except Skipped as why:
+                    result = {"skipped": str(why)}
+                except Exception as error:  # noqa: BLE001 - report, go on
+                    result = {"failed": f"{type(error).__name__}: {error}"}
+                result["load_before"] = before
+                result["loadavg_after"] = machine_load()["loadavg"]
+                results[name] = result
+                print(f"{name}: {time.monotonic() - started:.0f}s "
+                      f"{ {k: v for k, v in result.items() if 'load' not in k} }",
+                      flush=True)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print()
+    print(table(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(
-        {"config": CONFIG, "rounds": args.rounds, "machine": platform.platform(),
-         "results": results}, indent=2))  # fmt: skip
+    args.output.write_text(json.dumps({
+        "config": {**CONFIG, "num-server-rounds": args.rounds, "clients": CLIENTS},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": results,
+    }, indent=2) + "\n")  # fmt: skip
     print(f"\nwritten: {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
