@@ -170,8 +170,11 @@ RUN_CONFIG: tuple[Key, ...] = (
         "strategy); the run continues to num-server-rounds."),
     Key("client-test-fraction", 0.2, "Share of each client's data held out for "
         "federated evaluation.", minimum=0.0, maximum=0.9),
-    Key("seed", 0, "Seed of model initialisation, partition and local shuffling.",
-        minimum=0),
+    Key("seed", 0, "Seed of model initialisation, partition, local shuffling and "
+        "client sampling.", minimum=0),
+    Key("seeded-sampling", True, "Sample clients with an RNG seeded by `seed` over "
+        "the nodes ordered by partition-id (each node is asked once at start), so "
+        "reruns train the same clients; false = Flower's unseeded sampling."),
     Key("device", "auto", "Client training device: auto (CUDA if visible), cpu, cuda.",
         choices=("auto", "cpu", "cuda")),
     Key("output-dir", "outputs", "Where run folders are written; use an absolute "

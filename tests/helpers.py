@@ -45,6 +45,7 @@ def run_in_process(
     server_main=None,
     client_train=None,
     client_evaluate=None,
+    client_query=None,
 ) -> None:
     """Run Message-API apps with flwr's in-process ``run_simulation``.
 
@@ -64,6 +65,7 @@ def run_in_process(
     server_main = server_main or server_app.main
     client_train = client_train or client_app.train
     client_evaluate = client_evaluate or client_app.evaluate
+    client_query = client_query or client_app.query
     run_config = dict(overrides)
     server = ServerApp()
 
@@ -85,6 +87,10 @@ def run_in_process(
     @client.evaluate()
     def _evaluate(msg, context):
         return client_evaluate(msg, _ctx(context))
+
+    @client.query()
+    def _query(msg, context):
+        return client_query(msg, _ctx(context))
 
     run_simulation(
         server_app=server,

@@ -4,7 +4,9 @@ Each SuperNode must provide ``partition-id`` and ``num-partitions`` in its
 node config (the simulation engine does this automatically; in deployment
 pass ``--node-config "partition-id=0 num-partitions=10"``). For Fed-LAMB /
 Fed-AMS the server's v̂ arrives, and the client's v leaves, as a second
-ArrayRecord named ``second-moments``.
+ArrayRecord named ``second-moments``. A ``query`` message is answered with
+the node's ``partition-id`` and ``num-partitions`` (the ServerApp's seeded
+sampling orders nodes by them).
 """
 
 from __future__ import annotations
@@ -58,3 +60,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     pid, num = partition_of(context.node_config)
     metrics = evaluate_round(cfg, pid, num, msg.content["arrays"].to_torch_state_dict())
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server which partition this node holds (no data is touched)."""
+    pid, num = partition_of(context.node_config)
+    metrics = MetricRecord({"partition-id": pid, "num-partitions": num})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

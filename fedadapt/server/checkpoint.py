@@ -2,10 +2,11 @@
 
 A checkpoint is a pickle (only load files you wrote yourself) written
 atomically to ``<run>/checkpoint.pkl``. Resuming from it with the same run
-config reproduces an uninterrupted run exactly when every client takes part
-in every round (client seeds derive from the global round number and replies
-are aggregated in a canonical order; partial participation samples with
-Flower's unseeded RNG).
+config reproduces an uninterrupted run exactly (client seeds derive from the
+global round number, replies are aggregated in a canonical order, and with
+``seeded-sampling`` the sample of a round depends on the seed, the global
+round and the connected partitions only; with ``seeded-sampling=false`` only
+full participation is reproduced).
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ class RunRecorder:
         }
         if "nodes" in report:  # fewer nodes than wanted after node loss
             entry["nodes"] = report["nodes"]
+        if "sampled" in report:  # partition-ids sampled (seeded sampling)
+            entry["sampled"] = report["sampled"]
         self._round_started = now
         self.data["rounds"].append(entry)
         self.write()

@@ -11,7 +11,16 @@ import logging
 import time
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -52,6 +61,35 @@ def wait_for_nodes(grid: Grid, wanted: int, timeout: float) -> int:
         time.sleep(0.5)
 
 
+def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
+    """Ask every connected node its ``partition-id`` (one ``query`` message each).
+
+    Returns node id -> partition-id for the nodes that answered with an
+    integer ``partition-id``; the others are logged (a node that cannot
+    answer still trains; it is only sampled in no reproducible order).
+    """
+    node_ids = list(grid.get_node_ids())
+    messages = [
+        Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+        for node in node_ids
+    ]
+    keys: dict[int, int] = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if reply.has_error() or len(reply.content.metric_records) != 1:
+            continue
+        pid = next(iter(reply.content.metric_records.values())).get("partition-id")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            keys[reply.metadata.src_node_id] = pid
+    if len(keys) < len(node_ids):
+        log(logging.WARNING, "fedadapt: %d of %d nodes did not report their "
+            "partition-id; they are sampled after the others, not reproducibly",
+            len(node_ids) - len(keys), len(node_ids))  # fmt: skip
+    if len(set(keys.values())) < len(keys):
+        log(logging.WARNING, "fedadapt: several nodes report the same "
+            "partition-id; check each SuperNode's --node-config")  # fmt: skip
+    return keys
+
+
 def _numpy(arrays: ArrayRecord) -> dict[str, Any]:
     return {k: v.numpy() for k, v in arrays.items()}
 
@@ -66,6 +104,9 @@ def main(grid: Grid, context: Context) -> None:
     num_nodes = wait_for_nodes(grid, cfg["clients-per-round"], cfg["node-wait-timeout"])
     strategy = build_strategy(cfg, num_nodes)
     strategy.node_grace_s = NODE_GRACE_S  # node loss: go on with the others
+    if cfg["seeded-sampling"]:
+        strategy.sampling_seed = cfg["seed"]
+        strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
     state = initial_state(task, cfg)
     first_round = 0
     if resume is not None:

@@ -3,11 +3,13 @@
 :class:`RuleStrategy` is a mixin placed before a ``flwr.serverapp.strategy``
 class in the bases. Sampling, configuration, metric aggregation and the round
 loop (``start``) stay Flower's; only ``aggregate_train`` is replaced by
-screening + a :class:`~fedadapt.strategies.core.ServerRule`.
+screening + a :class:`~fedadapt.strategies.core.ServerRule`. Optionally the
+sampling is made reproducible (``sampling_seed``, ``node_keys``).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -105,6 +107,7 @@ class RuleStrategy(RuleHost):
 
     weighted_by_key: str
     arrayrecord_key: str
+    min_available_nodes: int
     train_metrics_aggr_fn: Callable[..., MetricRecord]
 
     #: Node loss: seconds to wait for missing nodes before a round samples
@@ -112,9 +115,17 @@ class RuleStrategy(RuleHost):
     #: behaviour of waiting for ``min_available_nodes`` indefinitely.
     node_grace_s: float | None = None
 
+    #: Reproducible sampling: with a seed, each round's sample is a function
+    #: of (seed, phase, global round) and of the connected nodes' keys only
+    #: (see :meth:`_sampling_grid`). None (default): Flower's unseeded RNG.
+    sampling_seed: int | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.round_offset = 0
+        #: node id -> stable key (the ServerApp puts each node's partition-id
+        #: here); orders nodes for seeded sampling and replies for aggregation
+        self.node_keys: dict[int, int] = {}
         self._degraded: dict[str, int] = {}  # phase minimum -> nodes after a loss
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
@@ -127,10 +138,13 @@ class RuleStrategy(RuleHost):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Remember the global arrays, then sample and configure as Flower does."""
-        with self._connected_nodes_only(grid, server_round, "min_train_nodes") as g:
-            messages = super().configure_train(  # type: ignore[misc]
-                server_round + self.round_offset, arrays, config, g
+        with self._sampling_grid(grid, server_round, "min_train_nodes") as g:
+            messages = list(
+                super().configure_train(  # type: ignore[misc]
+                    server_round + self.round_offset, arrays, config, g
+                )
             )
+        self._record_sample(server_round, "train", messages)
         # Flower's FedOpt already keeps a NumPy copy; reuse it instead of a second
         kept = getattr(self, "current_arrays", None)
         self._sent = kept if isinstance(kept, dict) else _to_numpy(arrays)
@@ -142,7 +156,11 @@ class RuleStrategy(RuleHost):
         """Screen replies, apply the rule; ``(None, None)`` keeps the model."""
         server_round += self.round_offset
         entry = self.round_reports.setdefault(server_round, {})
-        candidates = [_unpack(m, with_arrays=True) for m in replies]
+        # partition order, not arrival order: breaks the ties of canonical_order
+        # (equal weights), so float sums do not depend on arrival
+        candidates = [
+            _unpack(m, with_arrays=True) for m in self._in_node_order(replies)
+        ]
         valid, report = screen(
             candidates,
             self._sent,
@@ -178,13 +196,75 @@ class RuleStrategy(RuleHost):
         """Configure evaluation of the evaluation model (see average_last_two)."""
         if getattr(self, "fraction_evaluate", 0.0) == 0.0:
             return []
-        with self._connected_nodes_only(grid, server_round, "min_evaluate_nodes") as g:
-            return super().configure_evaluate(  # type: ignore[misc]
-                server_round + self.round_offset,
-                self.evaluation_arrays(arrays),
-                config,
-                g,
+        with self._sampling_grid(grid, server_round, "min_evaluate_nodes") as g:
+            messages = list(
+                super().configure_evaluate(  # type: ignore[misc]
+                    server_round + self.round_offset,
+                    self.evaluation_arrays(arrays),
+                    config,
+                    g,
+                )
             )
+        self._record_sample(server_round, "evaluate", messages)
+        return messages
+
+    # --- sampling ----------------------------------------------------------------
+
+    def _node_order(self, node_id: int) -> tuple[int, int]:
+        """Sort key of a node: its key (partition-id) first, unknown nodes last."""
+        key = self.node_keys.get(node_id)
+        return (0, key) if key is not None else (1, node_id)
+
+    def _in_node_order(self, replies: Iterable[Message]) -> list[Message]:
+        return sorted(replies, key=lambda m: self._node_order(m.metadata.src_node_id))
+
+    def _record_sample(
+        self, server_round: int, phase: str, messages: list[Message]
+    ) -> None:
+        """Record which nodes (by key where known) were sampled in ``phase``."""
+        if not self.node_keys:
+            return
+        sampled = sorted(
+            self.node_keys.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
+            for m in messages
+        )
+        entry = self.round_reports.setdefault(server_round + self.round_offset, {})
+        entry.setdefault("sampled", {})[phase] = sampled
+
+    @contextmanager
+    def _sampling_grid(
+        self, grid: Grid, server_round: int, minimum: str
+    ) -> Iterator[Grid]:
+        """Yield the grid Flower samples from: connected nodes, seeded if asked.
+
+        Flower draws ``random.sample(grid.get_node_ids(), k)`` with the
+        module-level RNG, unseeded, over node ids that are random per run, so
+        two runs with the same seed train different clients. With
+        ``sampling_seed`` set, the nodes are listed in a stable order (by
+        ``node_keys``, i.e. partition-id) and the draw runs under
+        ``random.seed("fedadapt/<seed>/<phase>/<global round>")``; the RNG's
+        previous state is restored afterwards, so nobody else's random
+        numbers change. The sample then depends only on the seed, the round,
+        the phase and which partitions are connected, also after a resume
+        from a checkpoint.
+        """
+        with self._connected_nodes_only(grid, server_round, minimum) as connected:
+            if self.sampling_seed is None:
+                yield connected
+                return
+            nodes = sorted(connected.get_node_ids(), key=self._node_order)
+            wanted = max(self.min_available_nodes, getattr(self, minimum))
+            if len(nodes) < wanted:  # Flower must keep waiting for nodes
+                yield connected
+                return
+            phase = "train" if minimum == "min_train_nodes" else "evaluate"
+            global_round = server_round + self.round_offset
+            saved = random.getstate()
+            random.seed(f"fedadapt/{self.sampling_seed}/{phase}/{global_round}")
+            try:
+                yield _NodeSnapshot(connected, nodes)
+            finally:
+                random.setstate(saved)
 
     @contextmanager
     def _connected_nodes_only(
@@ -243,7 +323,9 @@ class RuleStrategy(RuleHost):
     ) -> MetricRecord | None:
         """Screen evaluation replies, then aggregate their metrics as Flower does."""
         server_round += self.round_offset
-        candidates = [_unpack(m, with_arrays=False) for m in replies]
+        candidates = [
+            _unpack(m, with_arrays=False) for m in self._in_node_order(replies)
+        ]
         valid, report = screen(
             candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
         )
