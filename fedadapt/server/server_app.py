@@ -106,7 +106,9 @@ def main(grid: Grid, context: Context) -> None:
     strategy.node_grace_s = NODE_GRACE_S  # node loss: go on with the others
     if cfg["seeded-sampling"]:
         strategy.sampling_seed = cfg["seed"]
-        strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
+        wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
+        if any(0 < k < num_nodes for k in wanted):  # a real sample: order the nodes
+            strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
     state = initial_state(task, cfg)
     first_round = 0
     if resume is not None:
