@@ -39,6 +39,13 @@ from fedadapt.deploy.process import (
 
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
+#: While a run goes on, its results.json is read every RESULTS_POLL_S and
+#: ``flwr ls`` asked only every STATUS_POLL_S (each call starts a Python
+#: process costing about 1.5 CPU-seconds, which on a 2-core machine slowed
+#: the run it watched); once results.json says the run ended, ``flwr ls`` is
+#: asked every second until Flower reports it finished.
+RESULTS_POLL_S = 0.5
+STATUS_POLL_S = 10.0
 
 
 @dataclass
@@ -126,15 +133,32 @@ def run_status(
     return json.loads(out)["runs"][0]
 
 
-def find_results(output_dir: Path, run_id: int) -> Path | None:
-    """Return the results.json written for ``run_id`` under ``output_dir``."""
+def find_results(
+    output_dir: Path, run_id: int, modified_after: float = 0.0
+) -> Path | None:
+    """Return the results.json written for ``run_id`` under ``output_dir``.
+
+    ``modified_after`` (a ``time.time()``) skips files not written since then.
+    """
     for path in sorted(output_dir.glob("*/results.json")):
         try:
+            if path.stat().st_mtime < modified_after:
+                continue
             if json.loads(path.read_text()).get("run_id") == run_id:
                 return path
         except (OSError, json.JSONDecodeError):
             continue
     return None
+
+
+def recorded_status(path: Path | None) -> str | None:
+    """``status`` of a results.json (running/completed/failed); None if unreadable."""
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        return None  # being replaced right now: read again next time
 
 
 def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
@@ -202,33 +226,42 @@ def submit_run(
     if superlink.simulation:
         federation = f"num-supernodes={num_supernodes} {federation_config}"
         command += ["--federation-config", federation.strip()]
-    started = time.monotonic()
+    started, submitted_at = time.monotonic(), time.time()
     submitted = json.loads(flwr(command, env))
     if "run-id" not in submitted:
         raise RuntimeError(f"flwr run was refused: {submitted}")
     run_id = int(submitted["run-id"])
+    results_root = results_dir or Path(cfg["output-dir"]).resolve()
     streamer = None
     if stream:
         print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
         streamer = subprocess.Popen(
             [str(venv_bin() / "flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
+    path, ask_flower_at = None, 0.0
     try:
         while True:
-            status = run_status(run_id, env, conn)
-            if status["status"].startswith(TERMINAL_PREFIX):
-                break
-            if time.monotonic() - started > timeout:
+            path = path or find_results(results_root, run_id, submitted_at - 5.0)
+            ended = recorded_status(path) in ("completed", "failed")
+            now = time.monotonic()
+            if ended:  # the ServerApp is done: Flower will say so shortly
+                ask_flower_at = min(ask_flower_at, now + 1.0)
+            if now >= ask_flower_at:
+                status = run_status(run_id, env, conn)
+                if status["status"].startswith(TERMINAL_PREFIX):
+                    break
+                ask_flower_at = now + (1.0 if ended else STATUS_POLL_S)
+            if now - started > timeout:
                 flwr(["stop", str(run_id), conn], env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
-            time.sleep(1.0)
+            time.sleep(RESULTS_POLL_S)
     finally:
         if streamer is not None:
             time.sleep(1.0)  # let the last log lines through
             streamer.terminate()
             streamer.wait(timeout=10)
-    path = find_results(results_dir or Path(cfg["output-dir"]).resolve(), run_id)
+    path = path or find_results(results_root, run_id)
     problems = []
     if status["status"] == "finished:completed":
         if path is None:

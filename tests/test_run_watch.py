@@ -1,0 +1,109 @@
+"""submit_run waits for a run's real outcome without flooding the machine with
+``flwr ls`` processes: it follows the run's results.json and asks Flower
+rarely while the run goes on, then promptly once the ServerApp is done."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from fedadapt import cli
+
+
+class FakeSuperLink:
+    def __init__(self, home: Path) -> None:
+        self.flwr_home = home
+        self.address = "127.0.0.1:1"
+        self.connection = "fake"
+        self.root_certificates = None
+        self.simulation = True
+
+
+def _write(path: Path, status: str, rounds: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "run_id": 7,
+        "status": status,
+        "rounds": [{"round": r + 1, "replies": {"used": 2}} for r in range(rounds)],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def test_follows_results_json_and_asks_flower_only_when_it_matters(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    results = out / "run-7" / "results.json"
+    # a stale results.json of another run in the same folder is never taken
+    _write(out / "old" / "results.json", "completed", 2)
+    json_old = json.loads((out / "old" / "results.json").read_text())
+    json_old["run_id"] = 3
+    (out / "old" / "results.json").write_text(json.dumps(json_old))
+
+    finished = threading.Event()
+    asked: list[float] = []
+
+    def fake_flwr(args, env, **kw):
+        assert args[0] == "run"
+        return json.dumps({"run-id": 7})
+
+    def fake_status(run_id, env, conn):
+        asked.append(time.monotonic())
+        done = finished.is_set()
+        return {"status": "finished:completed" if done else "running"}
+
+    def server_app():
+        _write(results, "running", 0)
+        time.sleep(1.0)
+        _write(results, "running", 1)
+        time.sleep(1.0)
+        _write(results, "completed", 2)
+        time.sleep(0.3)  # Flower marks the run finished a moment later
+        finished.set()
+
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(cli, "run_status", fake_status)
+    monkeypatch.setattr(cli, "STATUS_POLL_S", 60.0)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+    threading.Thread(target=server_app, daemon=True).start()
+    started = time.monotonic()
+    outcome = cli.submit_run(
+        FakeSuperLink(tmp_path / "home"),
+        tmp_path,
+        {"output-dir": str(out), "num-server-rounds": 2},
+        2,
+        timeout=30,
+    )
+    assert outcome.ok and outcome.results == results, outcome
+    # once at the start, then only after results.json said "completed"
+    assert 2 <= len(asked) <= 4, asked
+    assert asked[1] - started > 2.0
+    assert time.monotonic() - started < 6.0  # not the 60 s status interval
+
+
+def test_a_run_that_never_writes_results_is_still_detected(tmp_path, monkeypatch):
+    """A ServerApp that fails before writing results.json: Flower's status,
+    asked every STATUS_POLL_S, ends the wait; the outcome names the failure."""
+    calls = []
+
+    def fake_status(run_id, env, conn):
+        calls.append(1)
+        return {"status": "finished:failed" if len(calls) >= 3 else "starting"}
+
+    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 9}')
+    monkeypatch.setattr(cli, "run_status", fake_status)
+    monkeypatch.setattr(cli, "STATUS_POLL_S", 0.2)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+    outcome = cli.submit_run(
+        FakeSuperLink(tmp_path / "home"),
+        tmp_path,
+        {"output-dir": str(tmp_path / "out"), "num-server-rounds": 2},
+        2,
+        timeout=30,
+    )
+    assert outcome.status == "finished:failed" and not outcome.ok
+    assert outcome.results is None and len(calls) == 3
