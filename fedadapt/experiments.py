@@ -216,8 +216,16 @@ def cell_done(results: Path, rounds: int) -> bool:
     return data.get("status") == "completed" and len(data.get("rounds", [])) == rounds
 
 
-def run_suite(suite: Suite, output_root: Path, app: Path) -> int:
-    """Run every unfinished cell; return the number of failed cells."""
+def run_suite(
+    suite: Suite, output_root: Path, app: Path, federation_config: str = ""
+) -> int:
+    """Run every unfinished cell; return the number of failed cells.
+
+    ``federation_config`` is passed to every ``flwr run`` (its
+    ``--federation-config``), e.g. ``"client-resources-num-gpus=0.25"`` so
+    that four simulated clients share each GPU; without it Ray gives the
+    clients no GPU and they train on the CPU.
+    """
     from tqdm import tqdm
 
     from fedadapt.cli import SimulationSuperLink, submit_run
@@ -238,7 +246,7 @@ def run_suite(suite: Suite, output_root: Path, app: Path) -> int:
             bar.set_postfix_str(f"{cell.method} {cell.point_label} seed {cell.seed}")
             outcome = submit_run(
                 superlink, app, dict(cell.overrides), suite.num_supernodes,
-                suite.timeout,
+                suite.timeout, federation_config=federation_config,
             )  # fmt: skip
             if not outcome.ok:
                 failed += 1
@@ -408,6 +416,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override a run-config key in every cell (e.g. dirichlet-alpha=0.01); "
         "the variant gets its own output folder",
     )
+    parser.add_argument(
+        "--federation-config",
+        default="",
+        metavar='"KEY=VALUE ..."',
+        help="simulation settings for every run (flwr run --federation-config), "
+        'e.g. "client-resources-num-gpus=0.25 client-resources-num-cpus=2" on a '
+        "GPU machine (without it the simulated clients get no GPU)",
+    )
     args = parser.parse_args(argv)
     try:
         suite = load_suite(args.suite, parse_settings(args.set))
@@ -420,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "run":
         started = time.monotonic()
-        failed = run_suite(suite, output, args.app.resolve())
+        failed = run_suite(suite, output, args.app.resolve(), args.federation_config)
         print(f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
               f"{failed} failed")  # fmt: skip
         if failed:

@@ -183,3 +183,46 @@ def test_run_through_flower_then_resume_skips_finished_cells(tmp_path):
 def test_shipped_suites_are_valid(path):
     suite = load_suite(path)
     assert suite.description and suite.cells(ROOT / "outputs")
+
+
+def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
+    """``--federation-config`` (client resources on a GPU machine) is passed to
+    each cell's ``flwr run --federation-config`` beside num-supernodes."""
+    from fedadapt import cli
+
+    commands = []
+
+    class FakeSuperLink:
+        flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"
+        root_certificates, simulation = None, True
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def fake_flwr(args, env, **kw):
+        if args[0] == "run":
+            commands.append(list(args))
+            return json.dumps({"run-id": len(commands)})
+        raise AssertionError(args)
+
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(
+        cli,
+        "run_status",
+        lambda *a: {"status": "finished:failed", "status-details": ""},
+    )
+    path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
+    code = main(["run", str(path), "--output", str(tmp_path / "out"),
+                 "--federation-config", "client-resources-num-gpus=0.5"])  # fmt: skip
+    assert code == 1  # every (fake) run failed
+    assert len(commands) == 3
+    for command in commands:
+        given = command[command.index("--federation-config") + 1]
+        assert given == "num-supernodes=3 client-resources-num-gpus=0.5"
