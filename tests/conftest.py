@@ -17,3 +17,14 @@ def cfg():
         )
 
     return build
+
+
+@pytest.fixture
+def task_identity():
+    """Messages built outside a run need a run identity (Flower sets it in one)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved

@@ -12,15 +12,7 @@ from flwr.serverapp import Grid
 from fedadapt.strategies import FedLAMB
 from tests.helpers import make_reply
 
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _grid():

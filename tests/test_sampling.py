@@ -24,15 +24,7 @@ from tests.helpers import make_reply, run_in_process
 NUM_NODES, PER_ROUND = 10, 3
 
 
-@pytest.fixture(autouse=True)
-def _task_identity():
-    """Messages built by configure_train need a run identity (Flower sets it)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _a_run(run_seed: int, sampling_seed: int | None, per_eval: int = 0):
