@@ -40,11 +40,14 @@ from fedadapt.deploy.process import (
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
 #: While a run goes on, its results.json is read every RESULTS_POLL_S and
-#: ``flwr ls`` asked only every STATUS_POLL_S (each call starts a Python
-#: process costing about 1.5 CPU-seconds, which on a 2-core machine slowed
-#: the run it watched); once results.json says the run ended, ``flwr ls`` is
-#: asked every second until Flower reports it finished.
+#: ``flwr ls`` asked at intervals of a quarter of the time elapsed, between
+#: FIRST_STATUS_POLL_S and STATUS_POLL_S: each call starts a Python process
+#: costing about 1.5 CPU-seconds, which on a 2-core machine slowed the run it
+#: watched, while a run that fails at start is still seen within seconds.
+#: Once results.json says the run ended, ``flwr ls`` is asked every second
+#: until Flower reports it finished.
 RESULTS_POLL_S = 0.5
+FIRST_STATUS_POLL_S = 2.0
 STATUS_POLL_S = 10.0
 
 
@@ -250,7 +253,9 @@ def submit_run(
                 status = run_status(run_id, env, conn)
                 if status["status"].startswith(TERMINAL_PREFIX):
                     break
-                ask_flower_at = now + (1.0 if ended else STATUS_POLL_S)
+                wait = max(FIRST_STATUS_POLL_S, (now - started) / 4)
+                wait = min(STATUS_POLL_S, wait)
+                ask_flower_at = now + (1.0 if ended else wait)
             if now - started > timeout:
                 flwr(["stop", str(run_id), conn], env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
