@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fedadapt simulate --num-supernodes 10
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # real containers: Docker engine, offline base image, compose (docs/deployment.md)
 test-docker: $(STAMP)
