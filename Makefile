@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-docker smoke lint format install clean
+.PHONY: demo test test-deploy test-docker smoke lint format install clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
+
+# real processes: SuperLink + 3 SuperNodes with TLS, SuperNode auth, a refused
+# stranger and node loss (about 4 minutes; kept out of the default suite)
+test-deploy: $(STAMP)
+	$(BIN)/python -m pytest -q -m deploy -rs tests
 
 # real containers: Docker engine, offline base image, compose (docs/deployment.md)
 test-docker: $(STAMP)

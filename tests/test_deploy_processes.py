@@ -112,6 +112,7 @@ def _kill_when_training_starts(deployment, index, results_dir, timeout=120):
 
 
 @pytest.mark.e2e
+@pytest.mark.deploy
 def test_tls_auth_deployment_runs_refuses_strangers_and_survives_node_loss(tmp_path):
     workdir = tmp_path / "deploy"
     with LocalDeployment(workdir, 3, tls=True, auth=True) as deployment:
