@@ -436,7 +436,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "run":
         started = time.monotonic()
-        failed = run_suite(suite, output, args.app.resolve(), args.federation_config)
+        try:
+            failed = run_suite(
+                suite, output, args.app.resolve(), args.federation_config
+            )
+        except RuntimeError as error:  # flwr refused the run (e.g. a bad setting)
+            print(f"fedadapt-exp: {error}", file=sys.stderr)
+            return 2
         print(f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
               f"{failed} failed")  # fmt: skip
         if failed:

@@ -226,3 +226,33 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
     for command in commands:
         given = command[command.index("--federation-config") + 1]
         assert given == "num-supernodes=3 client-resources-num-gpus=0.5"
+
+
+def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """``--federation-config`` with a key Flower rejects: exit 2 and Flower's
+    message, not a traceback."""
+    from fedadapt import cli
+
+    class FakeSuperLink:
+        flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"
+        root_certificates, simulation = None, True
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def refusing_flwr(args, env, **kw):
+        raise RuntimeError("flwr run failed (1): Unknown simulation config field(s)")
+
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", refusing_flwr)
+    path = _write(tmp_path)
+    code = main(["run", str(path), "--output", str(tmp_path / "out"),
+                 "--federation-config", "no-such-field=1"])  # fmt: skip
+    assert code == 2
+    assert "Unknown simulation config field" in capsys.readouterr().err

@@ -80,11 +80,13 @@ def test_follows_results_json_and_asks_flower_only_when_it_matters(
         timeout=30,
     )
     assert outcome.ok and outcome.results == results, outcome
-    # 6.3 s: asked at 0, 2, 4, (6) s and about a second after "completed" -
-    # not every second (7+ calls), and not 60 s late
+    took = time.monotonic() - started
+    # a run of ~6.3 s: asked at 0, 2, 4, (6) s and about a second after
+    # "completed" - not once a second, and not 60 s (STATUS_POLL_S) late;
+    # bounds relative to how long it really took (a loaded machine)
     gaps = [b - a for a, b in zip(asked, asked[1:], strict=False)]
-    assert len(asked) <= 5 and min(gaps[:2]) >= 1.9, asked
-    assert time.monotonic() - started < 9.0
+    assert min(gaps[:2]) >= 1.9 and len(asked) <= took / 2 + 2, (asked, took)
+    assert took < 6.3 + 10.0
 
 
 def test_a_run_that_never_writes_results_is_still_detected(tmp_path, monkeypatch):

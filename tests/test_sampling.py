@@ -191,3 +191,30 @@ def test_simulation_reruns_train_the_same_partitions(tmp_path):
             sample = entry["sampled"][phase]
             assert len(sample) == 2 and set(sample) <= set(range(6)), entry
     assert [r["eval"]["loss"] for r in a] == [r["eval"]["loss"] for r in b]
+
+
+def test_partition_query_keeps_only_integer_answers_and_bounds_its_wait():
+    """node_partitions: an error reply, a missing, float or NaN
+    partition-id are left out (those nodes are sampled last), never crash."""
+    from fedadapt.server.server_app import node_partitions
+
+    answers = {
+        1: {"partition-id": 3},
+        2: {"partition-id": 0},
+        3: None,  # the node's ClientApp failed
+        4: {"num-partitions": 5},  # no partition-id
+        5: {"partition-id": 1.5},
+        6: {"partition-id": float("nan")},
+    }
+    replies = [
+        make_reply(None, metrics or {}, node, error=metrics is None)
+        for node, metrics in answers.items()
+    ]
+    grid = Mock(spec=Grid)
+    grid.get_node_ids.return_value = list(answers)
+    grid.send_and_receive.return_value = replies
+    assert node_partitions(grid, timeout=7.0) == {1: 3, 2: 0}
+    sent = grid.send_and_receive.call_args
+    assert sent.kwargs["timeout"] == 7.0
+    assert sorted(m.metadata.dst_node_id for m in sent.args[0]) == list(answers)
+    assert {m.metadata.message_type for m in sent.args[0]} == {"query"}

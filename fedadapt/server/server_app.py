@@ -40,6 +40,10 @@ app = ServerApp()
 #: counted as failed replies in results.json.
 NODE_GRACE_S = 10.0
 
+#: Seconds the partition-id query at start waits for replies (capped by
+#: round-timeout): a node that hangs must not hold the run for an hour.
+QUERY_TIMEOUT_S = 60.0
+
 
 def wait_for_nodes(grid: Grid, wanted: int, timeout: float) -> int:
     """Wait up to ``timeout`` s until ``wanted`` nodes are connected.
@@ -78,7 +82,7 @@ def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         if reply.has_error() or len(reply.content.metric_records) != 1:
             continue
         pid = next(iter(reply.content.metric_records.values())).get("partition-id")
-        if isinstance(pid, int) and not isinstance(pid, bool):
+        if isinstance(pid, int):  # MetricRecord values: int, float or lists
             keys[reply.metadata.src_node_id] = pid
     if len(keys) < len(node_ids):
         log(logging.WARNING, "fedadapt: %d of %d nodes did not report their "
@@ -108,7 +112,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy.sampling_seed = cfg["seed"]
         wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
         if any(0 < k < num_nodes for k in wanted):  # a real sample: order the nodes
-            strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
+            timeout = min(QUERY_TIMEOUT_S, cfg["round-timeout"])
+            strategy.node_keys = node_partitions(grid, timeout)
     state = initial_state(task, cfg)
     first_round = 0
     if resume is not None:
