@@ -13,11 +13,15 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
 	touch $(STAMP)
 
+# FedAvg+SGD vs FedAdam vs FedDuA+Δ-SGD on non-IID digits (conf/demo.yaml):
+# the three runs at once, one CPU per simulated client; Flower's logs go to
+# outputs/experiments/demo/.flwr; prints the table and the plot's path
 demo: $(STAMP)
-	$(BIN)/fedadapt simulate --num-supernodes 10
+	$(BIN)/fedadapt-exp run conf/demo.yaml --output outputs/experiments --parallel 3 \
+		--federation-config "client-resources-num-cpus=1"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15

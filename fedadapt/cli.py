@@ -231,8 +231,9 @@ def submit_run(
         command += ["--federation-config", federation.strip()]
     started, submitted_at = time.monotonic(), time.time()
     submitted = json.loads(flwr(command, env))
-    if "run-id" not in submitted:
-        raise RuntimeError(f"flwr run was refused: {submitted}")
+    if "run-id" not in submitted:  # Flower's {"success": false, "error-message"}
+        reason = submitted.get("error-message") or json.dumps(submitted)
+        raise RuntimeError(f"Flower refused the run:\n{reason.strip()}")
     run_id = int(submitted["run-id"])
     results_root = results_dir or Path(cfg["output-dir"]).resolve()
     streamer = None

@@ -120,8 +120,9 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("samples-per-client", 500, "Samples per client of partition=delta-sgd "
         "(drawn with replacement).", minimum=1),
     Key("num-server-rounds", 20, "Number of federated rounds.", minimum=1),
-    Key("clients-per-round", 10, "Clients sampled for training each round "
-        "(must not exceed the connected nodes).", minimum=1),
+    Key("clients-per-round", 0, "Clients sampled for training each round; 0 = "
+        "every connected node (Flower's fraction-train = 1). A number larger than "
+        "the federation fails at start.", minimum=0),
     Key("clients-per-eval", 0, "Clients sampled for federated evaluation on their "
         "local test split each round (0 = off).", minimum=0),
     Key("evaluate-every", 1, "Central evaluation of the global model on the task's "
@@ -180,8 +181,9 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("output-dir", "outputs", "Where run folders are written; use an absolute "
         "path (the ServerApp runs in the SuperLink's working directory)."),
     Key("run-name", "", "Run folder name; empty = <time>-<task>-<strategy>-<run id>."),
-    Key("node-wait-timeout", 120.0, "Seconds the ServerApp waits at start for "
-        "clients-per-round nodes to connect.", minimum=0.0),
+    Key("node-wait-timeout", 120.0, "Deployment: seconds the ServerApp waits at "
+        "start for clients-per-round nodes (at least one) to connect; a simulation "
+        "knows its size and does not wait.", minimum=0.0),
     Key("round-timeout", 3600.0, "Seconds to wait for the replies of one round.",
         minimum=0.0, exclusive_minimum=True),
 )  # fmt: skip

@@ -131,20 +131,43 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
 
 def processes_under(root: Path) -> list[str]:
     """Command lines of live processes whose FLWR_HOME is ``root`` or inside it."""
+    return list(pids_under(root).values())
+
+
+def pids_under(root: Path) -> dict[int, str]:
+    """PID -> command line of live processes whose FLWR_HOME is ``root`` or inside."""
     prefix = f"FLWR_HOME={root}".encode()
-    found = []
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
             environ = (proc / "environ").read_bytes().split(b"\0")
             if any(v == prefix or v.startswith(prefix + b"/") for v in environ):
-                found.append(
+                found[int(proc.name)] = (
                     (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 )
         except OSError:
             continue
     return found
+
+
+def stop_processes_under(root: Path) -> None:
+    """SIGTERM (then SIGKILL) every process started with FLWR_HOME under ``root``.
+
+    For what Flower starts detached, e.g. the ``:local:`` SuperLink.
+    """
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids_under(root):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10.0
+        while pids_under(root) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def assert_no_processes_under(root: Path, wait: float = 20.0) -> None:

@@ -31,7 +31,7 @@ def test_defaults_are_valid():
         ({"num-server-rounds": -3}, "num-server-rounds", r"must be >= 1"),
         ({"num-server-rounds": 2.5}, "num-server-rounds", r"expected an integer"),
         ({"num-server-rounds": True}, "num-server-rounds", r"expected an integer"),
-        ({"clients-per-round": 0}, "clients-per-round", r"must be >= 1"),
+        ({"clients-per-round": -1}, "clients-per-round", r"must be >= 0"),
         ({"client-lr": 0.0}, "client-lr", r"must be > 0"),
         ({"client-lr": float("nan")}, "client-lr", r"finite"),
         ({"client-lr": "fast"}, "client-lr", r"expected a number"),
@@ -65,7 +65,7 @@ def test_ints_are_accepted_for_float_keys():
 
 def test_more_clients_per_round_than_nodes_is_an_error(cfg):
     with pytest.raises(ConfigError, match=r"'clients-per-round': 10 clients requested"):
-        sampling_kwargs(cfg(), num_nodes=3)
+        sampling_kwargs(cfg(clients_per_round=10), num_nodes=3)
     with pytest.raises(ConfigError, match=r"'clients-per-eval'"):
         sampling_kwargs(cfg(clients_per_round=2, clients_per_eval=4), num_nodes=3)
 

@@ -81,3 +81,65 @@ def test_unknown_key_fails_before_anything_starts(tmp_path):
     done = _simulate(tmp_path, "bogus-key=1", timeout=60)
     assert done.returncode == 2
     assert "Invalid run-config 'bogus-key': unknown key. Valid keys:" in done.stderr
+
+
+def test_plain_flwr_run_with_flowers_defaults(tmp_path):
+    """The README's plain `flwr run . local`: Flower's default federation
+    (2 simulated nodes) and the app's defaults complete; then, on the same
+    `:local:` SuperLink, a bad config and a missing dataset each end the run
+    at once with one line that names the problem, and no traceback."""
+    from tests.helpers import pids_under, stop_processes_under
+
+    home, out = tmp_path / "flwr-home", tmp_path / "out"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n[superlink.local]\naddress = ":local:"\n'
+    )
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+    }
+
+    def flwr_run(run_config: str) -> str:
+        done = subprocess.run(
+            [str(VENV_BIN / "flwr"), "run", ".", "local", "--stream",
+             "--run-config", f"output-dir='{out}' {run_config}"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr  # flwr run's way
+        return done.stdout + done.stderr
+
+    def statuses() -> list[str]:
+        listed = subprocess.run(
+            [str(VENV_BIN / "flwr"), "ls", "local", "--format", "json"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+        )  # fmt: skip
+        runs = json.loads(listed.stdout)["runs"]
+        return [r["status"] for r in sorted(runs, key=lambda r: r["pending-at"])]
+
+    try:
+        flwr_run("num-server-rounds=2 run-name='plain'")
+        data = json.loads((out / "plain" / "results.json").read_text())
+        assert data["status"] == "completed"
+        assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
+
+        log = flwr_run("strategy='fedfoo'")
+        assert "fedadapt: run failed: Invalid run-config 'strategy': unknown " in log
+        assert "Traceback" not in log
+
+        log = flwr_run(f"task='mnist-cnn' data-dir='{tmp_path / 'none'}' run-name='m'")
+        assert log.count("Dataset 'mnist' not found under data-dir") == 1
+        assert "Traceback" not in log
+        assert not (out / "m").exists()  # no results.json left "running"
+
+        log = flwr_run("clients-per-round=3 node-wait-timeout=600")
+        assert "federation has 2 nodes" in log  # at once, not after 600 s
+        assert statuses() == ["finished:completed"] + ["finished:failed"] * 3
+    finally:
+        assert pids_under(home), "the :local: SuperLink should have been running"
+        stop_processes_under(home)
+    assert_no_processes_under(home)

@@ -18,3 +18,18 @@ def test_strategies_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "FedAvg"
+
+
+def test_pip_install_fedadapt_needs_only_flwr_and_numpy():
+    """Plug-in users install the base package; the app's stack is an extra."""
+    import tomllib
+
+    from tests.helpers import ROOT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {r.split("=")[0].split("[")[0] for r in project["dependencies"]}
+    assert base == {"flwr", "numpy"}
+    app = {
+        r.split("=")[0].split("[")[0] for r in project["optional-dependencies"]["app"]
+    }
+    assert {"torch", "torchvision", "flwr"} <= app

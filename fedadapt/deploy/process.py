@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
@@ -71,7 +72,11 @@ def write_connection(
     else:
         entry["root-certificates"] = str(root_certificates)
     superlink[name] = entry
-    path.write_text(tomli_w.dumps(config))
+    # atomically: a concurrent flwr command (cells run in parallel) must never
+    # read a half-written file
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    partial.write_text(tomli_w.dumps(config))
+    os.replace(partial, path)
 
 
 UNAVAILABLE = "Connection to the SuperLink is unavailable"

@@ -17,7 +17,13 @@ from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.results import RunRecorder, run_directory
-from fedadapt.server.run import RoundHook, check_names, initial_state
+from fedadapt.server.run import (
+    RoundHook,
+    central_evaluator,
+    check_names,
+    initial_state,
+    log_user_errors_in_one_line,
+)
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
 
@@ -37,13 +43,19 @@ def weighted_mean(results: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Sca
 
 
 def server_fn(context: Context) -> ServerAppComponents:
-    """Build the legacy strategy and server config from the run config."""
+    """Build the legacy strategy and server config from the run config.
+
+    As the Message-API ServerApp, it checks the config and the test data
+    before results.json is started; such errors are logged as one line.
+    """
+    log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
     for key in ("checkpoint-every", "resume-from"):
         if cfg[key]:
             raise ConfigError(key, "checkpoints need the Message-API ServerApp")
     task = TASKS.get(cfg["task"])
+    evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
     state = initial_state(task, cfg)
     keys = list(state)
     recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
@@ -69,7 +81,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         fit_metrics_aggregation_fn=weighted_mean,
         evaluate_metrics_aggregation_fn=weighted_mean,
     )
-    hook = RoundHook(cfg, task, strategy, recorder)
+    hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     config = ServerConfig(
         num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
     )

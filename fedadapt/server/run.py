@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedadapt.config import ConfigError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder
 from fedadapt.tasks import Task, evaluate_model, pick_device
+from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
 
 EVAL_BATCH_SIZE = 512
 State = dict[str, np.ndarray]
+
+#: Errors whose message says everything a user needs (the key and its valid
+#: values, the files to fetch): logged as one line, without a traceback.
+USER_ERRORS = (ConfigError, DatasetMissingError, DatasetCorruptError)
+
+
+class OneLineUserErrors(logging.Filter):
+    """Turn Flower's "ServerApp raised an exception" + traceback into one line.
+
+    Flower logs every exception that ends a ServerApp (simulation or
+    deployment) through its ``flwr`` logger with the traceback; for
+    :data:`USER_ERRORS` the record keeps only the message. The run still
+    ends ``finished:failed`` with the message in its status details.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite records that carry a user error; never drop a record."""
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, USER_ERRORS):
+            record.msg, record.args = f"fedadapt: run failed: {error}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_user_errors_in_one_line() -> None:
+    """Install :class:`OneLineUserErrors` on Flower's logger (once per process)."""
+    logger = logging.getLogger("flwr")
+    if not any(isinstance(f, OneLineUserErrors) for f in logger.filters):
+        logger.addFilter(OneLineUserErrors())
 
 
 def check_names(cfg: Mapping[str, Any]) -> None:
@@ -49,7 +81,8 @@ class RoundHook:
 
     Evaluates centrally when due, records the round (with the strategy's
     reports) and writes checkpoints. ``latest`` returns the global model to
-    checkpoint (not the evaluation average).
+    checkpoint (not the evaluation average); ``evaluate`` is the central
+    evaluator when the caller built it already (to check the data early).
     """
 
     def __init__(
@@ -60,9 +93,10 @@ class RoundHook:
         recorder: RunRecorder,
         first_round: int = 0,
         latest: Callable[[], State] | None = None,
+        evaluate: Callable[[Mapping[str, Any]], dict[str, float]] | None = None,
     ) -> None:
         self.cfg, self.strategy, self.recorder = cfg, strategy, recorder
-        self.evaluate = central_evaluator(task, cfg)
+        self.evaluate = evaluate or central_evaluator(task, cfg)
         self.first_round = first_round
         self.latest = latest
 

@@ -23,11 +23,18 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
 from fedadapt.server.results import RunRecorder, run_directory
-from fedadapt.server.run import RoundHook, check_names, initial_state
+from fedadapt.server.run import (
+    RoundHook,
+    central_evaluator,
+    check_names,
+    initial_state,
+    log_user_errors_in_one_line,
+)
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
 
@@ -45,24 +52,47 @@ NODE_GRACE_S = 10.0
 QUERY_TIMEOUT_S = 60.0
 
 
-def wait_for_nodes(grid: Grid, wanted: int, timeout: float) -> int:
-    """Wait up to ``timeout`` s until ``wanted`` nodes are connected.
+#: Seconds between two looks at the connected nodes while waiting for them.
+NODE_POLL_S = 0.2
 
-    Returns the number of connected nodes; raises ConfigError naming
-    ``clients-per-round`` when too few connect in time.
+
+def wait_for_nodes(
+    grid: Grid, wanted: int, timeout: float, simulation: bool = False
+) -> int:
+    """Wait until the nodes a run needs are connected; return how many are.
+
+    ``wanted`` is run-config ``clients-per-round`` (0: every connected node,
+    so at least one is needed). A simulation knows its size: its nodes are
+    registered together right after the ServerApp starts, so once the count
+    is non-zero and stable, a request larger than it fails at once. In
+    deployment SuperNodes connect over time: wait up to ``timeout`` s.
+    Raises ConfigError naming ``clients-per-round`` when too few connect.
     """
+    needed = max(wanted, 1)
     deadline = time.monotonic() + timeout
+    previous = -1
     while True:
         connected = len(list(grid.get_node_ids()))
-        if connected >= wanted:
+        if simulation and connected and connected == previous:
+            if connected < needed:
+                raise ConfigError(
+                    "clients-per-round",
+                    f"{wanted} clients per round requested but the simulated "
+                    f"federation has {connected} nodes; lower clients-per-round "
+                    f"(0 = every node) or raise num-supernodes (flwr run "
+                    f"--federation-config 'num-supernodes={wanted}')",
+                )
+            return connected
+        if not simulation and connected >= needed:
             return connected
         if time.monotonic() >= deadline:
             raise ConfigError(
                 "clients-per-round",
-                f"{wanted} clients per round requested but only {connected} nodes "
-                f"connected after {timeout:g}s",
+                f"{needed} clients per round needed but only {connected} nodes "
+                f"connected after {timeout:g}s (node-wait-timeout)",
             )
-        time.sleep(0.5)
+        previous = connected
+        time.sleep(NODE_POLL_S)
 
 
 def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
@@ -100,12 +130,28 @@ def _numpy(arrays: ArrayRecord) -> dict[str, Any]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run ``num-server-rounds`` rounds and write results.json / curves.png."""
+    """Run ``num-server-rounds`` rounds and write results.json / curves.png.
+
+    Everything that can be checked here is, before any node is contacted:
+    the run config, the names it selects, the checkpoint to resume and the
+    task's test data. Such errors end the run (Flower: ``finished:failed``)
+    with one log line that names the key or the missing files.
+    """
+    log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
-    num_nodes = wait_for_nodes(grid, cfg["clients-per-round"], cfg["node-wait-timeout"])
+    evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    num_nodes = wait_for_nodes(
+        grid,
+        cfg["clients-per-round"],
+        cfg["node-wait-timeout"],
+        simulation=isinstance(grid, InMemoryGrid),
+    )
+    if cfg["clients-per-round"] == 0:
+        log(logging.INFO, "fedadapt: clients-per-round=0: every connected node "
+            "trains each round (%d now)", num_nodes)  # fmt: skip
     strategy = build_strategy(cfg, num_nodes)
     strategy.node_grace_s = NODE_GRACE_S  # node loss: go on with the others
     if cfg["seeded-sampling"]:
@@ -135,6 +181,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy,
         recorder,
         first_round,
+        evaluate=evaluate,
         latest=lambda: _numpy(strategy.latest_arrays or initial),
     )
 

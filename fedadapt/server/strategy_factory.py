@@ -3,8 +3,8 @@
 A registry entry maps the run config to ``(class name, hyperparameters)``;
 :func:`build_strategy` picks the class from :mod:`fedadapt.strategies`
 (Message API) or :mod:`fedadapt.strategies.legacy` and adds the sampling
-arguments of that API, so both ServerApps sample exactly
-``clients-per-round`` clients with the same hyperparameters.
+arguments of that API, so both ServerApps sample ``clients-per-round``
+clients (0: every connected one) with the same hyperparameters.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ DEFAULT_SERVER_LR = {
 
 
 def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
-    """Return FedAvg's sampling arguments for exactly ``clients-per-round``.
+    """Return FedAvg's sampling arguments for ``clients-per-round``.
 
     Flower samples ``max(int(fraction * connected), min_nodes)`` nodes; with
     ``fraction = k / num_nodes`` and ``min_nodes = k`` that is exactly k.
+    ``clients-per-round = 0`` is Flower's own default, fraction 1 with a
+    minimum of one node: every connected node, however many there are.
     """
     train, evaluate = cfg["clients-per-round"], cfg["clients-per-eval"]
     for key, wanted in (("clients-per-round", train), ("clients-per-eval", evaluate)):
@@ -44,8 +46,12 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
             raise ConfigError(
                 key, f"{wanted} clients requested but only {num_nodes} nodes connected"
             )
+    if train == 0:
+        fraction_train, train = 1.0, 1
+    else:
+        fraction_train = train / num_nodes
     return {
-        "fraction_train": train / num_nodes,
+        "fraction_train": fraction_train,
         "min_train_nodes": train,
         "fraction_evaluate": evaluate / num_nodes,
         "min_evaluate_nodes": evaluate,
@@ -61,20 +67,21 @@ def _weighting(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def legacy_sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Legacy FedAvg's sampling arguments for exactly ``clients-per-round``.
+    """Legacy FedAvg's sampling arguments for ``clients-per-round``.
 
     Legacy Flower samples ``max(int(fraction * available), min_clients)``;
-    fraction 0 trains on exactly ``min_fit_clients``. A zero
+    fraction 0 trains on exactly ``min_fit_clients``, fraction 1 with a
+    minimum of one (``clients-per-round = 0``) on every client. A zero
     ``fraction_evaluate`` turns federated evaluation off, so a tiny positive
     one is used when ``clients-per-eval > 0``.
     """
-    evaluate = cfg["clients-per-eval"]
+    evaluate, train = cfg["clients-per-eval"], cfg["clients-per-round"]
     return {
-        "fraction_fit": 0.0,
-        "min_fit_clients": cfg["clients-per-round"],
+        "fraction_fit": 0.0 if train else 1.0,
+        "min_fit_clients": max(train, 1),
         "fraction_evaluate": 1e-12 if evaluate else 0.0,
         "min_evaluate_clients": evaluate,
-        "min_available_clients": cfg["clients-per-round"],
+        "min_available_clients": max(train, 1),
     }
 
 
