@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedadapt.cli import RunOutcome, SimulationSuperLink, submit_run  # noqa: E402
+from fedadapt.submission import RunOutcome, SimulationSuperLink, submit_run  # noqa: E402
 
 CONFIG: dict[str, Any] = {
     "task": "digits-mlp",

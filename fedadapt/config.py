@@ -21,15 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedadapt.errors import ConfigError
+
+__all__ = ["KEYS", "RUN_CONFIG", "ConfigError", "Key", "validate_run_config"]
+
 Scalar = bool | int | float | str
-
-
-class ConfigError(ValueError):
-    """A run-config value is unknown, of the wrong type or out of range."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"Invalid run-config '{key}': {message}")
-        self.key = key
 
 
 def _registry_names(kind: str) -> Callable[[], list[str]]:

@@ -236,7 +236,7 @@ def run_suite(
 
     from tqdm import tqdm
 
-    from fedadapt.cli import SimulationSuperLink, submit_run
+    from fedadapt.submission import SimulationSuperLink, submit_run
 
     out = (output_root / suite.name).resolve()
     out.mkdir(parents=True, exist_ok=True)

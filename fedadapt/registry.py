@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from fedadapt.config import ConfigError
+from fedadapt.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -23,9 +23,9 @@ from cryptography.hazmat.primitives.serialization import (
     load_ssh_public_key,
 )
 
-from fedadapt.cli import submit_run
 from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
 from fedadapt.deploy.local import LocalDeployment
+from fedadapt.submission import submit_run
 from tests.helpers import ROOT, assert_no_processes_under
 
 RUN = {

@@ -33,3 +33,23 @@ def test_pip_install_fedadapt_needs_only_flwr_and_numpy():
         r.split("=")[0].split("[")[0] for r in project["optional-dependencies"]["app"]
     }
     assert {"torch", "torchvision", "flwr"} <= app
+
+
+def _modules_after(statement: str) -> set[str]:
+    code = f"import sys\n{statement}\nprint(' '.join(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_registry_and_config_do_not_import_each_other():
+    assert "fedadapt.config" not in _modules_after("import fedadapt.registry")
+    assert "fedadapt.registry" not in _modules_after("import fedadapt.config")
+
+
+def test_client_app_does_not_load_server_or_cli_modules():
+    loaded = _modules_after("import fedadapt.client.client_app")
+    packages = ("fedadapt.server", "fedadapt.submission", "fedadapt.cli",
+                "matplotlib", "sklearn", "ray", "yaml")  # fmt: skip
+    unwanted = {m for m in loaded for p in packages if m == p or m.startswith(p + ".")}
+    assert unwanted == set()

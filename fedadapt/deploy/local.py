@@ -5,7 +5,7 @@ optionally TLS and SuperNode authentication) and ``flower-supernode``
 processes on loopback, each SuperNode with its partition through
 ``--node-config "partition-id=<i> num-partitions=<N>"``, waits until the
 SuperLink lists every node online, and stops all of them on exit (also on
-Ctrl-C and on failure). Runs are submitted with ``fedadapt.cli.submit_run``
+Ctrl-C and on failure). Runs are submitted with ``fedadapt.submission.submit_run``
 exactly as in simulation. The same commands, spread over hosts, are a
 multi-host deployment (docs/deployment.md).
 """

@@ -1,0 +1,284 @@
+"""Run submission: a private simulation SuperLink, ``submit_run``, ``RunOutcome``.
+
+``flwr run`` exits 0 even when a run fails, so :func:`submit_run` submits a
+run to a SuperLink (a :class:`SimulationSuperLink` started here, a local
+deployment or someone else's, a :class:`SuperLinkConnection`), follows its
+results.json and Flower's status, and returns how it really ended. Used by
+``fedadapt simulate|deploy``, ``fedadapt-exp`` and the deployment benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fedadapt.deploy.process import (
+    Daemon,
+    flower_env,
+    flwr,
+    free_port,
+    http_ok,
+    venv_bin,
+    write_connection,
+)
+
+__all__ = [
+    "RunOutcome",
+    "SimulationSuperLink",
+    "SuperLinkConnection",
+    "SuperLinkTarget",
+    "free_port",
+    "submit_run",
+]
+
+CONNECTION = "fedadapt-sim"
+TERMINAL_PREFIX = "finished:"
+#: While a run goes on, its results.json is read every RESULTS_POLL_S and
+#: ``flwr ls`` asked at intervals of a quarter of the time elapsed, between
+#: FIRST_STATUS_POLL_S and STATUS_POLL_S: each call starts a Python process
+#: costing about 1.5 CPU-seconds, which on a 2-core machine slowed the run it
+#: watched, while a run that fails at start is still seen within seconds.
+#: Once results.json says the run ended, ``flwr ls`` is asked every second
+#: until Flower reports it finished.
+RESULTS_POLL_S = 0.5
+FIRST_STATUS_POLL_S = 2.0
+STATUS_POLL_S = 10.0
+
+
+@dataclass
+class SuperLinkConnection:
+    """A SuperLink someone else runs (containers, another host): where and how."""
+
+    flwr_home: Path
+    address: str
+    connection: str = "fedadapt"
+    root_certificates: Path | None = None
+    simulation: bool = False
+
+
+class SimulationSuperLink:
+    """A ``flower-superlink --simulation`` on loopback, in its own process group.
+
+    Use as a context manager: the whole process group (SuperLink, SuperExec,
+    simulation runtime and its Ray workers) is terminated on exit.
+    """
+
+    connection = CONNECTION
+    root_certificates: Path | None = None
+    simulation = True
+
+    def __init__(
+        self, flwr_home: Path, port: int | None = None, ray_address: str | None = None
+    ) -> None:
+        self.flwr_home = flwr_home
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.daemon = Daemon(
+            "SuperLink",
+            [
+                str(venv_bin() / "flower-superlink"),
+                "--simulation",
+                "--insecure",
+                "--isolation=subprocess",
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                "--disable-runtime-dependency-installation",
+            ],
+            # ray.init() in the simulation runtime joins the cluster named by
+            # RAY_ADDRESS instead of starting a private one
+            flower_env(
+                flwr_home, **({"RAY_ADDRESS": ray_address} if ray_address else {})
+            ),
+            flwr_home / f"superlink-{self.port}.log",
+        )
+
+    def __enter__(self) -> SimulationSuperLink:
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        self.daemon.start()
+        try:
+            self.daemon.wait_until(
+                lambda: http_ok(f"http://{self.address}/health"), 60, "healthy"
+            )
+        except BaseException:
+            self.daemon.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Terminate the SuperLink's process group; kill it if it lingers."""
+        self.daemon.stop()
+
+
+class SuperLinkTarget(Protocol):
+    """What submit_run needs of a running SuperLink (simulation or deployment)."""
+
+    flwr_home: Path
+    address: str
+    connection: str
+    root_certificates: Path | None
+    simulation: bool
+
+
+def run_status(
+    run_id: int, env: dict[str, str], connection: str = CONNECTION
+) -> dict[str, Any]:
+    """Return ``flwr ls``'s record of the run (status, status-details, …)."""
+    out = flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env)
+    return json.loads(out)["runs"][0]
+
+
+def find_results(
+    output_dir: Path, run_id: int, modified_after: float = 0.0
+) -> Path | None:
+    """Return the results.json written for ``run_id`` under ``output_dir``.
+
+    ``modified_after`` (a ``time.time()``) skips files not written since then.
+    """
+    for path in sorted(output_dir.glob("*/results.json")):
+        try:
+            if path.stat().st_mtime < modified_after:
+                continue
+            if json.loads(path.read_text()).get("run_id") == run_id:
+                return path
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def recorded_status(path: Path | None) -> str | None:
+    """``status`` of a results.json (running/completed/failed); None if unreadable."""
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        return None  # being replaced right now: read again next time
+
+
+def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
+    """Return why a finished run is not a success (empty list: success)."""
+    found = []
+    if results.get("status") != "completed":
+        found.append(f"results status is {results.get('status')!r}")
+    rounds = results.get("rounds", [])
+    if len(rounds) != num_rounds:
+        found.append(f"{len(rounds)} of {num_rounds} rounds recorded")
+    empty = [r["round"] for r in rounds if not (r.get("replies") or {}).get("used")]
+    if empty:
+        found.append(f"rounds without usable train replies: {empty}")
+    return found
+
+
+@dataclass
+class RunOutcome:
+    """How one ``flwr run`` ended, judged by Flower's status and results.json."""
+
+    run_id: int
+    status: str
+    details: str
+    wall_time_s: float
+    results: Path | None
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the run completed every round with usable replies."""
+        return self.status == "finished:completed" and not self.problems
+
+
+def submit_run(
+    superlink: SuperLinkTarget,
+    app: Path,
+    overrides: dict[str, Any],
+    num_supernodes: int,
+    timeout: float,
+    stream: bool = False,
+    results_dir: Path | None = None,
+    federation_config: str = "",
+) -> RunOutcome:
+    """Run the app once on ``superlink`` and wait for its real outcome.
+
+    ``overrides`` must hold an absolute ``output-dir``; they are validated
+    before anything is submitted (ConfigError names the key). In simulation
+    ``num_supernodes`` sizes the federation; in deployment the SuperNodes
+    that are connected are the federation. ``results_dir`` is where
+    ``output-dir`` appears on this machine when the ServerApp runs elsewhere
+    (a container's mounted folder); default: ``output-dir`` itself.
+    ``federation_config`` adds simulation settings (``flwr run
+    --federation-config``), e.g. ``"client-resources-num-cpus=1"``.
+    """
+    from fedadapt.config import validate_run_config
+
+    cfg = validate_run_config(overrides)
+    env = flower_env(superlink.flwr_home)
+    conn = superlink.connection
+    write_connection(
+        superlink.flwr_home, conn, superlink.address, superlink.root_certificates
+    )
+    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    command = ["run", str(app), conn, "--format", "json", "--run-config", run_config]
+    if superlink.simulation:
+        federation = f"num-supernodes={num_supernodes} {federation_config}"
+        command += ["--federation-config", federation.strip()]
+    started, submitted_at = time.monotonic(), time.time()
+    submitted = json.loads(flwr(command, env))
+    if "run-id" not in submitted:  # Flower's {"success": false, "error-message"}
+        reason = submitted.get("error-message") or json.dumps(submitted)
+        raise RuntimeError(f"Flower refused the run:\n{reason.strip()}")
+    run_id = int(submitted["run-id"])
+    results_root = results_dir or Path(cfg["output-dir"]).resolve()
+    streamer = None
+    if stream:
+        print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
+        streamer = subprocess.Popen(
+            [str(venv_bin() / "flwr"), "log", str(run_id), conn, "--stream"], env=env
+        )
+    path, ask_flower_at = None, 0.0
+    try:
+        while True:
+            path = path or find_results(results_root, run_id, submitted_at - 5.0)
+            ended = recorded_status(path) in ("completed", "failed")
+            now = time.monotonic()
+            if ended:  # the ServerApp is done: Flower will say so shortly
+                ask_flower_at = min(ask_flower_at, now + 1.0)
+            if now >= ask_flower_at:
+                status = run_status(run_id, env, conn)
+                if status["status"].startswith(TERMINAL_PREFIX):
+                    break
+                wait = max(FIRST_STATUS_POLL_S, (now - started) / 4)
+                wait = min(STATUS_POLL_S, wait)
+                ask_flower_at = now + (1.0 if ended else wait)
+            if now - started > timeout:
+                flwr(["stop", str(run_id), conn], env)
+                status = {"status": "timed-out", "status-details": f"> {timeout}s"}
+                break
+            time.sleep(RESULTS_POLL_S)
+    finally:
+        if streamer is not None:
+            time.sleep(1.0)  # let the last log lines through
+            streamer.terminate()
+            streamer.wait(timeout=10)
+    path = path or find_results(results_root, run_id)
+    problems = []
+    if status["status"] == "finished:completed":
+        if path is None:
+            problems = ["no results.json written"]
+        else:
+            problems = problems_in(
+                json.loads(path.read_text()), cfg["num-server-rounds"]
+            )
+    return RunOutcome(
+        run_id,
+        status["status"],
+        status.get("status-details", ""),
+        time.monotonic() - started,
+        path,
+        problems,
+    )
