@@ -64,6 +64,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         cfg,
         api="legacy",
         initial_parameters=ndarrays_to_parameters(list(state.values())),
+        array_names=keys,
         evaluate_fn=evaluate_fn,
         on_fit_config_fn=fit_config,
         fit_metrics_aggregation_fn=weighted_mean,
@@ -80,20 +81,27 @@ def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
 
     Flower's legacy loop gives no hook on failure, so a lifespan checks after
-    the run: results.json still ``running`` (the last round's evaluate_fn
-    never marked it ``completed``) means the loop raised or was stopped, and
-    the run is marked ``failed`` as the Message-API ServerApp does.
+    the run: an exception (e.g. the strategy's ``FederationFailedError``
+    after ``max-failed-rounds``) is recorded as the error; results.json still
+    ``running`` (the last round's evaluate_fn never marked it ``completed``)
+    means the loop was stopped. Either way the run is marked ``failed`` as the
+    Message-API ServerApp does.
     """
     app = ServerApp(server_fn=server_fn)
 
+    def _mark_failed(run_id: int, error: str) -> None:
+        recorder = _RECORDERS.pop(run_id, None)
+        if recorder is not None and recorder.data["status"] == "running":
+            recorder.finish("failed", error=error)
+
     @app.lifespan()
     def _mark_unfinished(context: Context) -> Iterator[None]:
-        yield
-        recorder = _RECORDERS.pop(context.run_id, None)
-        if recorder is not None and recorder.data["status"] == "running":
-            recorder.finish(
-                "failed", error="the ServerApp stopped before the last round"
-            )
+        try:
+            yield
+        except BaseException as error:
+            _mark_failed(context.run_id, repr(error))
+            raise
+        _mark_failed(context.run_id, "the ServerApp stopped before the last round")
 
     return app
 

@@ -182,8 +182,14 @@ UPDATE_SQ_NORM_KEY = "update-sq-norm"
 #: that could matter.
 NORM_RTOL = 1e-3
 
-#: Characters of a failed reply's error text kept in reports and logs.
+#: Characters of a failed reply's error text kept (its end) in logs and errors.
 ERROR_TEXT_CHARS = 500
+
+
+def _tail(text: str) -> str:
+    """Return the end of an error text (a traceback ends with the message)."""
+    text = text.strip()
+    return text if len(text) <= ERROR_TEXT_CHARS else "…" + text[-ERROR_TEXT_CHARS:]
 
 
 class FederationFailedError(RuntimeError):
@@ -348,7 +354,7 @@ def screen(
     for candidate in candidates:
         if isinstance(candidate, str):
             report.failed += 1
-            report.errors.append(candidate[:ERROR_TEXT_CHARS])
+            report.errors.append(_tail(candidate))
             continue
         reason = candidate.problem or reject_reason(
             candidate.arrays, candidate.metrics, reference, weight_key
