@@ -391,7 +391,7 @@ def test_legacy_app_names_the_arrays(tmp_path):
             legacy_app.TASKS.get("digits-mlp"), legacy_app.validate_run_config(cfg)
         )
     )
-    legacy_app._RECORDERS.pop(1)
+    legacy_app._RUNS.pop(1)
 
 
 def test_server_app_run_fails_after_failed_rounds(tmp_path):
@@ -412,3 +412,19 @@ def test_server_app_run_fails_after_failed_rounds(tmp_path):
     assert "2 consecutive rounds" in data["error"]
     assert "disk on fire" in data["error"]
     assert len(data["rounds"]) == 1  # round 1 recorded; round 2 stopped the run
+
+
+def test_legacy_app_records_the_error_that_ended_the_run(tmp_path):
+    from flwr.common import Context, RecordDict
+
+    from fedadapt.server import legacy_app
+
+    cfg = {"output-dir": str(tmp_path), "run-name": "stopped", "strategy": "fedexp"}
+    context = Context(7, 0, {}, RecordDict(), cfg)
+    strategy = legacy_app.server_fn(context).strategy  # registers the run
+    app = legacy_app.make_app(legacy_app.server_fn)
+    with pytest.raises(FederationFailedError), app._lifespan(context):
+        strategy.max_failed_rounds = 1
+        strategy.aggregate_fit(1, [], [RuntimeError("disk on fire")])
+    data = json.loads((tmp_path / "stopped" / "results.json").read_text())
+    assert data["status"] == "failed" and "disk on fire" in data["error"]

@@ -21,8 +21,9 @@ from fedadapt.server.run import RoundHook, check_names, initial_state
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
 
-# the recorder of each run this process serves, for the lifespan's failure mark
-_RECORDERS: dict[int, RunRecorder] = {}
+# recorder and strategy of each run this process serves, for the lifespan's
+# failure mark
+_RUNS: dict[int, tuple[RunRecorder, Any]] = {}
 
 
 def weighted_mean(results: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
@@ -47,7 +48,6 @@ def server_fn(context: Context) -> ServerAppComponents:
     state = initial_state(task, cfg)
     keys = list(state)
     recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
-    _RECORDERS[context.run_id] = recorder
 
     def evaluate_fn(
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]
@@ -71,6 +71,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         evaluate_metrics_aggregation_fn=weighted_mean,
     )
     hook = RoundHook(cfg, task, strategy, recorder)
+    _RUNS[context.run_id] = (recorder, strategy)
     config = ServerConfig(
         num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
     )
@@ -81,27 +82,22 @@ def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
 
     Flower's legacy loop gives no hook on failure, so a lifespan checks after
-    the run: an exception (e.g. the strategy's ``FederationFailedError``
-    after ``max-failed-rounds``) is recorded as the error; results.json still
-    ``running`` (the last round's evaluate_fn never marked it ``completed``)
-    means the loop was stopped. Either way the run is marked ``failed`` as the
-    Message-API ServerApp does.
+    the run: results.json still ``running`` (the last round's evaluate_fn
+    never marked it ``completed``) means the loop raised or was stopped, and
+    the run is marked ``failed`` as the Message-API ServerApp does, with the
+    strategy's ``failure`` (after ``max-failed-rounds``) as the error.
     """
     app = ServerApp(server_fn=server_fn)
 
-    def _mark_failed(run_id: int, error: str) -> None:
-        recorder = _RECORDERS.pop(run_id, None)
-        if recorder is not None and recorder.data["status"] == "running":
-            recorder.finish("failed", error=error)
-
     @app.lifespan()
     def _mark_unfinished(context: Context) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as error:
-            _mark_failed(context.run_id, repr(error))
-            raise
-        _mark_failed(context.run_id, "the ServerApp stopped before the last round")
+        yield  # Flower runs what follows even when the run raised
+        recorder, strategy = _RUNS.pop(context.run_id, (None, None))
+        if recorder is not None and recorder.data["status"] == "running":
+            error = getattr(strategy, "failure", None)
+            recorder.finish(
+                "failed", error=error or "the ServerApp stopped before the last round"
+            )
 
     return app
 

@@ -5,9 +5,11 @@ average NaN straight into the global model. Every fedadapt strategy screens
 train replies first: a reply whose arrays are non-finite or differ in names,
 shape or dtype from what the server sent, or whose metrics lack a positive
 finite weight (``num-examples``) or carry a negative or non-finite
-``update-sq-norm``, is dropped with a warning and counted. Everything here is
-plain NumPy over mappings of arrays; the Flower adapters only unpack
-messages into that form.
+``update-sq-norm``, is dropped with a warning and counted. A reported
+``update-sq-norm`` never steers the step unless the strategy runs in
+secure-aggregation mode: the server uses its own ‖Δ_i‖² and counts the
+mismatches (:class:`RuleHost`). Everything here is plain NumPy over
+mappings of arrays; the Flower adapters only unpack messages into that form.
 
 Cost: replies are checked from array *metadata* (names, shapes, dtypes) and
 deserialised one array at a time while the rule sums them
@@ -163,6 +165,7 @@ class RuleHost:
             + ("; ".join(problems) or "none (no replies arrived)")
         )
         log(ERROR, "%s", message)
+        self.failure = message
         raise FederationFailedError(message)
 
     def state_dict(self) -> dict[str, Any]:
