@@ -184,7 +184,8 @@ class ServerRule(ABC):
         ``client_sq_norms``.
 
         ``max_norm = C > 0`` clips each client's adaptive update to
-        ``Δ_i·min(1, C/‖Δ_i‖)`` before it enters Δ̄ and A (A then uses the
+        ``Δ_i·min(1, C/‖Δ_i‖)`` (the flat clipping of DP-FedAvg, McMahan et
+        al., arXiv 1710.06963) before it enters Δ̄ and A (A then uses the
         clipped norms, min(‖Δ_i‖², C²)); plain arrays are averaged unclipped.
         It needs the server's own norms, so it excludes ``sq_norms``.
         """
