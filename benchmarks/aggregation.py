@@ -10,7 +10,8 @@ real ``state_dict`` names and shapes (3x3 stem conv with 64 channels, stages
 linear 512->10; 11,173,962 trainable parameters, 122 arrays).
 
 FedExP and FedDuA run twice: once with clients reporting ``update-sq-norm``
-in their metrics, once without (the server then recomputes the norms).
+in their metrics, once without. The server computes every norm either way
+(issue #17); with reports it also checks them against its own.
 
 Replies are built once, up front, as a Flower ``Message`` would hold them
 (``RecordDict`` with an ``ArrayRecord`` of serialised ``flwr.app.Array`` and a

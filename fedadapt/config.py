@@ -161,6 +161,15 @@ RUN_CONFIG: tuple[Key, ...] = (
         choices=("default", "uniform", "num-examples")),
     Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
         "the papers do; training continues from w_{t+1}."),
+    Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
+        "the clients' reported update-sq-norm as given. false = the server computes "
+        "each norm from the arrays, uses its own and counts mismatches."),
+    Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
+        "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
+        minimum=0.0),
+    Key("max-failed-rounds", 3, "Stop the run (status failed, client errors in "
+        "the log) after this many consecutive rounds without a usable train reply; "
+        "0 = never.", minimum=0),
     Key("checkpoint-every", 0, "Save global model + strategy state every N rounds "
         "(and after the last) to <run>/checkpoint.pkl; 0 = never.", minimum=0),
     Key("resume-from", "", "Checkpoint file to resume from (same task and "
@@ -219,6 +228,12 @@ def validate_run_config(run_config: Mapping[str, Any]) -> dict[str, Scalar]:
             "client optimizers fed-lamb and fed-ams exchange second moments with "
             "strategy fed-lamb and need each other; got strategy="
             f"{config['strategy']!r}, client-optimizer={config['client-optimizer']!r}",
+        )
+    if config["secure-aggregation"] and config["max-update-norm"] > 0:
+        raise ConfigError(
+            "max-update-norm",
+            "clipping needs the server's own norms; with secure-aggregation clip "
+            "on the clients",
         )
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(

@@ -28,7 +28,8 @@ def test_three_clients_three_rounds_learn(tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:
         assert r["replies"] == {
-            "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": []
+            "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": [],
+            "norm_mismatches": 0, "clipped": 0,
         }  # fmt: skip
         assert r["evaluate_replies"]["used"] == 2
         assert r["federated_eval"]["eval-loss"] > 0
@@ -64,7 +65,8 @@ def test_each_strategy_runs_through_flower(tmp_path, strategy):
         diag = r["strategy"]
         assert diag["server-lr"] > 0
         assert diag["mean-update-sq-norm"] > 0
-        assert diag["norms-reported"] == 1.0
+        assert diag["norms-trusted"] == 0.0  # the server's own norms
+        assert r["replies"]["norm_mismatches"] == 0  # honest clients agree
         if strategy in ("fedexp", "fedexpm", "feddua"):
             assert diag["mean-client-sq-norm"] >= diag["mean-update-sq-norm"]
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]

@@ -179,7 +179,7 @@ def test_round_without_valid_replies_keeps_the_model_and_says_so(caplog):
 
 
 def test_reported_norm_path_equals_recomputed_path():
-    """U21 / issue #4: clients' update-sq-norm gives the same step as recomputing."""
+    """U21 / issue #4: trusted update-sq-norm (secure aggregation) == recomputing."""
     rng = np.random.default_rng(1)
     x0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
     clients = [
@@ -194,20 +194,19 @@ def test_reported_norm_path_equals_recomputed_path():
         for c in clients
     ]
 
-    def run(with_norms):
-        strategy = ours.FedDuA()
+    def run(secure):
+        strategy = ours.FedDuA(secure_aggregation=secure)
         list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
         replies = [
-            make_reply(
-                c, {"num-examples": 5, **({"update-sq-norm": s} if with_norms else {})}
-            )
+            make_reply(c, {"num-examples": 5, "update-sq-norm": s})
             for c, s in zip(clients, sq, strict=True)
         ]
         new, _ = strategy.aggregate_train(1, replies)
+        assert strategy.round_reports[1]["train_replies"]["norm_mismatches"] == 0
         return _numpy(new), strategy.round_reports[1]["diagnostics"]
 
     (a, da), (b, db) = run(True), run(False)
-    assert da["norms-reported"] == 1.0 and db["norms-reported"] == 0.0
+    assert da["norms-trusted"] == 1.0 and db["norms-trusted"] == 0.0
     for k in SHAPES:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
 

@@ -27,8 +27,9 @@ from fedadapt.server.run import (
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
 
-# the recorder of each run this process serves, for the lifespan's failure mark
-_RECORDERS: dict[int, RunRecorder] = {}
+# recorder and strategy of each run this process serves, for the lifespan's
+# failure mark
+_RUNS: dict[int, tuple[RunRecorder, Any]] = {}
 
 
 def weighted_mean(results: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
@@ -59,7 +60,6 @@ def server_fn(context: Context) -> ServerAppComponents:
     state = initial_state(task, cfg)
     keys = list(state)
     recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
-    _RECORDERS[context.run_id] = recorder
 
     def evaluate_fn(
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]
@@ -76,12 +76,14 @@ def server_fn(context: Context) -> ServerAppComponents:
         cfg,
         api="legacy",
         initial_parameters=ndarrays_to_parameters(list(state.values())),
+        array_names=keys,
         evaluate_fn=evaluate_fn,
         on_fit_config_fn=fit_config,
         fit_metrics_aggregation_fn=weighted_mean,
         evaluate_metrics_aggregation_fn=weighted_mean,
     )
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
+    _RUNS[context.run_id] = (recorder, strategy)
     config = ServerConfig(
         num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
     )
@@ -94,17 +96,19 @@ def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     Flower's legacy loop gives no hook on failure, so a lifespan checks after
     the run: results.json still ``running`` (the last round's evaluate_fn
     never marked it ``completed``) means the loop raised or was stopped, and
-    the run is marked ``failed`` as the Message-API ServerApp does.
+    the run is marked ``failed`` as the Message-API ServerApp does, with the
+    strategy's ``failure`` (after ``max-failed-rounds``) as the error.
     """
     app = ServerApp(server_fn=server_fn)
 
     @app.lifespan()
     def _mark_unfinished(context: Context) -> Iterator[None]:
-        yield
-        recorder = _RECORDERS.pop(context.run_id, None)
+        yield  # Flower runs what follows even when the run raised
+        recorder, strategy = _RUNS.pop(context.run_id, (None, None))
         if recorder is not None and recorder.data["status"] == "running":
+            error = getattr(strategy, "failure", None)
             recorder.finish(
-                "failed", error="the ServerApp stopped before the last round"
+                "failed", error=error or "the ServerApp stopped before the last round"
             )
 
     return app

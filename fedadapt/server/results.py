@@ -100,6 +100,10 @@ class RunRecorder:
             entry["sampled"] = report["sampled"]
         self._round_started = now
         self.data["rounds"].append(entry)
+        for total in ("norm_mismatches", "clipped"):  # run totals of the rounds'
+            self.data[total] = sum(
+                (r.get("replies") or {}).get(total, 0) for r in self.data["rounds"]
+            )
         self.write()
         log(logging.INFO, "%s", format_round(entry, num_rounds))
         return entry

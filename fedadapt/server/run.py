@@ -13,6 +13,7 @@ from fedadapt.config import ConfigError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder
+from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
 
@@ -20,8 +21,14 @@ EVAL_BATCH_SIZE = 512
 State = dict[str, np.ndarray]
 
 #: Errors whose message says everything a user needs (the key and its valid
-#: values, the files to fetch): logged as one line, without a traceback.
-USER_ERRORS = (ConfigError, DatasetMissingError, DatasetCorruptError)
+#: values, the files to fetch, the clients' own error text): logged without
+#: a traceback.
+USER_ERRORS = (
+    ConfigError,
+    DatasetMissingError,
+    DatasetCorruptError,
+    FederationFailedError,
+)
 
 
 class OneLineUserErrors(logging.Filter):

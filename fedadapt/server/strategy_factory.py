@@ -66,6 +66,15 @@ def _weighting(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"weighting": cfg["weighting"].replace("-", "_")}
 
 
+def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the screening options every strategy takes (see ``RuleHost``)."""
+    return {
+        "secure_aggregation": cfg["secure-aggregation"],
+        "max_update_norm": cfg["max-update-norm"],
+        "max_failed_rounds": cfg["max-failed-rounds"],
+    }
+
+
 def legacy_sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Legacy FedAvg's sampling arguments for ``clients-per-round``.
 
@@ -98,7 +107,7 @@ def build_strategy(
     ``evaluate_fn``, ``on_fit_config_fn``).
     """
     name, kwargs = STRATEGIES.get(cfg["strategy"])(cfg)
-    kwargs = {**kwargs, **_weighting(cfg), **extra}
+    kwargs = {**kwargs, **_weighting(cfg), **trust_kwargs(cfg), **extra}
     if api == "legacy":
         return getattr(legacy, name)(**legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from logging import WARNING
-from typing import Any, TypedDict
+from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -25,17 +25,19 @@ from fedadapt.strategies._screening import (
     Candidate,
     LazyArrays,
     RuleHost,
-    apply_rule,
+    ScreeningKwargs,
     evaluation_average,
     screen,
 )
 from fedadapt.strategies.core import Arrays
 
 
-class FedAvgKwargs(TypedDict, total=False):
+class FedAvgKwargs(ScreeningKwargs, total=False):
     """Arguments of ``flwr.serverapp.strategy.FedAvg``, passed through unchanged.
 
-    See Flower's documentation for each: ``fraction_train``,
+    Plus fedadapt's ``secure_aggregation``, ``max_update_norm`` and
+    ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`).
+    See Flower's documentation for the others: ``fraction_train``,
     ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
     ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``,
     ``configrecord_key``, ``train_metrics_aggr_fn``,
@@ -155,31 +157,17 @@ class RuleStrategy(RuleHost):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screen replies, apply the rule; ``(None, None)`` keeps the model."""
         server_round += self.round_offset
-        entry = self.round_reports.setdefault(server_round, {})
         # partition order, not arrival order: breaks the ties of canonical_order
         # (equal weights), so float sums do not depend on arrival
         candidates = [
             _unpack(m, with_arrays=True) for m in self._in_node_order(replies)
         ]
-        valid, report = screen(
-            candidates,
-            self._sent,
-            self.weighted_by_key,
-            f"Round {server_round}",
-            self.check_reply,
+        new, valid = self.run_rule(
+            server_round, candidates, self._sent, self.weighted_by_key
         )
-        entry["train_replies"] = report.as_dict()
-        if not valid or self._sent is None:
-            return None, None
-        label = f"Round {server_round}"
-        new, diagnostics, valid = apply_rule(
-            self.rule, self._sent, valid, self.weighted_by_key, report, label
-        )
-        entry["train_replies"] = report.as_dict()
         if new is None:
             return None, None
-        diagnostics.update(self.after_aggregate(valid))
-        entry["diagnostics"] = diagnostics
+        entry = self.round_reports[server_round]
         metrics = self.train_metrics_aggr_fn(
             [c.source.content for c in valid], self.weighted_by_key
         )

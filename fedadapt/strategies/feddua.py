@@ -2,8 +2,9 @@
 
 Paper: shared/papers/feddua.txt (Algorithm 1, eq. (3)); spec §4. The rule
 is :class:`fedadapt.strategies.core.FedDuARule`; this is its Flower
-Message-API strategy. Clients should report ``update-sq-norm`` in their
-metrics (secure-aggregation friendly); otherwise it is computed.
+Message-API strategy. The server computes each client's ‖Δ_i‖² itself and
+checks a reported ``update-sq-norm`` against it; ``secure_aggregation=True``
+uses the reports as given (see :class:`~fedadapt.strategies._screening.RuleHost`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Paper: arxiv.org/abs/2301.09604. The rule is
 :class:`fedadapt.strategies.core.FedExPRule` (spec §5); this is its Flower
-Message-API strategy. Clients should report ``update-sq-norm`` =
-‖x_i − x_t‖² in their metrics (then the server needs only sums, as under
-secure aggregation); otherwise it is computed from the arrays.
+Message-API strategy. The server computes each client's ‖x_i − x_t‖² from
+the arrays and checks any reported ``update-sq-norm`` against it; only
+``secure_aggregation=True`` uses the reports as given (see
+:class:`~fedadapt.strategies._screening.RuleHost`).
 """
 
 from __future__ import annotations

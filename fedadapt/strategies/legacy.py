@@ -5,18 +5,20 @@ Each class subclasses its ``flwr.server.strategy`` counterpart (so sampling,
 replaces ``aggregate_fit`` with reply screening + the framework-free rule of
 :mod:`fedadapt.strategies.core` — the same code path as the Message API.
 
-Legacy parameters are an ordered list of arrays: here they are keyed ``"0"``,
-``"1"``, …; FedExP/FedDuA therefore cannot recognise BatchNorm buffers by
-name and put every float array through the rule (send parameters only, or
-pass ``plain_average`` on the rule). Clients report ``update-sq-norm`` in the
-``fit`` metrics dict; the weight is ``FitRes.num_examples``. The rule's
-diagnostics are returned in the fit metrics, prefixed ``strategy-``.
+Legacy parameters are an ordered list of arrays. Pass ``array_names`` (the
+model's ``state_dict`` keys, in order) so that FedExP/FedDuA recognise
+BatchNorm buffers by name, average them and keep them out of the norms, as
+the Message API does; clients report ``update-sq-norm`` over the parameters,
+which is then exactly that set. Without names the arrays are keyed ``"0"``,
+``"1"``, … and every float array goes through the rule (the server's own
+norms then cover them all). The weight is ``FitRes.num_examples``. The
+rule's diagnostics are returned in the fit metrics, prefixed ``strategy-``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypedDict, Unpack
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import numpy as np
 from flwr.common import (
@@ -40,9 +42,8 @@ from flwr.server.strategy import FedYogi as _FlowerFedYogi
 from fedadapt.strategies._screening import (
     Candidate,
     RuleHost,
-    apply_rule,
+    ScreeningKwargs,
     evaluation_average,
-    screen,
 )
 from fedadapt.strategies.core import (
     Arrays,
@@ -58,8 +59,15 @@ from fedadapt.strategies.fedlamb import next_v_hat
 WEIGHT_KEY = "num-examples"
 
 
-class LegacyFedAvgKwargs(TypedDict, total=False):
-    """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged."""
+class LegacyFedAvgKwargs(ScreeningKwargs, total=False):
+    """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
+
+    Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
+    ``secure_aggregation``, ``max_update_norm``, ``max_failed_rounds``
+    (see :class:`~fedadapt.strategies._screening.RuleHost`).
+    """
+
+    array_names: Sequence[str] | None
 
     fraction_fit: float
     fraction_evaluate: float
@@ -75,12 +83,16 @@ class LegacyFedAvgKwargs(TypedDict, total=False):
     evaluate_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
 
 
-def _keyed(arrays: NDArrays) -> Arrays:
+def _keyed(arrays: NDArrays, names: Sequence[str] | None = None) -> Arrays:
+    """Key a parameter list by ``names`` (same length), else by position."""
+    if names is not None and len(names) == len(arrays):
+        return dict(zip(names, arrays, strict=True))
     return {str(i): a for i, a in enumerate(arrays)}
 
 
-def _listed(arrays: Arrays) -> NDArrays:
-    return [arrays[str(i)] for i in range(len(arrays))]
+def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
+    """List ``arrays`` in the key order of ``order``."""
+    return [arrays[k] for k in order]
 
 
 class LegacyRuleStrategy(RuleHost):
@@ -88,13 +100,22 @@ class LegacyRuleStrategy(RuleHost):
 
     Attributes as :class:`fedadapt.strategies.RuleStrategy`: ``rule``,
     ``average_last_two`` and ``round_reports``.
+
+    Parameters
+    ----------
+    array_names : Sequence[str] | None (default: None)
+        Names of the parameter list's arrays (the model's ``state_dict``
+        keys); BatchNorm buffers are then recognised by name.
     """
 
     accept_failures: bool
     fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, array_names: Sequence[str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.array_names = None if array_names is None else list(array_names)
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
         self._evaluation: Parameters | None = None
@@ -104,7 +125,7 @@ class LegacyRuleStrategy(RuleHost):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         """Remember the global arrays, then sample and configure as Flower does."""
-        self._sent = _keyed(parameters_to_ndarrays(parameters))
+        self._sent = _keyed(parameters_to_ndarrays(parameters), self.array_names)
         return super().configure_fit(server_round, parameters, client_manager)  # type: ignore[misc]
 
     def aggregate_fit(
@@ -117,24 +138,17 @@ class LegacyRuleStrategy(RuleHost):
         candidates: list[Candidate | str] = [repr(f) for f in failures]
         for proxy, res in results:
             metrics = {**res.metrics, WEIGHT_KEY: res.num_examples}
-            arrays = _keyed(parameters_to_ndarrays(res.parameters))
+            arrays = _keyed(parameters_to_ndarrays(res.parameters), self.array_names)
             candidates.append(Candidate(proxy.cid, arrays, metrics, (proxy, res)))
-        valid, report = screen(
-            candidates, self._sent, WEIGHT_KEY, f"Round {server_round}"
+        # Flower's contract: with failures and accept_failures=False, no update
+        keep = bool(failures) and not self.accept_failures
+        new, valid = self.run_rule(
+            server_round, candidates, None if keep else self._sent, WEIGHT_KEY
         )
-        entry = self.round_reports.setdefault(server_round, {})
-        entry["train_replies"] = report.as_dict()
-        if not valid or self._sent is None or (failures and not self.accept_failures):
+        if new is None or self._sent is None:
             return None, {}
-        label = f"Round {server_round}"
-        new, diagnostics, valid = apply_rule(
-            self.rule, self._sent, valid, WEIGHT_KEY, report, label
-        )
-        entry["train_replies"] = report.as_dict()
-        if new is None:
-            return None, {}
-        diagnostics.update(self.after_aggregate(valid))
-        entry["diagnostics"] = diagnostics
+        entry = self.round_reports[server_round]
+        diagnostics = entry["diagnostics"]
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
             metrics = dict(
@@ -146,7 +160,7 @@ class LegacyRuleStrategy(RuleHost):
         metrics.update(
             {f"strategy-{k}": v for k, v in diagnostics.items() if v is not None}
         )
-        parameters = ndarrays_to_parameters(_listed(new))
+        parameters = ndarrays_to_parameters(_listed(new, self._sent))
         self._last_output = parameters
         self._evaluation = None
         self._evaluation_pair = (self._sent, new) if self.average_last_two else None
@@ -158,7 +172,8 @@ class LegacyRuleStrategy(RuleHost):
             return parameters
         if self._evaluation is None:  # built on first use only
             average = evaluation_average(*self._evaluation_pair)
-            self._evaluation = ndarrays_to_parameters(_listed(average))
+            order = self._evaluation_pair[0]
+            self._evaluation = ndarrays_to_parameters(_listed(average, order))
         return self._evaluation
 
     def configure_evaluate(
@@ -293,7 +308,6 @@ class FedExP(LegacyRuleStrategy, _FlowerFedAvg):
         rule = FedExPRule(
             epsilon=epsilon, server_momentum=server_momentum, form=form,
             eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
-            plain_average=None,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.rule = rule
@@ -317,7 +331,7 @@ class FedDuA(LegacyRuleStrategy, _FlowerFedAvg):
     ) -> None:
         rule = FedDuARule(
             variant=variant, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            epsilon_g=epsilon_g, weighting=weighting, plain_average=None,
+            epsilon_g=epsilon_g, weighting=weighting,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.rule = rule
@@ -340,7 +354,7 @@ class FedLAMB(LegacyRuleStrategy, _FlowerFedAvg):
         weighting: str = "uniform",
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
-        rule = FedAvgRule(weighting=weighting, plain_average=None)
+        rule = FedAvgRule(weighting=weighting)
         super().__init__(**kwargs)
         self.rule = rule
         self.eps = eps
@@ -355,7 +369,8 @@ class FedLAMB(LegacyRuleStrategy, _FlowerFedAvg):
         if self.v_hat is None:
             return pairs
         packed = ndarrays_to_parameters(
-            parameters_to_ndarrays(parameters) + _listed(self.v_hat)
+            parameters_to_ndarrays(parameters)
+            + [self.v_hat[str(i)] for i in range(len(self.v_hat))]
         )
         return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
 

@@ -57,11 +57,16 @@ class RoundStatistics:
         A_t = Σ ω_i ‖Δ_i‖² over the adaptive arrays, or None when not needed.
     num_clients : int
         |S_t|, the number of replies aggregated.
+    client_sq_norms : tuple[float, ...] | None
+        Each client's ‖Δ_i‖² over the adaptive arrays (before any clipping)
+        as the server computed it from the arrays; None when it did not
+        (norms trusted from clients, or not needed).
     """
 
     mean_update: Arrays
     mean_sq_norm: float | None
     num_clients: int
+    client_sq_norms: tuple[float, ...] | None = None
 
 
 def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
@@ -74,6 +79,36 @@ def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any
     if not np.all(np.isfinite(n)) or np.any(n <= 0):
         raise ValueError(f"num_examples must be finite and > 0, got {n.tolist()}")
     return n / n.sum()
+
+
+def _acc_dtype(x_t: NDArray[Any]) -> np.dtype[Any]:
+    """Accumulator dtype: float32 stays float32, integers sum in floating point."""
+    return np.result_type(x_t.dtype, np.float32)
+
+
+def _weighted_sum(
+    key: str,
+    x_t: NDArray[Any],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    weights: list[float],
+    norms: NDArray[Any] | None,
+) -> NDArray[Any]:
+    """Return Σ_i ω_i (x_i[key] − x_t); add ‖x_i[key] − x_t‖² to ``norms[i]``.
+
+    Weighted *differences* accumulate through one reused buffer: no
+    per-client allocation, and better accuracy than Σω_i x_i − x_t when
+    updates are small relative to the weights. Python-float weights keep
+    float32 arrays float32 (NumPy 2 would promote them with np.float64).
+    """
+    acc = np.zeros(x_t.shape, dtype=_acc_dtype(x_t))
+    delta = np.empty_like(acc)
+    for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
+        np.subtract(client[key], x_t, out=delta)
+        if norms is not None:
+            norms[i] += float(np.vdot(delta, delta))
+        delta *= w
+        acc += delta
+    return acc
 
 
 class ServerRule(ABC):
@@ -137,41 +172,85 @@ class ServerRule(ABC):
         clients: Sequence[Mapping[str, NDArray[Any]]],
         num_examples: Sequence[float],
         sq_norms: Sequence[float] | None = None,
+        *,
+        max_norm: float = 0.0,
     ) -> RoundStatistics:
         """Form Δ̄ and (when the rule needs it) A from per-client arrays.
 
-        ``sq_norms`` are client-reported ‖Δ_i‖²; when given they are used
-        instead of being recomputed (what secure aggregation requires).
+        ``sq_norms`` are client-reported ‖Δ_i‖², used as given (what secure
+        aggregation requires: the server trusts them). Without them the
+        server computes each ‖Δ_i‖² over the adaptive arrays in the same loop
+        that sums Δ_i (no second pass) and returns them in
+        ``client_sq_norms``.
+
+        ``max_norm = C > 0`` clips each client's adaptive update to
+        ``Δ_i·min(1, C/‖Δ_i‖)`` (the flat clipping of DP-FedAvg, McMahan et
+        al., arXiv 1710.06963) before it enters Δ̄ and A (A then uses the
+        clipped norms, min(‖Δ_i‖², C²)); plain arrays are averaged unclipped.
+        It needs the server's own norms, so it excludes ``sq_norms``.
         """
-        weights = client_weights(num_examples, self.weighting)
-        adaptive = set(self.adaptive_keys(current))
-        need_norms = self.needs_sq_norms and sq_norms is None
-        mean_update: Arrays = {}
-        norms = np.zeros(len(clients))
-        # Δ̄ accumulates weighted *differences* x_i − x_t through one reused
-        # buffer: no per-client allocation, and better accuracy than
-        # Σω_i x_i − x_t when updates are small relative to the weights.
-        # Python-float weights keep float32 arrays float32 (NumPy 2 would
-        # promote them to float64 with np.float64 scalars).
-        for key, x_t in current.items():
-            acc = np.zeros(x_t.shape, dtype=np.result_type(x_t.dtype, np.float32))
-            delta = np.empty_like(acc)
-            norm_here = need_norms and key in adaptive
-            for i, (client, w) in enumerate(
-                zip(clients, weights.tolist(), strict=True)
-            ):
-                np.subtract(client[key], x_t, out=delta)
-                if norm_here:
-                    norms[i] += float(np.vdot(delta, delta))
-                delta *= w
-                acc += delta
-            mean_update[key] = acc
-        if not self.needs_sq_norms:
-            mean_sq_norm = None
+        if max_norm < 0 or not math.isfinite(max_norm):
+            raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
+        if max_norm > 0 and sq_norms is not None:
+            raise ValueError("clipping needs the server's own norms, not sq_norms")
+        weights = client_weights(num_examples, self.weighting).tolist()
+        adaptive = self.adaptive_keys(current)
+        compute = sq_norms is None and (self.needs_sq_norms or max_norm > 0)
+        norms = np.zeros(len(clients)) if compute else None
+        if max_norm > 0:
+            mean_update = self._clipped_sum(current, clients, weights, adaptive,
+                                            norms, max_norm)  # fmt: skip
         else:
-            per_client = norms if need_norms else np.asarray(sq_norms, np.float64)
+            keyed = set(adaptive) if compute else set()
+            mean_update = {
+                k: _weighted_sum(k, x_t, clients, weights,
+                                 norms if k in keyed else None)
+                for k, x_t in current.items()
+            }  # fmt: skip
+        mean_sq_norm = None
+        if self.needs_sq_norms:
+            per_client = norms if norms is not None else np.asarray(sq_norms, float)
+            if max_norm > 0:
+                per_client = np.minimum(per_client, max_norm**2)
             mean_sq_norm = float(np.dot(weights, per_client))
-        return RoundStatistics(mean_update, mean_sq_norm, len(clients))
+        return RoundStatistics(
+            mean_update,
+            mean_sq_norm,
+            len(clients),
+            None if norms is None else tuple(norms.tolist()),
+        )
+
+    @staticmethod
+    def _clipped_sum(
+        current: Mapping[str, NDArray[Any]],
+        clients: Sequence[Mapping[str, NDArray[Any]]],
+        weights: list[float],
+        adaptive: list[str],
+        norms: NDArray[Any],
+        max_norm: float,
+    ) -> Arrays:
+        """Σ ω_i·min(1, C/‖Δ_i‖)·Δ_i over the adaptive keys, Σ ω_i Δ_i elsewhere.
+
+        Client by client: ‖Δ_i‖ is known only after all of a client's
+        adaptive arrays, so their differences are held in one model-sized
+        buffer (reused) while the norm is formed; a single pass still.
+        """
+        buffers = {k: np.empty(current[k].shape, _acc_dtype(current[k]))
+                   for k in adaptive}  # fmt: skip
+        sums = {k: np.zeros_like(b) for k, b in buffers.items()}
+        for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
+            for k, delta in buffers.items():
+                np.subtract(client[k], current[k], out=delta)
+                norms[i] += float(np.vdot(delta, delta))
+            norm = math.sqrt(norms[i])
+            scale = w * (max_norm / norm if norm > max_norm else 1.0)
+            for k, delta in buffers.items():
+                delta *= scale
+                sums[k] += delta
+        return {
+            k: sums[k] if k in sums else _weighted_sum(k, x_t, clients, weights, None)
+            for k, x_t in current.items()
+        }
 
     def apply(
         self, current: Mapping[str, NDArray[Any]], stats: RoundStatistics
