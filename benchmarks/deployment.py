@@ -56,6 +56,17 @@ CONFIG: dict[str, Any] = {
     "local-steps": 10,
     "evaluate-every": 1,
 }
+#: The baseline: a minimal Flower PyTorch app (Flower's FedAvg, the same MLP,
+#: digits and local steps; benchmarks/minimal_app), run in the same modes.
+MINIMAL = ROOT / "benchmarks" / "minimal_app"
+MINIMAL_CONFIG: dict[str, Any] = {"local-steps": 10, "batch-size": 32,
+                                  "client-lr": 0.1}  # fmt: skip
+APPS = {"fedadapt": (ROOT, CONFIG), "minimal": (MINIMAL, MINIMAL_CONFIG)}
+#: Each app's ClientApp module: what every flwr-clientapp process imports.
+CLIENT_MODULES = {
+    "fedadapt": "fedadapt.client.client_app",
+    "minimal": "minimal_app.client_app",
+}
 CLIENTS = 3
 TIMEOUT = 1800.0
 # processes that skew timings when they run beside the benchmark
@@ -128,11 +139,30 @@ def round_times(outcome: RunOutcome, rounds: int) -> dict[str, Any]:
     }
 
 
+def run_apps(target: Any, work: Path, rounds: int, **kw: Any) -> dict[str, Any]:
+    """Run each app of :data:`APPS` on ``target``, one after the other.
+
+    Returns per app the round times (:func:`round_times`) and, when both ran,
+    ``fedadapt_vs_minimal``: the ratio of their median steady rounds.
+    """
+    found: dict[str, Any] = {}
+    output_dir = kw.pop("output_dir", None)
+    for name, (app, config) in APPS.items():
+        out = output_dir or str(work / name)
+        cfg = {**config, "num-server-rounds": rounds, "output-dir": out}
+        found[name] = round_times(
+            submit_run(target, app, cfg, CLIENTS, TIMEOUT, **kw), rounds
+        )
+    found["fedadapt_vs_minimal"] = round(
+        found["fedadapt"]["median_round_s"] / found["minimal"]["median_round_s"], 2
+    )
+    return found
+
+
 def simulation(work: Path, rounds: int) -> dict[str, Any]:
     """Flower's Ray simulation on a private simulation SuperLink."""
     with SimulationSuperLink(work / "home") as link:
-        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work)}
-        return round_times(submit_run(link, ROOT, cfg, CLIENTS, TIMEOUT), rounds)
+        return run_apps(link, work, rounds)
 
 
 def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
@@ -142,8 +172,41 @@ def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
     except ImportError as error:
         raise Skipped(f"fedadapt.deploy.local unavailable: {error}") from error
     with LocalDeployment(work / "deploy", CLIENTS, tls=tls, auth=auth) as deployment:
-        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": str(work)}
-        return round_times(submit_run(deployment, ROOT, cfg, CLIENTS, TIMEOUT), rounds)
+        return run_apps(deployment, work, rounds)
+
+
+def client_import_s(repeats: int = 3) -> dict[str, float]:
+    """Median seconds a fresh Python process takes to import each ClientApp.
+
+    A deployment starts one ``flwr-clientapp`` process per message, so this
+    is paid by every client in every round (the simulation pays it once).
+    """
+    code = ("import time; t = time.perf_counter(); import {}; "
+            "print(time.perf_counter() - t)")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(MINIMAL)])}
+    found = {}
+    for app, module in CLIENT_MODULES.items():
+        times = [
+            float(
+                subprocess.run(
+                    [sys.executable, "-c", code.format(module)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )  # fmt: skip
+            for _ in range(repeats)
+        ]
+        found[app] = round(statistics.median(times), 2)
+    found["torch alone"] = round(statistics.median(
+        float(subprocess.run(
+            [sys.executable, "-c", code.format("torch")],
+            capture_output=True, text=True, check=True,
+        ).stdout)  # fmt: skip
+        for _ in range(repeats)
+    ), 2)  # fmt: skip
+    return found
 
 
 def _engine_answers() -> bool:
@@ -212,11 +275,10 @@ def _containers(work: Path, rounds: int, image: str) -> dict[str, Any]:
         project("up", "-d")
         connection = project.connection()
         project.wait_online(connection, CLIENTS)
-        cfg = {**CONFIG, "num-server-rounds": rounds, "output-dir": "/results"}
-        outcome = submit_run(
-            connection, ROOT, cfg, CLIENTS, TIMEOUT, results_dir=project.results
-        )
-        result = round_times(outcome, rounds)
+        result = run_apps(
+            connection, work, rounds, output_dir="/results",
+            results_dir=project.results,
+        )  # fmt: skip
     except BaseException:
         with contextlib.suppress(Exception):  # keep the first error visible
             project.down()
@@ -239,20 +301,30 @@ def modes(
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown table: median round, ratio to simulation, round 1, whole run."""
-    base = results.get("simulation", {}).get("median_round_s")
+    """Markdown table: median steady round of both apps, their ratio, and
+    each against the simulation of the same app."""
+    sim = results.get("simulation", {})
     lines = [
-        "| mode | median round 2..N (s) | vs simulation | round 1 (s) | run (s) |",
-        "|---|---|---|---|---|",
+        "| mode | fedadapt round (s) | minimal app round (s) | fedadapt / minimal "
+        "| fedadapt vs simulation | fedadapt round 1 (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        if "median_round_s" not in r:
+        if "fedadapt" not in r:
             why = r.get("skipped") or f"failed: {r.get('failed', '')}"
-            lines.append(f"| {name} | {why[:90]} | | | |")
+            lines.append(f"| {name} | {why[:90]} | | | | |")
             continue
-        ratio = f"{r['median_round_s'] / base:.1f}x" if base else "n/a"
-        lines.append(f"| {name} | {r['median_round_s']:.2f} | {ratio} | "
-                     f"{r['first_round_s']:.2f} | {r['run_s']:.0f} |")  # fmt: skip
+        ours, base = r["fedadapt"], r["minimal"]
+        vs_sim = (
+            f"{ours['median_round_s'] / sim['fedadapt']['median_round_s']:.1f}x"
+            if "fedadapt" in sim
+            else "n/a"
+        )
+        lines.append(
+            f"| {name} | {ours['median_round_s']:.2f} | {base['median_round_s']:.2f} "
+            f"| {r['fedadapt_vs_minimal']:.2f}x | {vs_sim} "
+            f"| {ours['first_round_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -276,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     runs = modes(args.rounds, args.image, args.start_engine)
     results: dict[str, dict[str, Any]] = {}
+    imports = client_import_s()
+    print(f"ClientApp import in a fresh process (s, median of 3): {imports}",
+          flush=True)  # fmt: skip
     try:
         with tempfile.TemporaryDirectory(prefix="fa-bench-") as tmp:
             for name in args.modes:
@@ -305,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**CONFIG, "num-server-rounds": args.rounds, "clients": CLIENTS},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "client_import_s": imports,
         "results": results,
     }, indent=2) + "\n")  # fmt: skip
     print(f"\nwritten: {args.output}")

@@ -23,9 +23,19 @@ from typing import Any
 
 from fedadapt.errors import ConfigError
 
-__all__ = ["KEYS", "RUN_CONFIG", "ConfigError", "Key", "validate_run_config"]
+__all__ = [
+    "KEYS",
+    "RUN_CONFIG",
+    "ConfigError",
+    "Key",
+    "RunConfig",
+    "validate_run_config",
+]
 
 Scalar = bool | int | float | str
+#: A validated run config: every key of :data:`RUN_CONFIG`, each value of
+#: its key's type (checked at run time, so typed loosely here).
+RunConfig = dict[str, Any]
 
 
 def _registry_names(kind: str) -> Callable[[], list[str]]:
@@ -203,7 +213,7 @@ def defaults() -> dict[str, Scalar]:
     return {key.name: key.default for key in RUN_CONFIG}
 
 
-def validate_run_config(run_config: Mapping[str, Any]) -> dict[str, Scalar]:
+def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     """Check ``run_config`` and return a complete, typed copy.
 
     Missing keys take their defaults; unknown keys, wrong types, out-of-range
@@ -214,7 +224,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> dict[str, Scalar]:
         raise ConfigError(
             unknown[0], f"unknown key. Valid keys: {', '.join(sorted(KEYS))}"
         )
-    config = defaults()
+    config: RunConfig = defaults()
     for name, value in run_config.items():
         config[name] = KEYS[name].check(value)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:

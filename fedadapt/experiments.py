@@ -151,7 +151,7 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
         _require(key in SUITE_KEYS, key, f"unknown. Valid keys: {sorted(SUITE_KEYS)}")
     for key in ("name", "methods", "base"):
         _require(key in data, key, "missing")
-    _require(isinstance(data["methods"], dict) and data["methods"], "methods",
+    _require(isinstance(data["methods"], dict) and bool(data["methods"]), "methods",
              "expected a non-empty mapping of method name to overrides")  # fmt: skip
     metric = data.get("metric", "eval-loss")
     _require(metric in METRICS, "metric", f"one of {sorted(METRICS)}")

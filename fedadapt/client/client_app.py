@@ -11,11 +11,20 @@ sampling orders nodes by them).
 
 from __future__ import annotations
 
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
 from fedadapt.client.local import (
     SECOND_MOMENTS_KEY,
+    config_number,
     evaluate_round,
     partition_of,
     train_round,
@@ -30,21 +39,25 @@ def train(msg: Message, context: Context) -> Message:
     """Train on the local partition; reply with weights and metrics."""
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
-    config = msg.content["config"]
+    config = msg.content.config_records.get("config", ConfigRecord())
     v_hat = None
     if SECOND_MOMENTS_KEY in msg.content.array_records:
-        v_hat = {k: v.numpy() for k, v in msg.content[SECOND_MOMENTS_KEY].items()}
+        moments = msg.content.array_records[SECOND_MOMENTS_KEY]
+        v_hat = {k: v.numpy() for k, v in moments.items()}
     result = train_round(
         cfg,
         pid,
         num,
-        msg.content["arrays"].to_torch_state_dict(),
-        lr=float(config.get("lr", cfg["client-lr"])),
-        server_round=int(config.get("server-round", 0)),
+        msg.content.array_records["arrays"].to_torch_state_dict(),
+        lr=config_number(config.get("lr", cfg["client-lr"])),
+        server_round=int(config_number(config.get("server-round", 0))),
         v_hat=v_hat,
     )
     content = RecordDict(
-        {"arrays": ArrayRecord(result.state), "metrics": MetricRecord(result.metrics)}
+        {
+            "arrays": ArrayRecord(result.state),
+            "metrics": MetricRecord(dict(result.metrics)),
+        }
     )
     if result.second_moments is not None:
         content[SECOND_MOMENTS_KEY] = ArrayRecord(
@@ -58,8 +71,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received global model on the local test split."""
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
-    metrics = evaluate_round(cfg, pid, num, msg.content["arrays"].to_torch_state_dict())
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    state = msg.content.array_records["arrays"].to_torch_state_dict()
+    metrics = MetricRecord(dict(evaluate_round(cfg, pid, num, state)))
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
 
 
 @app.query()

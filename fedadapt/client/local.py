@@ -121,6 +121,13 @@ def evaluate_round(
     return metrics
 
 
+def config_number(value: object) -> float:
+    """Return a numeric value of the server's train config, or raise TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number in the train config, got {value!r}")
+    return float(value)
+
+
 def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
     """Return (partition-id, num-partitions) from a SuperNode's node config."""
     try:

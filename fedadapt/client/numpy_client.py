@@ -19,7 +19,12 @@ from flwr.client import Client, NumPyClient
 from flwr.clientapp import ClientApp
 from flwr.common import Context, NDArrays, Scalar
 
-from fedadapt.client.local import evaluate_round, partition_of, train_round
+from fedadapt.client.local import (
+    config_number,
+    evaluate_round,
+    partition_of,
+    train_round,
+)
 from fedadapt.config import validate_run_config
 from fedadapt.tasks import TASKS
 
@@ -55,14 +60,14 @@ class FedAdaptClient(NumPyClient):
             self.partition_id,
             self.num_partitions,
             dict(zip(self.keys, parameters[:n], strict=True)),
-            lr=float(config.get("lr", self.cfg["client-lr"])),
-            server_round=int(config.get("server-round", 0)),
+            lr=config_number(config.get("lr", self.cfg["client-lr"])),
+            server_round=int(config_number(config.get("server-round", 0))),
             v_hat=dict(zip(self.names, moments, strict=True)) if moments else None,
         )
         arrays = [result.state[k].numpy() for k in self.keys]
         if result.second_moments is not None:
             arrays += [result.second_moments[name] for name in self.names]
-        metrics = dict(result.metrics)
+        metrics: dict[str, Scalar] = dict(result.metrics)
         num_examples = int(metrics.pop("num-examples"))
         return arrays, num_examples, metrics
 
@@ -71,7 +76,7 @@ class FedAdaptClient(NumPyClient):
     ) -> tuple[float, int, dict[str, Scalar]]:
         """Evaluate on the local test split; return (loss, n, metrics)."""
         state = dict(zip(self.keys, parameters[: len(self.keys)], strict=True))
-        metrics = dict(
+        metrics: dict[str, Scalar] = dict(
             evaluate_round(self.cfg, self.partition_id, self.num_partitions, state)
         )
         num_examples = int(metrics.pop("num-examples"))

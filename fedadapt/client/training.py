@@ -86,7 +86,9 @@ def train_local(
                 first.append((loss.detach(), outputs.detach()))
             return loss
 
-        optimizer.step(closure)
+        # torch's stub types closures as returning float; LBFGS-style closures
+        # (torch's own contract) return the loss tensor
+        optimizer.step(closure)  # type: ignore[arg-type]
         loss, outputs = first[0]
         loss_sum += loss.double() * len(targets)
         if classification:

@@ -1,0 +1,1 @@
+"""Minimal Flower PyTorch app (the deployment benchmark's baseline)."""
