@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fedadapt.config import validate_run_config
@@ -28,3 +30,9 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
+def partition_cache(tmp_path_factory):
+    """Keep computed partitions (and every process the tests start) out of ~/.cache."""
+    os.environ["FEDADAPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("fedadapt-cache"))

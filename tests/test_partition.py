@@ -141,3 +141,45 @@ def test_local_train_test_split():
     assert np.array_equal(np.sort(np.concatenate([train, test])), indices)
     tiny_train, tiny_test = train_test_split_indices(np.array([7]), 0.9, seed=0)
     assert list(tiny_train) == [7] and len(tiny_test) == 0
+
+
+_IN_A_NEW_PROCESS = """
+import sys
+import numpy as np
+from fedadapt.tasks.partition import client_indices
+labels = np.random.default_rng(0).integers(0, 10, 2000)
+cfg = {"partition": "dirichlet", "dirichlet-alpha": 0.3, "samples-per-client": 1,
+       "classes-per-client": 2, "seed": 4}
+parts = [client_indices(labels, 7, i, cfg).tolist() for i in range(7)]
+print(repr((parts, "flwr_datasets" in sys.modules)))
+"""
+
+
+def _partition_in_new_process(cache):
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FEDADAPT_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", _IN_A_NEW_PROCESS], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_partition_is_computed_once_per_machine_not_per_process(tmp_path):
+    """Deployment starts a ClientApp process per message: the second process
+    reads the partition from disk, without importing flwr-datasets."""
+    first, imported = _partition_in_new_process(tmp_path)
+    assert imported and len(list((tmp_path / "partitions").glob("*.npz"))) == 1
+    again, imported_again = _partition_in_new_process(tmp_path)
+    assert again == first and not imported_again
+
+
+def test_damaged_cache_file_is_recomputed(tmp_path):
+    first, _ = _partition_in_new_process(tmp_path)
+    (cached,) = (tmp_path / "partitions").glob("*.npz")
+    cached.write_bytes(b"not a zip file")
+    again, imported = _partition_in_new_process(tmp_path)
+    assert again == first and imported  # recomputed with flwr-datasets
+    assert np.load(cached)["part0"].tolist() == first[0]  # and written back

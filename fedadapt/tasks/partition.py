@@ -2,7 +2,8 @@
 
 Selected by run-config ``partition``; deterministic from run-config ``seed``:
 every client computes the same full partition and keeps its own part, so no
-coordination is needed (results are cached per process).
+coordination is needed (results are cached per process and on disk, see
+:func:`cache_dir`).
 
 Where Flower Datasets implements the papers' scheme we use its partitioner
 (on a two-column ``datasets.Dataset`` of labels and row indices):
@@ -28,8 +29,12 @@ Where Flower Datasets implements the papers' scheme we use its partitioner
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable, Mapping
 from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -258,13 +263,65 @@ def _delta_sgd(
 PARTITION_KEYS = ("dirichlet-alpha", "samples-per-client", "classes-per-client", "seed")
 
 
+#: Bump when a scheme's output changes for the same inputs (invalidates caches).
+CACHE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """Where computed partitions are kept between processes.
+
+    ``$FEDADAPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fedadapt`` (default
+    ``~/.cache/fedadapt``), subfolder ``partitions``.
+    """
+    root = os.environ.get("FEDADAPT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedadapt"
+    )
+    return Path(root) / "partitions"
+
+
+def _cache_file(
+    name: str, labels: bytes, dtype: str, num_partitions: int, params: tuple
+) -> Path:
+    """Return the cache file of a partition: a hash of everything defining it."""
+    try:
+        flwr_datasets = metadata.version("flwr-datasets")
+    except metadata.PackageNotFoundError:
+        flwr_datasets = "none"
+    key = hashlib.sha256(labels)
+    key.update(repr((CACHE_FORMAT, flwr_datasets, name, dtype, num_partitions,
+                     params)).encode())  # fmt: skip
+    return cache_dir() / f"{name}-{num_partitions}-{key.hexdigest()[:32]}.npz"
+
+
 @lru_cache(maxsize=8)
 def _cached(
     name: str, labels: bytes, dtype: str, num_partitions: int, params: tuple
 ) -> tuple[NDArray[np.int64], ...]:
+    """Compute a partition once per machine, not once per process.
+
+    In deployment every message starts a new ClientApp process, which would
+    otherwise import flwr-datasets (and Hugging Face datasets, seconds) and
+    redo the whole partition every round. The file is keyed by the labels,
+    the scheme, its parameters and the flwr-datasets version; an unreadable
+    or stale file is recomputed, an unwritable folder only costs the speed-up.
+    """
+    file = _cache_file(name, labels, dtype, num_partitions, params)
+    try:
+        with np.load(file) as saved:
+            if len(saved.files) == num_partitions:
+                return tuple(saved[f"part{i}"] for i in range(num_partitions))
+    except (OSError, KeyError, ValueError, EOFError):
+        pass  # absent or damaged: compute it
     array = np.frombuffer(labels, dtype=dtype)
-    cfg = dict(params)
-    return tuple(PARTITIONS.get(name)(array, num_partitions, cfg))
+    parts = tuple(PARTITIONS.get(name)(array, num_partitions, dict(params)))
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        partial = file.with_name(f".{file.name}.{os.getpid()}.npz")
+        np.savez(partial, **{f"part{i}": p for i, p in enumerate(parts)})
+        os.replace(partial, file)
+    except OSError:
+        pass  # read-only home, full disk: work without the cache
+    return parts
 
 
 def client_indices(
