@@ -182,4 +182,4 @@ def test_damaged_cache_file_is_recomputed(tmp_path):
     cached.write_bytes(b"not a zip file")
     again, imported = _partition_in_new_process(tmp_path)
     assert again == first and imported  # recomputed with flwr-datasets
-    assert np.load(cached)["part0"].tolist() == first[0]  # and written back
+    assert np.load(cached)["arr_0"].tolist() == first[0]  # and written back

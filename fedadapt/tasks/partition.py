@@ -309,7 +309,7 @@ def _cached(
     try:
         with np.load(file) as saved:
             if len(saved.files) == num_partitions:
-                return tuple(saved[f"part{i}"] for i in range(num_partitions))
+                return tuple(saved[f"arr_{i}"] for i in range(num_partitions))
     except (OSError, KeyError, ValueError, EOFError):
         pass  # absent or damaged: compute it
     array = np.frombuffer(labels, dtype=dtype)
@@ -317,7 +317,7 @@ def _cached(
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         partial = file.with_name(f".{file.name}.{os.getpid()}.npz")
-        np.savez(partial, **{f"part{i}": p for i, p in enumerate(parts)})
+        np.savez(partial, *parts)  # arr_0, arr_1, … in client order
         os.replace(partial, file)
     except OSError:
         pass  # read-only home, full disk: work without the cache
