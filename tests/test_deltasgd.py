@@ -1,4 +1,4 @@
-"""Δ-SGD client optimizer against NumPy float64 oracles (spec §2, tests U1-U7)."""
+"""Δ-SGD client optimizer (arXiv:2306.11201 Algorithm 1) against float64 oracles."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _reference(
     eps=0.0,
     wd=0.0,
 ):
-    """Spec §2.9 pseudo-code in float64; returns etas, thetas, branches, iterates."""
+    """Algorithm 1 lines 6-10 step by step in float64: etas, thetas, branches, xs."""
 
     def G(x, b):
         return grad(x, b) + wd * x
@@ -96,7 +96,7 @@ def _reference(
 
 
 def _adsgd_reference(grad, x0, batches, steps, *, lr, theta, amplifier, damping, eps):
-    """auto-tuned-FL ``adsgd.py`` arithmetic (spec §2.6): prev_net starts = model."""
+    """The official code's ``adsgd.py`` arithmetic: prev_net starts = model."""
     x = np.array(x0, dtype=np.float64)
     prev = x.copy()
     etas, xs = [], []
@@ -316,7 +316,7 @@ def test_u5_linear_loss_takes_growth_branch(mode):
 @pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
 def test_u5_one_dim_quadratic_hits_minimiser(mode):
     # f = (L/2)x² with L = 8 and γ = 2: the first term is exactly 1/L = 0.125,
-    # which jumps to the minimiser; then ‖Δx‖ = ‖Δg‖ = 0 (spec §2.6). Powers of
+    # which jumps to the minimiser; then ‖Δx‖ = ‖Δg‖ = 0 (the guard). Powers of
     # two keep every product exact (torch may fuse x - η·g into an FMA).
     x = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
     opt = DeltaSGD([x], lr=0.25, mode=mode)
