@@ -152,6 +152,16 @@ def preserve_buffers(module: nn.Module | None) -> Iterator[None]:
     snapshot when given ``module=`` (keeping the buffer list and the snapshot
     tensors from step to step); custom training loops can use this for any
     forward pass that must not count towards the running statistics.
+
+    Parameters
+    ----------
+    module : torch.nn.Module or None
+        The module whose buffers (and its submodules') are restored.
+
+    Yields
+    ------
+    None
+        Inside the block the buffers change freely.
     """
     if module is None:
         yield
