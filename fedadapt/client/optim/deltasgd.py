@@ -418,6 +418,9 @@ _single_tensor_delta_sgd = _Kernels(_single_tensor_norms, _single_tensor_update)
 _multi_tensor_delta_sgd = _Kernels(_multi_tensor_norms, _multi_tensor_update)
 
 
+_PLAIN_TENSORS = (Tensor, nn.Parameter)
+
+
 def _default_foreach(params: Sequence[Tensor]) -> bool:
     """Pick the implementation of ``foreach=None``: foreach for plain tensors.
 
@@ -431,7 +434,7 @@ def _default_foreach(params: Sequence[Tensor]) -> bool:
     before it had a single-tensor path, so the default keeps its numbers and
     speed unchanged.
     """
-    return all(type(p) in (Tensor, nn.Parameter) for p in params)
+    return all(type(p) in _PLAIN_TENSORS for p in params)
 
 
 def _kernels(foreach: bool | None, params: Sequence[Tensor]) -> _Kernels:
@@ -1064,11 +1067,12 @@ class DeltaSGD(Optimizer):
             params: list[Tensor] = []
             grads: list[Tensor] = []
             for p in group["params"]:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
+                grad = p.grad
+                if grad is not None:
+                    if grad.is_sparse:
                         raise RuntimeError("DeltaSGD does not support sparse gradients")
                     params.append(p)
-                    grads.append(p.grad)
+                    grads.append(grad)
             if not params:
                 continue
             buffers = self._buffers.get(index)
