@@ -1,4 +1,4 @@
-"""Δ-SGD client optimizer against NumPy float64 oracles (spec §2, tests U1-U7)."""
+"""Δ-SGD client optimizer (arXiv:2306.11201 Algorithm 1) against float64 oracles."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedadapt.client.optim.deltasgd import DeltaSGD, preserve_buffers
+from fedadapt.client.optim import deltasgd
+from fedadapt.client.optim.deltasgd import (
+    DeltaSGD,
+    delta_sgd,
+    preserve_buffers,
+    step_size,
+)
 
 # ----------------------------------------------------------------- oracles
 
@@ -51,7 +57,7 @@ def _reference(
     eps=0.0,
     wd=0.0,
 ):
-    """Spec §2.9 pseudo-code in float64; returns etas, thetas, branches, iterates."""
+    """Algorithm 1 lines 6-10 step by step in float64: etas, thetas, branches, xs."""
 
     def G(x, b):
         return grad(x, b) + wd * x
@@ -90,7 +96,7 @@ def _reference(
 
 
 def _adsgd_reference(grad, x0, batches, steps, *, lr, theta, amplifier, damping, eps):
-    """auto-tuned-FL ``adsgd.py`` arithmetic (spec §2.6): prev_net starts = model."""
+    """The official code's ``adsgd.py`` arithmetic: prev_net starts = model."""
     x = np.array(x0, dtype=np.float64)
     prev = x.copy()
     etas, xs = [], []
@@ -310,7 +316,7 @@ def test_u5_linear_loss_takes_growth_branch(mode):
 @pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
 def test_u5_one_dim_quadratic_hits_minimiser(mode):
     # f = (L/2)x² with L = 8 and γ = 2: the first term is exactly 1/L = 0.125,
-    # which jumps to the minimiser; then ‖Δx‖ = ‖Δg‖ = 0 (spec §2.6). Powers of
+    # which jumps to the minimiser; then ‖Δx‖ = ‖Δg‖ = 0 (the guard). Powers of
     # two keep every product exact (torch may fuse x - η·g into an FMA).
     x = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
     opt = DeltaSGD([x], lr=0.25, mode=mode)
@@ -801,3 +807,190 @@ def test_cuda_matches_cpu(mode):
         rtol=1e-5,
     )
     np.testing.assert_allclose(xs_gpu, xs_cpu, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- functional form and both paths
+
+
+def _mlp():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh()).to(
+        torch.float32
+    )
+
+
+def _spy_paths(monkeypatch):
+    """Count which implementation each step of every group went through."""
+    calls = []
+    for name in ("_single_tensor_delta_sgd", "_multi_tensor_delta_sgd"):
+        kernels = getattr(deltasgd, name)
+
+        def norms(*args, _kernels=kernels, _name=name, **kwargs):
+            calls.append(_name)
+            return _kernels.norms(*args, **kwargs)
+
+        monkeypatch.setattr(deltasgd, name, kernels._replace(norms=norms))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_single_tensor_and_foreach_paths_agree(monkeypatch, mode, wd):
+    calls = _spy_paths(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        (torch.randn(16, 5, generator=g), torch.randn(16, 3, generator=g))
+        for _ in range(3)
+    ]
+    runs = {}
+    for foreach in (False, True):
+        model = _mlp()
+        opt = DeltaSGD(
+            model.parameters(), mode=mode, weight_decay=wd, foreach=foreach, lr=2.0
+        )
+        weights = []
+        for k in range(12):
+            inputs, targets = batches[k % 3]
+
+            def closure(inputs=inputs, targets=targets, opt=opt, model=model):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            weights.append([p.detach().clone() for p in model.parameters()])
+        runs[foreach] = (opt.history[0], weights, opt.state_dict())
+    assert calls == ["_single_tensor_delta_sgd"] * 12 + ["_multi_tensor_delta_sgd"] * 12
+    (hist_a, w_a, sd_a), (hist_b, w_b, sd_b) = runs[False], runs[True]
+    assert [h.branch for h in hist_a] == [h.branch for h in hist_b]
+    assert "smoothness" in {h.branch for h in hist_a}  # the norms set η
+    np.testing.assert_allclose(
+        [h.eta for h in hist_a], [h.eta for h in hist_b], rtol=1e-6
+    )
+    for step_a, step_b in zip(w_a, w_b, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            torch.testing.assert_close(a, b)
+    for key, entry in sd_a["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(value, sd_b["state"][key][name])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+@pytest.mark.parametrize("first_step", ["paper", "official"])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_functional_delta_sgd_matches_numpy_reference(foreach, mode, first_step, wd):
+    """``delta_sgd`` driven by hand, step by step, equals the float64 oracle."""
+    X, y, batches, x0 = _logreg_data()
+    d = X.shape[1]
+
+    def grad(x, idx):
+        return _logreg_grad(x, X, y, idx)
+
+    etas, thetas, branches, xs = _reference(
+        grad, x0, batches, 20, mode=mode, first_step=first_step, wd=wd
+    )
+    # Two tensors (w, b), so the global norms combine several tensors.
+    params = [torch.tensor(x0[:d]), torch.tensor(x0[d:])]
+    prev_params = [torch.empty_like(p) for p in params]
+    prev_grads = [torch.empty_like(p) for p in params]
+    lr, theta = 0.2, 1.0
+    x_prev = None
+    infos, got = [], []
+    for k in range(20):
+        idx = batches[k % len(batches)]
+        x = torch.cat(params).numpy().copy()
+        g = grad(x, idx)
+        grads = [torch.tensor(g[:d]), torch.tensor(g[d:])]
+        if mode == "same_batch" and k > 0:
+            h = grad(x_prev, idx)  # g̃_{B_k}(x_{k-1})
+            prev_grads = [torch.tensor(h[:d]), torch.tensor(h[d:])]
+        info = delta_sgd(
+            params,
+            grads,
+            prev_params,
+            prev_grads,
+            step=k,
+            lr=lr,
+            theta=theta,
+            first_step=first_step,
+            weight_decay=wd,
+            foreach=foreach,
+        )
+        np.testing.assert_array_equal(torch.cat(prev_params).numpy(), x)  # kept x_k
+        lr, theta, x_prev = info.eta, info.theta, x
+        infos.append(info)
+        got.append(torch.cat(params).numpy().copy())
+    np.testing.assert_allclose([i.eta for i in infos], etas, rtol=1e-10)
+    np.testing.assert_allclose([i.theta for i in infos], thetas, rtol=1e-10)
+    assert [i.branch for i in infos] == branches
+    assert [i.step for i in infos] == list(range(20))
+    np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-12)
+
+
+def test_step_size_rule_closed_form():
+    """The rule on host floats: line 6, both terms of line 9, guard, eps."""
+    kw = {"gamma": 2.0, "delta": 0.5}
+    assert step_size([3.0], step=0, lr=0.2, theta=1.0, **kw) == (
+        0,
+        0.2,
+        1.0,
+        "first",
+        pytest.approx(math.nan, nan_ok=True),
+    )
+    first = step_size([3.0], step=0, lr=0.2, theta=1.0, first_step="official", **kw)
+    assert first.eta == 0.2 * math.sqrt(1.5) and first.theta == math.sqrt(1.5)
+    # γ‖Δx‖/(2‖Δg‖) = 2·1/(2·8) = 0.125 < sqrt(1 + 0.5·2)·0.1 ≈ 0.141
+    info = step_size([1.0, 8.0], step=3, lr=0.1, theta=2.0, step_eps=1e-3, **kw)
+    assert info == (3, 0.125 + 1e-3, (0.125 + 1e-3) / 0.1, "smoothness", 0.125)
+    info = step_size([1.0, 2.0], step=3, lr=0.1, theta=2.0, step_eps=1e-3, **kw)
+    assert info.branch == "growth" and info.smooth_term == 0.5
+    assert info.eta == math.sqrt(2.0) * 0.1 + 1e-3
+    for norms in ([0.0, 2.0], [1.0, 0.0], [0.0, 0.0]):
+        info = step_size(norms, step=1, lr=0.1, theta=2.0, step_eps=1e-3, **kw)
+        assert (info.eta, info.branch, info.smooth_term) == (
+            math.sqrt(2.0) * 0.1,
+            "growth",
+            math.inf,
+        )
+    for norms in ([math.nan, 1.0], [1.0, math.inf]):
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            step_size(norms, step=1, lr=0.1, theta=1.0, **kw)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        step_size([math.inf], step=0, lr=0.1, theta=1.0, **kw)
+
+
+def test_nonfinite_in_second_group_leaves_first_group_unchanged():
+    """All groups' norms are checked before any group moves."""
+    p = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    q = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
+    opt = DeltaSGD([{"params": [p]}, {"params": [q]}], mode="consecutive")
+    p.grad = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    q.grad = torch.tensor([float("nan")], dtype=torch.float64)
+    with pytest.raises(FloatingPointError, match="param group 1"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert [g["k"] for g in opt.param_groups] == [0, 0] and not opt.state
+
+
+def test_foreach_argument():
+    p = torch.zeros(2, requires_grad=True)
+    assert "foreach" not in DeltaSGD([p], foreach=False).defaults
+    with pytest.raises(ValueError, match="Invalid foreach"):
+        DeltaSGD([p], foreach="yes")
+
+
+def test_default_path_is_foreach_for_plain_tensors(monkeypatch):
+    class Marked(torch.Tensor):
+        pass
+
+    assert deltasgd._default_foreach([torch.zeros(3), nn.Parameter(torch.zeros(2))])
+    assert not deltasgd._default_foreach([torch.zeros(3).as_subclass(Marked)])
+    calls = _spy_paths(monkeypatch)
+    x = torch.ones(3, requires_grad=True)
+    opt = DeltaSGD([x], mode="consecutive")
+    for _ in range(2):
+        x.grad = torch.ones(3)
+        opt.step()
+    assert calls == ["_multi_tensor_delta_sgd"] * 2

@@ -1,7 +1,8 @@
-"""Fed-LAMB / Fed-AMS client optimizers (spec §3.2–§3.4, checks U8–U12).
+"""Fed-LAMB / Fed-AMS client optimizers (arXiv:2110.00532 Algorithm 1).
 
-The oracle is a float64 NumPy transcription of spec §3.2 written below
-(``_Reference``), never the code under test; U9 also uses torch's Adam.
+The oracle is a float64 NumPy transcription of the client step written below
+(``_Reference``, Algorithm 1 as read in ``fedadapt.client.optim.fedlamb``),
+never the code under test; U9 also uses torch's Adam.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from fedadapt.client.optim import fedlamb
 from fedadapt.client.optim.fedlamb import FedAMS, FedLAMB
 
-# One weight matrix, a zero-initialised bias (A-L9 guard), a second matrix.
+# One weight matrix, a zero-initialised bias (zero-norm guard), a second matrix.
 SHAPES = [(3, 4), (3,), (2, 3)]
 
 
@@ -66,7 +67,7 @@ def _torch_step(opt, params, a, c, noise_row, scale=1.0):
 
 
 class _Reference:
-    """Spec §3.2 client in float64 NumPy (LAMB Alg. 1 lines 4–12, fixed)."""
+    """The client in float64 NumPy (LAMB Algorithm 1 lines 4-12, as read)."""
 
     def __init__(self, theta, v_hat, *, lr, b1, b2, eps, lam, trust, bc_m, bc_v, phi):
         self.theta = [t.copy() for t in theta]
@@ -138,7 +139,7 @@ def _reference_kwargs(cls, kwargs):
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_numpy_reference_over_rounds(name, foreach):
-    """Spec §3.2–§3.4: 2 clients × 3 rounds × 5 steps, server v̂ in between."""
+    """2 clients × 3 rounds × 5 steps, server v̂ in between (LAMB Algorithm 1)."""
     cls, kwargs = CONFIGS[name]
     kwargs = dict(kwargs, foreach=foreach)
     init, a, c, noise = _problem(0)
@@ -168,7 +169,7 @@ def test_matches_numpy_reference_over_rounds(name, foreach):
                 np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10)
             thetas.append(ref.theta)
             vs.append(ref.v)
-        # Server (spec §3.3), by hand: uniform means and the elementwise max.
+        # Server, by hand: uniform means and the elementwise max.
         theta_bar = [(x + y) / 2 for x, y in zip(*thetas, strict=True)]
         v_hat = [
             np.maximum(vh, (x + y) / 2) for vh, x, y in zip(v_hat, *vs, strict=True)
@@ -240,7 +241,7 @@ def test_u9_round_one_equals_torch_adam_amsgrad():
 
     With v̂_0 = 0 the two are the same arithmetic (equal to float rounding).
     With v̂_0 = ε·1 (LAMB Alg. 1 line 2) the first denominators differ by a
-    relative ≈ ε/((1−β2)·g²) = 1e-5/g², so the spec's 1e-6 holds only for
+    relative ≈ ε/((1−β2)·g²) = 1e-5/g², so a 1e-6 tolerance holds only for
     |g| ≫ sqrt(ε/(1−β2)) ≈ 3e-3: checked here with |g| >= 1 (with small MSE
     gradients of ~1e-2 the gap is ~5e-4 after one step at lr = 1e-2).
     """
@@ -297,7 +298,7 @@ def test_u10_step_length(phi_bounds, foreach):
 @pytest.mark.parametrize("cls", [FedLAMB, FedAMS])
 @pytest.mark.parametrize("foreach", [False, True])
 def test_u11_zero_tensors_move_without_nan(cls, foreach):
-    """U11 / A-L9: a zero-initialised bias moves; a zero tensor with zero grad
+    """U11, zero-norm guard: a zero-initialised bias moves; a zero tensor with zero grad
     stays put; nothing becomes NaN."""
     weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(3, dtype=torch.float64, requires_grad=True)
@@ -418,7 +419,7 @@ def test_round_protocol_state():
     sent[0].zero_()  # a copy: the state is untouched
     assert torch.equal(opt.state[params[0]]["exp_avg_sq"], v_hat[0])
     # Small gradients: v decays below v̂_loc, and the raw v is what is sent
-    # (spec §3.2 (c), A-L17).
+    # (LAMB Algorithm 1 line 13 and Fig. 1 send v).
     grads = [torch.full_like(p, 0.01) for p in params]
     for p, g in zip(params, grads, strict=True):
         p.grad = g

@@ -3,7 +3,9 @@
 Each registry entry is a factory ``(model, lr, run_config) -> Optimizer``;
 ``lr`` is the round's client learning rate sent by the server (η0 for
 Δ-SGD). A fresh optimizer is built every round, which is the per-round reset
-Δ-SGD and Fed-LAMB/Fed-AMS (m = 0) prescribe.
+that Δ-SGD (arXiv:2306.11201, Algorithm 1 line 6: η and θ restart at η0, θ0)
+and Fed-LAMB / Fed-AMS (arXiv:2110.00532, Algorithm 1: m restarts at 0)
+prescribe.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ OPTIMIZERS: Registry[OptimizerFactory] = Registry("client-optimizer")
 
 @OPTIMIZERS.register("sgd")
 def _sgd(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """Plain SGD, the local solver of FedAvg (McMahan et al., 2017)."""
+    """Plain SGD, the local solver of FedAvg (McMahan et al., arXiv:1602.05629)."""
     return torch.optim.SGD(model.parameters(), lr=lr)
 
 
 @OPTIMIZERS.register("sgdm")
 def _sgdm(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """SGD with momentum 0.9, restarted every round (a Δ-SGD paper baseline)."""
+    """SGD with momentum 0.9, restarted every round (arXiv:2306.11201 baseline)."""
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
@@ -42,7 +44,11 @@ def _sgdm(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Op
 def _delta_sgd(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """Δ-SGD, same-batch smoothness estimate (two passes per step; spec §2.5)."""
+    """Δ-SGD with the same-batch smoothness estimate (two passes per step).
+
+    As in the experiments and official code of arXiv:2306.11201: both
+    gradients of Algorithm 1 line 9 on the current batch.
+    """
     return DeltaSGD(
         model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
         delta=cfg["delta-sgd-delta"], mode="same_batch", module=model,
@@ -53,7 +59,11 @@ def _delta_sgd(
 def _delta_sgd_consecutive(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """Δ-SGD comparing consecutive mini-batch gradients (one pass per step)."""
+    """Δ-SGD comparing consecutive mini-batch gradients (one pass per step).
+
+    The other reading of Algorithm 1 line 9 of arXiv:2306.11201 (the remark
+    after it allows different batches): half the passes of ``delta-sgd``.
+    """
     return DeltaSGD(
         model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
         delta=cfg["delta-sgd-delta"], mode="consecutive",
@@ -64,7 +74,7 @@ def _delta_sgd_consecutive(
 def _fed_lamb(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """Fed-LAMB client (layer-wise trust ratio; needs strategy fed-lamb)."""
+    """Fed-LAMB client (arXiv:2110.00532 Algorithm 1; needs strategy fed-lamb)."""
     return FedLAMB(
         model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"]),
         weight_decay=cfg["fed-lamb-lambda"],
@@ -75,7 +85,7 @@ def _fed_lamb(
 def _fed_ams(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """Fed-AMS client (local AMSGrad; needs strategy fed-lamb)."""
+    """Fed-AMS client (local AMSGrad, arXiv:2110.00532; needs strategy fed-lamb)."""
     return FedAMS(
         model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
     )
@@ -83,7 +93,7 @@ def _fed_ams(
 
 @OPTIMIZERS.register("adam")
 def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """torch.optim.Adam restarted every round (a baseline of the Δ-SGD paper)."""
+    """torch.optim.Adam restarted every round (a baseline of arXiv:2306.11201)."""
     return torch.optim.Adam(
         model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
     )
@@ -91,7 +101,9 @@ def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Op
 
 @OPTIMIZERS.register("sps")
 def _sps(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """Stochastic Polyak step size, official defaults (a Δ-SGD paper baseline).
+    """Stochastic Polyak step size (arXiv:2002.10542), official defaults.
+
+    A baseline of arXiv:2306.11201.
 
     ``client-lr`` is the initial step size that caps the first step.
     """

@@ -1,43 +1,57 @@
-r"""Δ-SGD: distributed locality-adaptive SGD as a client optimizer.
+r"""Δ-SGD, the locality-adaptive client optimizer, in ``torch.optim``'s shape.
 
-Kim, Kim, Park and Kyrillidis, "Adaptive federated learning with
-auto-tuned clients" (ICLR 2024; arXiv and short workshop versions). Each
-client runs SGD with a step size set from its own local smoothness estimate
-(ICLR Algorithm 1, lines 8-10, extending Malitsky & Mishchenko's eq. (4))::
+Kim, Toghani, Uribe & Kyrillidis, "Adaptive Federated Learning with
+Auto-Tuned Clients", ICLR 2024, arXiv:2306.11201. Each client runs SGD with a
+step size set from its own local smoothness estimate. Algorithm 1 of
+arXiv:2306.11201 extends eq. (4) there, the rule of Malitsky & Mishchenko,
+"Adaptive Gradient Descent without Descent" (ICML 2020, arXiv:1910.09529,
+Algorithm 1), to stochastic gradients and local steps; Appendix B.1 adds the
+growth factor δ that the experiments use::
 
-    x_k   = x_{k-1} - η_{k-1} g̃(x_{k-1})                                 (line 8)
-    η_k   = min{ γ‖x_k - x_{k-1}‖ / (2‖g̃(x_k) - g̃(x_{k-1})‖),
-                 sqrt(1 + δ θ_{k-1}) η_{k-1} }                          (line 9)
-    θ_k   = η_k / η_{k-1}                                               (line 10)
-    η_0 = η0, θ_0 = θ0 at the start of every round                      (line 6)
+    η_0 = η0,  θ_0 = θ0  at the start of every round                   (line 6)
+    x_k = x_{k-1} - η_{k-1} g̃(x_{k-1})                                  (line 8)
+    η_k = min{ γ‖x_k - x_{k-1}‖ / (2‖g̃(x_k) - g̃(x_{k-1})‖),
+               sqrt(1 + δ θ_{k-1}) η_{k-1} }                 (line 9, App. B.1)
+    θ_k = η_k / η_{k-1}                                                (line 10)
 
-Normative description: ``algorithms-spec.md`` §2 and ambiguity index §9.1
-(A-D1 ... A-D24). Δ-SGD needs nothing from the server and keeps no state
-across rounds: call :meth:`DeltaSGD.reset` (or build a new optimizer) at the
-start of each round.
+Layout, as in ``torch.optim.SGD`` and ``torch.optim.Adam``: :class:`DeltaSGD`
+handles parameter groups, state, the closure and validation; the functional
+:func:`delta_sgd` takes one step of one group. The whole step-size rule (lines
+6, 9 and 10 with δ, the zero-norm guard and the official code's variants) is
+one function, :func:`step_size`, on host floats. Around it, the device work
+comes in two implementations with the same values: ``_single_tensor_delta_sgd``
+(one operation per tensor) and ``_multi_tensor_delta_sgd``
+(``torch._foreach_*``, a fixed number of operations whatever the number of
+tensors). Because the min of line 9 needs global norms before anything moves,
+each implementation is a pair of kernels: ``norms`` before the host decision
+and ``update`` after it.
+
+Δ-SGD needs nothing from the server and keeps no state across rounds: call
+:meth:`DeltaSGD.reset` (or build a new optimizer) at the start of each round.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_choice, check_scalar
 
-__all__ = ["DeltaSGD", "StepInfo", "preserve_buffers"]
+__all__ = ["DeltaSGD", "StepInfo", "delta_sgd", "preserve_buffers", "step_size"]
 
 MODES = ("same_batch", "consecutive")
 FIRST_STEPS = ("paper", "official")
 #: Presets selected by ``compat``; explicit arguments override them.
 COMPAT_PRESETS: dict[str, dict[str, Any]] = {
-    # [C] auto-tuned-FL ``adsgd.py``: first step through the zero-norm guard
-    # (spec §2.7) and ``--lr_eps 1e-8`` added to the step size (spec §2.6).
+    # The official code (github.com/jlylekim/auto-tuned-FL, ``adsgd.py``) takes
+    # its first step through the zero-norm guard and adds ``--lr_eps 1e-8`` to
+    # the step size.
     "auto-tuned-FL": {"first_step": "official", "step_eps": 1e-8},
 }
 
@@ -45,7 +59,7 @@ Closure = Callable[[], Any]
 
 
 class StepInfo(NamedTuple):
-    """What set the step size of one local step (for logging, spec §2.9).
+    """What set the step size of one local step (for logging).
 
     Attributes
     ----------
@@ -138,6 +152,16 @@ def preserve_buffers(module: nn.Module | None) -> Iterator[None]:
     snapshot when given ``module=`` (keeping the buffer list and the snapshot
     tensors from step to step); custom training loops can use this for any
     forward pass that must not count towards the running statistics.
+
+    Parameters
+    ----------
+    module : torch.nn.Module or None
+        The module whose buffers (and its submodules') are restored.
+
+    Yields
+    ------
+    None
+        Inside the block the buffers change freely.
     """
     if module is None:
         yield
@@ -146,28 +170,382 @@ def preserve_buffers(module: nn.Module | None) -> Iterator[None]:
         yield
 
 
-def _global_norms(tensors: list[torch.Tensor], parts: int = 1) -> torch.Tensor:
-    """Euclidean norms of ``parts`` equal consecutive slices of ``tensors``.
+# ------------------------------------------------------------ step-size rule
 
-    Spec §2.4: the norm of the concatenation of each slice (``parts=2``
-    gives ``‖Δx‖`` and ``‖Δg‖`` from ``dx + dg``). Per-tensor norms come from
-    one ``torch._foreach_norm`` call and are combined in float64 (float32 on
-    MPS, which lacks float64) on the first tensor's device; returns a 1-d
-    tensor of ``parts`` values. Nothing is synchronised with the host here.
+
+def step_size(
+    norms: Sequence[float],
+    *,
+    step: int,
+    lr: float,
+    theta: float,
+    gamma: float,
+    delta: float,
+    first_step: str = "paper",
+    step_eps: float = 0.0,
+) -> StepInfo:
+    r"""Return ``η_k`` and ``θ_k`` of local step ``k`` (the Δ-SGD rule).
+
+    arXiv:2306.11201, Algorithm 1 lines 6, 9 and 10, with the δ of its
+    Appendix B.1::
+
+        k = 0:  η_0 = η0,  θ_0 = θ0                                   (line 6)
+        k ≥ 1:  η_k = min{ γ‖Δx‖ / (2‖Δg‖), sqrt(1 + δ θ_{k-1}) η_{k-1} } + ε
+                θ_k = η_k / η_{k-1}                                (lines 9-10)
+
+    with ``Δx = x_k - x_{k-1}`` and ``Δg = g̃(x_k) - g̃(x_{k-1})``.
+
+    Two guards and two variants of the official code
+    (github.com/jlylekim/auto-tuned-FL, ``adsgd.py``):
+
+    * A zero ``‖Δx‖`` or ``‖Δg‖`` (e.g. after reaching a minimiser, or on a
+      linear loss) makes the first term ``0/0`` or ``+∞``; it is taken as
+      ``+∞``, so the growth term sets ``η_k`` and finite inputs never give
+      NaN weights (the official code does the same).
+    * Non-finite norms raise before anything moves.
+    * ``first_step="official"``: the official code starts each round with the
+      previous iterate equal to the current one, so ``‖Δx‖ = 0`` and the
+      guard above sets ``η_0 = sqrt(1 + δ θ0) η0``, ``θ_0 = sqrt(1 + δ θ0)``
+      instead of line 6.
+    * ``step_eps``: the official code adds its ``--lr_eps`` to the step size
+      whenever the min is taken (not to the denominator, and not on the
+      guard's branch).
+
+    Parameters
+    ----------
+    norms : sequence of float
+        ``(‖g̃(x_0)‖,)`` at ``step == 0`` (only checked to be finite), else
+        ``(‖Δx‖, ‖Δg‖)``: global L2 norms over every tensor of the group.
+    step : int
+        Local step index ``k`` within the round.
+    lr : float
+        ``η_{k-1}``; at ``step == 0`` the round's initial step size ``η0``.
+    theta : float
+        ``θ_{k-1}``; at ``step == 0`` the initial ratio ``θ0``.
+    gamma : float
+        Amplifier ``γ > 0`` of the first term (line 9).
+    delta : float
+        Growth factor ``δ ≥ 0`` of the second term (Appendix B.1).
+    first_step : {"paper", "official"}, default "paper"
+        Step size of ``step == 0``: line 6, or the official code's.
+    step_eps : float, default 0.0
+        Added to ``η_k`` whenever the min is taken.
+
+    Returns
+    -------
+    StepInfo
+        ``η_k``, ``θ_k``, which term set ``η_k`` and the first term.
+
+    Raises
+    ------
+    FloatingPointError
+        A norm is NaN or infinite (a gradient or parameter is).
     """
-    device = tensors[0].device
+    growth = math.sqrt(1.0 + delta * theta)  # sqrt(1 + δ θ_{k-1})
+    if step == 0:
+        (g_norm,) = norms
+        if not math.isfinite(g_norm):
+            raise FloatingPointError(
+                f"DeltaSGD: non-finite gradient at local step 0 (‖g‖={g_norm})"
+            )
+        if first_step == "paper":  # line 6
+            return StepInfo(0, lr, theta, "first", math.nan)
+        return StepInfo(0, lr * growth, growth, "first", math.nan)
+    dx, dg = norms
+    if not (math.isfinite(dx) and math.isfinite(dg)):
+        raise FloatingPointError(
+            f"DeltaSGD: non-finite norm at local step {step} (‖Δx‖={dx}, "
+            f"‖Δg‖={dg}): a gradient or parameter is NaN/Inf"
+        )
+    grown = growth * lr  # sqrt(1 + δ θ_{k-1}) η_{k-1}
+    if dx > 0.0 and dg > 0.0:
+        smooth = gamma * dx / (2.0 * dg)  # γ‖Δx‖ / (2‖Δg‖)
+        branch = "smoothness" if smooth < grown else "growth"
+        eta = min(smooth, grown) + step_eps  # line 9
+    else:  # the first term is 0/0 or +inf: take +inf
+        smooth, branch, eta = math.inf, "growth", grown
+    return StepInfo(step, eta, eta / lr, branch, smooth)  # line 10
+
+
+# ------------------------------------------------------------ device kernels
+
+
+def _combine_norms(norms: Sequence[Tensor], parts: int) -> Tensor:
+    """Global L2 norms of ``parts`` equal consecutive slices of per-tensor norms.
+
+    The norm of a concatenation is the norm of its pieces' norms, so
+    ``parts=2`` on the norms of ``dx + dg`` gives ``(‖Δx‖, ‖Δg‖)`` and
+    splitting a tensor does not change them. Combined in float64 (float32 on
+    MPS, which lacks float64) on the first norm's device; returns a 1-d tensor
+    of ``parts`` values without synchronising with the host.
+    """
+    device = norms[0].device
     dtype = torch.float32 if device.type == "mps" else torch.float64
-    norms = torch._foreach_norm(tensors)
     try:
-        stacked = torch.stack(norms)
+        stacked = torch.stack(list(norms))
     except RuntimeError:  # parameters on several devices
         stacked = torch.stack([n.to(device) for n in norms])
     # ``dtype`` casts every per-tensor norm before the reduction (exact).
-    return torch.linalg.vector_norm(stacked.view(parts, -1), dim=1, dtype=dtype)
+    out: Tensor = torch.linalg.vector_norm(stacked.view(parts, -1), dim=1, dtype=dtype)
+    return out
+
+
+def _single_tensor_norms(
+    params: list[Tensor],
+    grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
+    *,
+    step: int,
+    weight_decay: float,
+) -> Tensor:
+    if step == 0:
+        return _combine_norms([torch.linalg.vector_norm(g) for g in grads], 1)
+    assert prev_params is not None and prev_grads is not None
+    dxs = [p - q for p, q in zip(params, prev_params, strict=True)]
+    dgs = [g - h for g, h in zip(grads, prev_grads, strict=True)]
+    if weight_decay != 0.0:
+        for dg, dx in zip(dgs, dxs, strict=True):
+            dg.add_(dx, alpha=weight_decay)
+    return _combine_norms([torch.linalg.vector_norm(t) for t in dxs + dgs], 2)
+
+
+def _multi_tensor_norms(
+    params: list[Tensor],
+    grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
+    *,
+    step: int,
+    weight_decay: float,
+) -> Tensor:
+    if step == 0:
+        return _combine_norms(torch._foreach_norm(grads), 1)
+    assert prev_params is not None and prev_grads is not None
+    n = len(params)
+    diffs = torch._foreach_sub(params + grads, [*prev_params, *prev_grads])
+    if weight_decay != 0.0:
+        torch._foreach_add_(diffs[n:], diffs[:n], alpha=weight_decay)
+    return _combine_norms(torch._foreach_norm(diffs), 2)
+
+
+def _single_tensor_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    eta: float,
+    weight_decay: float,
+    keep_params: Sequence[Tensor] | None,
+    keep_grads: Sequence[Tensor] | None,
+) -> None:
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        if keep_params is not None:
+            keep_params[i].copy_(param)
+        if keep_grads is not None:
+            keep_grads[i].copy_(grad)
+        direction = grad
+        if weight_decay != 0.0:
+            direction = torch.add(grad, param, alpha=weight_decay)
+        param.add_(direction, alpha=-eta)
+
+
+def _multi_tensor_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    eta: float,
+    weight_decay: float,
+    keep_params: Sequence[Tensor] | None,
+    keep_grads: Sequence[Tensor] | None,
+) -> None:
+    if keep_params is not None and keep_grads is not None:
+        torch._foreach_copy_([*keep_params, *keep_grads], params + grads)
+    elif keep_params is not None:
+        torch._foreach_copy_(list(keep_params), params)
+    elif keep_grads is not None:
+        torch._foreach_copy_(list(keep_grads), grads)
+    direction = grads
+    if weight_decay != 0.0:
+        direction = list(torch._foreach_add(grads, params, alpha=weight_decay))
+    torch._foreach_add_(params, direction, alpha=-eta)
+
+
+class _Norms(Protocol):
+    def __call__(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        prev_params: Sequence[Tensor] | None,
+        prev_grads: Sequence[Tensor] | None,
+        *,
+        step: int,
+        weight_decay: float,
+    ) -> Tensor: ...
+
+
+class _Update(Protocol):
+    def __call__(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        *,
+        eta: float,
+        weight_decay: float,
+        keep_params: Sequence[Tensor] | None,
+        keep_grads: Sequence[Tensor] | None,
+    ) -> None: ...
+
+
+class _Kernels(NamedTuple):
+    """The device work of one step of one group, around the host decision.
+
+    ``norms(params, grads, prev_params, prev_grads, *, step, weight_decay)``
+    returns, on the device, ``(‖g̃(x_0)‖,)`` at step 0, else
+    ``(‖Δx‖, ‖Δg‖)`` with ``Δg = g̃(x_k) - g̃(x_{k-1}) + λΔx`` (the
+    difference of the weight-decayed directions ``g + λx``).
+
+    ``update(params, grads, *, eta, weight_decay, keep_params, keep_grads)``
+    first copies ``x_k`` into ``keep_params`` and ``g̃(x_k)`` into
+    ``keep_grads`` (each skipped when ``None``), then moves
+    ``x ← x - η (g + λx)`` (Algorithm 1 line 8; torch's coupled weight decay).
+    """
+
+    norms: _Norms
+    update: _Update
+
+
+_single_tensor_delta_sgd = _Kernels(_single_tensor_norms, _single_tensor_update)
+_multi_tensor_delta_sgd = _Kernels(_multi_tensor_norms, _multi_tensor_update)
+
+
+_PLAIN_TENSORS = (Tensor, nn.Parameter)
+
+
+def _default_foreach(params: Sequence[Tensor]) -> bool:
+    """Pick the implementation of ``foreach=None``: foreach for plain tensors.
+
+    Like torch's ``_default_to_fused_or_foreach``, tensor subclasses take the
+    single-tensor path. Unlike it, CPU tensors take the foreach path too:
+    torch avoids it there because its CPU foreach kernels are loops over the
+    tensors, but for Δ-SGD's few operations per tensor that loop in C++ still
+    beats the Python loop of the single-tensor path (the optimizer's share of
+    a step on the MNIST CNN of ``benchmarks/optimizers.py``, 8 tensors: about
+    1.2x less time). Foreach on every device is also what this optimizer did
+    before it had a single-tensor path, so the default keeps its numbers and
+    speed unchanged.
+    """
+    return all(type(p) in _PLAIN_TENSORS for p in params)
+
+
+def _kernels(foreach: bool | None, params: Sequence[Tensor]) -> _Kernels:
+    if foreach is None:
+        foreach = _default_foreach(params)
+    return _multi_tensor_delta_sgd if foreach else _single_tensor_delta_sgd
+
+
+def _to_host(norms: Sequence[Tensor]) -> list[list[float]]:
+    """Read several groups' norms back with one host synchronisation."""
+    if len(norms) == 1:
+        return [norms[0].tolist()]
+    device = norms[0].device
+    flat: list[float] = torch.cat([n.to(device) for n in norms]).tolist()
+    out, pos = [], 0
+    for n in norms:
+        out.append(flat[pos : pos + n.numel()])
+        pos += n.numel()
+    return out
+
+
+def delta_sgd(
+    params: list[Tensor],
+    grads: list[Tensor],
+    prev_params: list[Tensor],
+    prev_grads: list[Tensor],
+    *,
+    step: int,
+    lr: float,
+    theta: float,
+    gamma: float = 2.0,
+    delta: float = 0.1,
+    first_step: str = "paper",
+    step_eps: float = 0.0,
+    weight_decay: float = 0.0,
+    foreach: bool | None = None,
+) -> StepInfo:
+    r"""Take one Δ-SGD step of one parameter group in place; return its step size.
+
+    Functional form of :class:`DeltaSGD` (arXiv:2306.11201, Algorithm 1 lines
+    8-10)::
+
+        (‖Δx‖, ‖Δg‖)  on the device             (‖g̃(x_0)‖ at step 0)
+        η_k, θ_k = step_size(...)               on the host: one sync
+        prev_params ← x_k,  prev_grads ← g̃(x_k)
+        x_{k+1} = x_k - η_k (g̃(x_k) + λ x_k)
+
+    Parameters
+    ----------
+    params, grads : list of Tensor
+        The group's parameters ``x_k`` with a gradient (updated in place) and
+        their gradients ``g̃(x_k)``.
+    prev_params, prev_grads : list of Tensor
+        ``x_{k-1}`` and ``g̃(x_{k-1})``, aligned with ``params``: the stored
+        gradient of the previous step (consecutive mode) or the gradient at
+        ``x_{k-1}`` on the current batch (same-batch mode). Read from step 1
+        on; overwritten with ``x_k`` and ``g̃(x_k)`` at every step, so that
+        in consecutive mode they are the next step's inputs.
+    step : int
+        Local step index ``k`` (0 at the start of a round).
+    lr, theta : float
+        ``η_{k-1}`` and ``θ_{k-1}``; at step 0, ``η0`` and ``θ0``.
+    gamma, delta, first_step, step_eps : optional
+        As in :func:`step_size`.
+    weight_decay : float, default 0.0
+        Coupled L2 weight decay λ (see :class:`DeltaSGD`).
+    foreach : bool or None, default None
+        ``True``: the ``torch._foreach_*`` implementation; ``False``: one
+        operation per tensor; ``None``: see :class:`DeltaSGD`. Same values.
+
+    Returns
+    -------
+    StepInfo
+        ``η_k`` (used for this step), ``θ_k`` and which term set ``η_k``:
+        the next step's ``lr`` and ``theta``.
+
+    Raises
+    ------
+    FloatingPointError
+        Non-finite gradient, parameter difference or norm; nothing is changed.
+    """
+    kernels = _kernels(foreach, params)
+    norms = kernels.norms(
+        params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
+    )
+    info = step_size(
+        norms.tolist(),
+        step=step,
+        lr=lr,
+        theta=theta,
+        gamma=gamma,
+        delta=delta,
+        first_step=first_step,
+        step_eps=step_eps,
+    )
+    kernels.update(
+        params,
+        grads,
+        eta=info.eta,
+        weight_decay=weight_decay,
+        keep_params=prev_params,
+        keep_grads=prev_grads,
+    )
+    return info
+
+
+# ------------------------------------------------------------ optimizer
 
 
 class _GroupBuffers:
-    """One group's round buffers, reused from step to step (spec §2.4).
+    """One group's round buffers, reused from step to step.
 
     ``params`` are the parameters that stepped at the previous step (those
     with a gradient), ``states`` their ``self.state`` dicts, ``prev`` their
@@ -183,19 +561,19 @@ class _GroupBuffers:
     def __init__(
         self,
         mode: str,
-        params: list[torch.Tensor],
+        params: list[Tensor],
         states: list[dict[str, Any]],
-        prev: list[torch.Tensor],
-        prev_grad: list[torch.Tensor] | None,
+        prev: list[Tensor],
+        prev_grad: list[Tensor] | None,
     ) -> None:
         self.mode = mode
         self.params = params
         self.states = states
         self.prev = prev
         self.prev_grad = prev_grad
-        self.spare: list[torch.Tensor] | None = None
+        self.spare: list[Tensor] | None = None
 
-    def matches(self, mode: str, params: list[torch.Tensor]) -> bool:
+    def matches(self, mode: str, params: list[Tensor]) -> bool:
         """Whether this step has the same mode and parameters with a gradient."""
         return (
             mode == self.mode
@@ -207,28 +585,38 @@ class _GroupBuffers:
 class _Plan:
     """One group's work in one step."""
 
-    __slots__ = ("buffers", "grads", "group", "olds", "params", "spare_holds_x")
+    __slots__ = (
+        "buffers",
+        "grads",
+        "group",
+        "index",
+        "olds",
+        "params",
+        "spare_holds_x",
+    )
 
     def __init__(
         self,
+        index: int,
         group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
+        params: list[Tensor],
+        grads: list[Tensor],
         buffers: _GroupBuffers | None,
     ) -> None:
+        self.index = index
         self.group = group
         self.params = params
         self.grads = grads
         self.buffers = buffers
-        self.olds: list[torch.Tensor | None] | None = None  # same_batch g(x_{k-1})
+        self.olds: list[Tensor | None] | None = None  # same_batch g(x_{k-1})
         self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
 
 class DeltaSGD(Optimizer):
-    r"""Δ-SGD client optimizer (ICLR 2024 Algorithm 1 with δ, spec §2.1).
+    r"""Δ-SGD client optimizer (arXiv:2306.11201, Algorithm 1 with δ).
 
-    Per step ``k`` of a round (ICLR Alg. 1 lines 8-10; eq. (4) with the
-    amplifier γ and the δ of ICLR §4 / App. B.1)::
+    Per step ``k`` of a round (Algorithm 1 lines 8-10, with the amplifier γ
+    of line 9 and the δ of Appendix B.1; see :func:`step_size`)::
 
         η_k = min{ γ‖x_k - x_{k-1}‖ / (2‖g̃(x_k) - g̃(x_{k-1})‖),
                    sqrt(1 + δ θ_{k-1}) η_{k-1} } + step_eps
@@ -236,8 +624,8 @@ class DeltaSGD(Optimizer):
         x_{k+1} = x_k - η_k g̃(x_k)
 
     One η per parameter group; both norms are global L2 norms over all
-    parameters of the group that have a gradient (spec §2.4), so splitting a
-    tensor does not change the step sizes.
+    parameters of the group that have a gradient (the paper's ``x`` is the
+    whole model), so splitting a tensor does not change the step sizes.
 
     Parameters
     ----------
@@ -245,40 +633,48 @@ class DeltaSGD(Optimizer):
         Parameters or parameter-group dicts. Every hyperparameter below can be
         overridden per group.
     lr : float, default 0.2
-        Initial step size ``η0`` (ICLR fn. 3). It is kept in
+        Initial step size ``η0`` (the paper's default, arXiv:2306.11201 §3.1
+        footnote: γ = 2, η0 = 0.2, θ0 = 1 in all experiments). It is kept in
         ``param_groups[i]["eta0"]``; ``param_groups[i]["lr"]`` holds the
         *current* adaptive step size ``η_{k-1}`` (torch convention, so LR
         loggers see it).
     gamma : float, default 2.0
-        The paper's "amplifier" γ > 0 of the first term (ICLR fn. 2-3, A-D4).
-        The official code's ``damping`` equals ``2/γ`` (spec §2.2, A-D3).
+        The paper's "amplifier" γ > 0 of the first term (Algorithm 1 line 9).
+        The official code's ``damping`` is ``2/γ``: it divides ``‖Δx‖`` by
+        ``damping ‖Δg‖``.
     delta : float, default 0.1
-        Growth factor δ ≥ 0 of the second term (ICLR §4, App. B.1; A-D2).
-        The official code calls it ``amplifier``.
+        Growth factor δ ≥ 0 of the second term (Appendix B.1; δ = 0.1 in the
+        paper's Table 1). The official code calls it ``amplifier``.
     theta0 : float, default 1.0
-        Initial ratio θ0 ≥ 0 (ICLR fn. 3; A-D5). Must be finite.
+        Initial ratio θ0 ≥ 0 (Algorithm 1 line 6). Must be finite: the paper
+        asks for θ0 > 0, and 0 is accepted because it only makes the first
+        growth term ``η_{k-1}``.
     mode : {"same_batch", "consecutive"}, default "same_batch"
-        Which gradient ``g̃(x_{k-1})`` is compared with (spec §2.5, A-D9).
-        ``"same_batch"`` (official code): recompute the gradient at the
-        previous iterate on the *current* batch; costs **two forward/backward
-        passes per step** and requires ``closure``; keeps two parameter-sized
-        buffers (``x_{k-1}`` and a spare that receives ``x_k``).
-        ``"consecutive"``: reuse the stored gradient of the previous step
-        (previous batch); one pass; keeps ``x_{k-1}`` and ``g_{k-1}``.
+        Which gradient ``g̃(x_{k-1})`` is compared with. Algorithm 1 leaves
+        it open (the remark after it: "one can use the same or different
+        batches"); the paper's experiments and official code use the same
+        batch. ``"same_batch"``: recompute the gradient at the previous
+        iterate on the *current* batch; costs **two forward/backward passes
+        per step** and requires ``closure``; keeps two parameter-sized buffers
+        (``x_{k-1}`` and a spare that receives ``x_k``). ``"consecutive"``:
+        reuse the stored gradient of the previous step (previous batch); one
+        pass; keeps ``x_{k-1}`` and ``g_{k-1}``.
     first_step : {"paper", "official"}, optional
-        ``"paper"`` (default, Alg. 1): the first step uses ``η0``.
-        ``"official"``: the code's zero-norm guard fires at the first step,
-        so it uses ``η0 sqrt(1 + δθ0)`` and sets ``θ = sqrt(1 + δθ0)``
-        (spec §2.7, A-D7). ``None`` takes the ``compat`` preset, else paper.
+        ``"paper"`` (default, Algorithm 1 line 6): the first step uses ``η0``.
+        ``"official"``: the official code starts with the previous iterate
+        equal to the current one, so its zero-norm guard sets the first step
+        to ``η0 sqrt(1 + δθ0)`` and ``θ = sqrt(1 + δθ0)``. ``None`` takes the
+        ``compat`` preset, else ``"paper"``.
     step_eps : float, optional
         Added to the step size (not to a denominator) whenever the min is
-        taken (spec §2.6, A-D8). ``None`` takes the preset, else 0.
+        taken, as the official code's ``--lr_eps``. ``None`` takes the
+        preset, else 0.
     weight_decay : float, default 0.0
         Coupled L2 weight decay λ ≥ 0 (torch SGD style): the update direction
         is ``g + λx`` and ``‖Δg‖`` is taken of that direction,
         ``‖(g_k - g_{k-1}) + λ(x_k - x_{k-1})‖``, i.e. the smoothness of the
-        regularised objective. The official client uses 0 (spec §2.2), so
-        this choice never affects a reproduction.
+        regularised objective. The paper has no weight decay and the official
+        client uses 0, so this choice never affects a reproduction.
     compat : {None, "auto-tuned-FL"}, default None
         Preset: ``"auto-tuned-FL"`` sets ``first_step="official"`` and
         ``step_eps=1e-8`` unless they are given explicitly.
@@ -288,6 +684,13 @@ class DeltaSGD(Optimizer):
         snapshot before and restored after it (:func:`preserve_buffers`),
         matching the official code, which discards ``prev_net``'s statistics.
         Without it the closure is responsible for that.
+    foreach : bool or None, default None
+        Keyword-only. ``True``: the ``torch._foreach_*`` implementation;
+        ``False``: one operation per tensor; both give the same values (bit
+        for bit on CPU). ``None``: foreach for plain tensors on every device,
+        the single-tensor path for tensor subclasses (see
+        :func:`_default_foreach`). An optimizer-wide setting, not a group
+        hyperparameter (``defaults`` and ``state_dict`` keep their keys).
 
     Attributes
     ----------
@@ -326,27 +729,30 @@ class DeltaSGD(Optimizer):
     In ``consecutive`` mode ``closure`` is optional; with ``None`` the
     existing ``.grad`` is used, as in SGD.
 
-    Zero ``‖Δx‖`` or ``‖Δg‖`` selects the growth term (spec §2.6), so finite
-    inputs never give NaN weights. Non-finite gradients or norms raise
-    :class:`FloatingPointError` before anything is changed: the parameters
-    stay at ``x_k`` with their gradients, and the optimizer state is intact.
+    Zero ``‖Δx‖`` or ``‖Δg‖`` selects the growth term, so finite inputs never
+    give NaN weights. Non-finite gradients or norms raise
+    :class:`FloatingPointError` before anything is changed, in any group:
+    the parameters stay at ``x_k`` with their gradients, and the optimizer
+    state is intact.
 
-    One host synchronisation per step (the scalar norms for the min); all
-    tensor arithmetic uses ``torch._foreach_*`` kernels, so a step issues a
-    fixed number of operations whatever the number of tensors (7 in
+    One host synchronisation per step (the norms of every group, for the
+    min). On the foreach path (the default for plain tensors) the
+    arithmetic uses ``torch._foreach_*`` kernels, so a step issues a fixed
+    number of operations whatever the number of tensors (7 in
     ``consecutive`` mode, 13 plus the closure calls in ``same_batch`` mode
     with a ``module`` holding buffers of two dtypes, for one parameter group
-    without weight decay). ``x_{k-1}`` and
-    ``g_{k-1}`` live in buffers allocated at the first step of a round and
-    refreshed in place (``state[p]["prev_param"]``, ``["prev_grad"]``);
-    :meth:`state_dict` therefore returns copies of them and
-    :meth:`load_state_dict` copies what it loads.
+    without weight decay); the bookkeeping of the extra ``same_batch`` pass
+    uses foreach copies on either path. ``x_{k-1}`` and ``g_{k-1}`` live in
+    buffers allocated at the first step of a round and refreshed in place
+    (``state[p]["prev_param"]``, ``["prev_grad"]``); :meth:`state_dict`
+    therefore returns copies of them and :meth:`load_state_dict` copies what
+    it loads.
 
-    Deviations from the spec: none in the arithmetic. ``first_step`` and
-    ``step_eps`` default to ``None`` (resolved as documented) so that an
-    explicit value can override the ``compat`` preset. With
-    ``first_step="official"`` the extra pass of the first step is skipped,
-    because the code's ``‖Δx‖ = 0`` already forces the growth branch.
+    The arithmetic is Algorithm 1 as written. ``first_step`` and ``step_eps``
+    default to ``None`` (resolved as documented) so that an explicit value
+    can override the ``compat`` preset. With ``first_step="official"`` the
+    extra pass of the first step is skipped, because the official code's
+    ``‖Δx‖ = 0`` already forces the growth branch.
     """
 
     def __init__(
@@ -363,6 +769,7 @@ class DeltaSGD(Optimizer):
         compat: str | None = None,
         *,
         module: nn.Module | None = None,
+        foreach: bool | None = None,
     ) -> None:
         preset: dict[str, Any] = {}
         if compat is not None:
@@ -372,6 +779,8 @@ class DeltaSGD(Optimizer):
             first_step = preset.get("first_step", "paper")
         if step_eps is None:
             step_eps = preset.get("step_eps", 0.0)
+        if foreach is not None and not isinstance(foreach, bool):
+            raise ValueError(f"Invalid foreach: {foreach!r} (expected None or a bool)")
         defaults = {
             "lr": lr,
             "gamma": gamma,
@@ -384,6 +793,7 @@ class DeltaSGD(Optimizer):
         }
         _validate_hyperparameters(defaults)
         self.compat = compat
+        self.foreach = foreach
         self._module = module
         self._history: list[list[StepInfo]] = []
         # Per group index: this round's x_{k-1} / g_{k-1} buffers (not state).
@@ -406,6 +816,7 @@ class DeltaSGD(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("compat", None)
+        self.__dict__.setdefault("foreach", None)
         self.__dict__.setdefault("_module", None)
         self.__dict__.setdefault("_history", [])
         self.__dict__.setdefault("_snapshot", None)
@@ -421,11 +832,16 @@ class DeltaSGD(Optimizer):
         The buffers ``prev_param`` / ``prev_grad`` are refreshed in place at
         every step, so the returned dict holds copies: it stays a snapshot of
         this step.
+
+        Returns
+        -------
+        dict
+            ``{"state": ..., "param_groups": ...}`` as in torch.
         """
         out = super().state_dict()
         out["state"] = {
             key: {
-                name: value.clone() if isinstance(value, torch.Tensor) else value
+                name: value.clone() if isinstance(value, Tensor) else value
                 for name, value in entry.items()
             }
             for key, entry in out["state"].items()
@@ -438,11 +854,16 @@ class DeltaSGD(Optimizer):
         The loaded ``prev_param`` / ``prev_grad`` become this optimizer's
         buffers, which are refreshed in place, so they never share memory
         with ``state_dict``.
+
+        Parameters
+        ----------
+        state_dict : dict
+            As returned by :meth:`state_dict`.
         """
         super().load_state_dict(state_dict)
         for entry in self.state.values():
             for name, value in entry.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, Tensor):
                     entry[name] = value.clone()
         self._buffers = {}
 
@@ -461,12 +882,21 @@ class DeltaSGD(Optimizer):
         return [h[-1] if h else None for h in self.history]
 
     def stats(self, group: int = 0) -> dict[str, float]:
-        """Summary of this round's step sizes for one group, for metrics.
+        """Summarise this round's step sizes of one group, for metrics.
 
-        Returns ``steps``, ``eta-last``, ``eta-mean``, ``eta-min``,
-        ``eta-max`` and ``growth-fraction`` (share of steps k ≥ 1 set by the
-        growth term) as floats. Before any step the η values equal the
-        group's current ``lr`` and ``growth-fraction`` is 0.
+        Before any step the η values equal the group's current ``lr`` and
+        ``growth-fraction`` is 0.
+
+        Parameters
+        ----------
+        group : int, default 0
+            Index of the parameter group.
+
+        Returns
+        -------
+        dict of str to float
+            ``steps``, ``eta-last``, ``eta-mean``, ``eta-min``, ``eta-max`` and
+            ``growth-fraction`` (share of steps k ≥ 1 set by the growth term).
         """
         hist = self.history[group]
         if not hist:
@@ -496,9 +926,14 @@ class DeltaSGD(Optimizer):
     def reset(self, lr: float | None = None) -> None:
         """Start a new round: ``η ← η0``, ``θ ← θ0``, no previous iterate.
 
-        ICLR Alg. 1 line 6 (spec §2.3). Clears the per-parameter state and
-        ``history``. ``lr`` (optional) first sets a new ``η0`` for every
-        group, e.g. the round's client learning rate sent by the server.
+        Algorithm 1 line 6 (arXiv:2306.11201). Clears the per-parameter state
+        and ``history``.
+
+        Parameters
+        ----------
+        lr : float, optional
+            First sets a new ``η0`` for every group, e.g. the round's client
+            learning rate sent by the server.
         """
         if lr is not None:
             lr = check_scalar("lr", lr, low=0.0, low_inclusive=False)
@@ -515,7 +950,7 @@ class DeltaSGD(Optimizer):
     # -------------------------------------------------------------------- step
 
     @torch.no_grad()
-    def step(self, closure: Closure | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Closure | None = None) -> Any:
         """Take one Δ-SGD step; return the closure's loss at ``x_k`` (or None).
 
         Parameters
@@ -525,6 +960,11 @@ class DeltaSGD(Optimizer):
             calls ``backward()`` and returns the loss. Required in
             ``same_batch`` mode (see the class notes); optional in
             ``consecutive`` mode.
+
+        Returns
+        -------
+        Any
+            What ``closure`` returned at ``x_k``, or ``None`` without one.
 
         Raises
         ------
@@ -549,100 +989,99 @@ class DeltaSGD(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # Parameters with a gradient at x_k, per group (spec §2.4).
-        plans: list[_Plan] = []
-        for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise RuntimeError("DeltaSGD does not support sparse gradients")
-            buffers = self._buffers.get(index)
-            if buffers is not None and not buffers.matches(group["mode"], params):
-                buffers = None  # the parameters with a gradient changed
-            plans.append(_Plan(group, params, grads, buffers))
-
+        plans = self._plans()
         # Same-batch: g̃_{B_k}(x_{k-1}) for every same_batch group with k ≥ 1.
         extra = [
             plan
             for plan in plans
-            if plan.params
-            and plan.group["mode"] == "same_batch"
-            and plan.group["k"] > 0
+            if plan.group["mode"] == "same_batch" and plan.group["k"] > 0
         ]
         if extra:
             assert closure is not None  # checked above
             self._grads_at_previous_iterate(closure, extra)
-
-        # Norms (device tensors) for every group, then one host sync.
-        checks: list[torch.Tensor] = []
-        for plan in plans:
-            group, params, grads = plan.group, plan.params, plan.grads
-            if not params:
-                continue
-            if group["k"] == 0:
-                checks.append(_global_norms(grads))
-                continue
-            prevs, olds = self._previous(plan)
-            n = len(params)
-            diffs = torch._foreach_sub(params + grads, prevs + olds)  # dx + dg
-            if group["weight_decay"] != 0.0:
-                torch._foreach_add_(diffs[n:], diffs[:n], alpha=group["weight_decay"])
-            checks.append(_global_norms(diffs, parts=2))
-        if not checks:
+        if not plans:
             return loss
-        if len(checks) == 1:
-            values = checks[0].tolist()
-        else:
-            device = checks[0].device
-            values = torch.cat([c.to(device) for c in checks]).tolist()
 
-        # Step sizes for every group; raise before changing anything.
-        decisions: list[StepInfo | None] = []
-        pos = 0
-        for index, plan in enumerate(plans):
+        # Norms of every group on the device, then one host synchronisation.
+        kernels = [_kernels(self.foreach, plan.params) for plan in plans]
+        norms = []
+        for plan, kernel in zip(plans, kernels, strict=True):
             group = plan.group
-            if not plan.params:
-                decisions.append(None)
-                continue
-            if group["k"] == 0:
-                (gnorm,) = values[pos : pos + 1]
-                pos += 1
-                if not math.isfinite(gnorm):
-                    raise FloatingPointError(
-                        f"DeltaSGD: non-finite gradient at local step 0 (param group "
-                        f"{index}, ‖g‖={gnorm}); parameters and state left unchanged"
-                    )
-                decisions.append(_first_step(group))
-            else:
-                a, b = values[pos : pos + 2]
-                pos += 2
-                if not (math.isfinite(a) and math.isfinite(b)):
-                    raise FloatingPointError(
-                        f"DeltaSGD: non-finite norm at local step {group['k']} (param "
-                        f"group {index}, ‖Δx‖={a}, ‖Δg‖={b}): a gradient or parameter "
-                        "is NaN/Inf; parameters and state left unchanged"
-                    )
-                decisions.append(_adaptive_step(group, a, b))
-
-        # Apply: store x_k (and g_k in consecutive mode), then x ← x - η(g + λx).
-        for index, (plan, info) in enumerate(zip(plans, decisions, strict=True)):
-            if info is None:
-                continue
-            group, params, grads = plan.group, plan.params, plan.grads
-            self._store_previous(index, plan)
-            direction = grads
-            if group["weight_decay"] != 0.0:
-                direction = torch._foreach_add(
-                    grads, params, alpha=group["weight_decay"]
+            prevs, olds = self._previous(plan) if group["k"] > 0 else (None, None)
+            norms.append(
+                kernel.norms(
+                    plan.params,
+                    plan.grads,
+                    prevs,
+                    olds,
+                    step=group["k"],
+                    weight_decay=group["weight_decay"],
                 )
-            torch._foreach_add_(params, direction, alpha=-info.eta)
+            )
+        values = _to_host(norms)
+
+        # Step sizes of every group; raise before changing anything.
+        infos = []
+        for plan, value in zip(plans, values, strict=True):
+            group, k = plan.group, plan.group["k"]
+            try:
+                info = step_size(
+                    value,
+                    step=k,
+                    lr=group["eta0"] if k == 0 else group["lr"],
+                    theta=group["theta0"] if k == 0 else group["theta"],
+                    gamma=group["gamma"],
+                    delta=group["delta"],
+                    first_step=group["first_step"],
+                    step_eps=group["step_eps"],
+                )
+            except FloatingPointError as err:
+                raise FloatingPointError(
+                    f"{err} (param group {plan.index}); parameters and state left "
+                    "unchanged"
+                ) from None
+            infos.append(info)
+
+        # Keep x_k (and g_k in consecutive mode), then x ← x - η(g + λx).
+        for plan, kernel, info in zip(plans, kernels, infos, strict=True):
+            group = plan.group
+            keep_params, keep_grads = self._keep_buffers(plan)
+            kernel.update(
+                plan.params,
+                plan.grads,
+                eta=info.eta,
+                weight_decay=group["weight_decay"],
+                keep_params=keep_params,
+                keep_grads=keep_grads,
+            )
             group["lr"] = info.eta
             group["theta"] = info.theta
             group["k"] += 1
-            self.history[index].append(info)
+            self.history[plan.index].append(info)
         return loss
 
-    def _previous(self, plan: _Plan) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _plans(self) -> list[_Plan]:
+        """Each group with a parameter that has a gradient at ``x_k``."""
+        plans = []
+        for index, group in enumerate(self.param_groups):
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise RuntimeError("DeltaSGD does not support sparse gradients")
+                    params.append(p)
+                    grads.append(grad)
+            if not params:
+                continue
+            buffers = self._buffers.get(index)
+            if buffers is not None and not buffers.matches(group["mode"], params):
+                buffers = None  # the parameters with a gradient changed
+            plans.append(_Plan(index, group, params, grads, buffers))
+        return plans
+
+    def _previous(self, plan: _Plan) -> tuple[list[Tensor], list[Tensor]]:
         """``x_{k-1}`` and ``g̃(x_{k-1})`` aligned with ``plan.params``.
 
         A parameter without stored ``x_{k-1}`` did not move at the previous
@@ -657,29 +1096,30 @@ class DeltaSGD(Optimizer):
                 s.get("prev_param", p) for s, p in zip(states, params, strict=True)
             ]
         if plan.group["mode"] == "same_batch":
+            assert plan.olds is not None  # set by the extra pass
             olds = plan.olds
         elif buffers is not None and buffers.prev_grad is not None:
             return prevs, buffers.prev_grad
         else:
             olds = [self.state.get(p, {}).get("prev_grad") for p in params]
-        assert olds is not None
-        olds = [
+        return prevs, [
             torch.zeros_like(g) if h is None else h
             for g, h in zip(grads, olds, strict=True)
         ]
-        return prevs, olds
 
-    def _store_previous(self, index: int, plan: _Plan) -> None:
-        """Keep ``x_k`` (and ``g_k`` in consecutive mode) for the next step.
+    def _keep_buffers(
+        self, plan: _Plan
+    ) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """Where this step keeps ``x_k`` (and ``g_k`` in consecutive mode).
 
-        Reuses the round's buffers (one ``torch._foreach_copy_``, or in
-        same_batch a swap with the spare that already holds ``x_k``).
-        Otherwise (first step of a round, a change in the parameters with a
-        gradient, a loaded state): drops the state of parameters without a
-        gradient (they do not move: ``x_{k-1} = x_k``) and (re)allocates.
+        Reuses the round's buffers, or in same_batch swaps them with the spare
+        that already holds ``x_k`` (then nothing is left to copy: ``(None,
+        None)``). Otherwise (first step of a round, a change in the parameters
+        with a gradient, a loaded state): drops the state of parameters
+        without a gradient (they do not move: ``x_{k-1} = x_k``) and
+        (re)allocates.
         """
         group, params, grads = plan.group, plan.params, plan.grads
-        consecutive = group["mode"] == "consecutive"
         buffers = plan.buffers
         if buffers is None:
             with_grad = set(params)
@@ -691,7 +1131,7 @@ class DeltaSGD(Optimizer):
                 _buffer(s, "prev_param", p) for s, p in zip(states, params, strict=True)
             ]
             prev_grad = None
-            if consecutive:
+            if group["mode"] == "consecutive":
                 prev_grad = [
                     _buffer(s, "prev_grad", g)
                     for s, g in zip(states, grads, strict=True)
@@ -700,20 +1140,17 @@ class DeltaSGD(Optimizer):
                 for s in states:
                     s.pop("prev_grad", None)
             buffers = _GroupBuffers(group["mode"], params, states, prev, prev_grad)
-            self._buffers[index] = buffers
+            self._buffers[plan.index] = buffers
         elif plan.spare_holds_x:
             assert buffers.spare is not None
             buffers.prev, buffers.spare = buffers.spare, buffers.prev
             for s, t in zip(buffers.states, buffers.prev, strict=True):
                 s["prev_param"] = t
-            return
-        if buffers.prev_grad is not None:
-            torch._foreach_copy_(buffers.prev + buffers.prev_grad, params + grads)
-        else:
-            torch._foreach_copy_(buffers.prev, params)
+            return None, None
+        return buffers.prev, buffers.prev_grad
 
     def _grads_at_previous_iterate(self, closure: Closure, plans: list[_Plan]) -> None:
-        """Run the closure once at ``x_{k-1}`` (spec §2.5, same_batch).
+        """Run the closure once at ``x_{k-1}`` (same_batch mode).
 
         Saves ``x_k``, sets every parameter of the plans' groups that moved at
         the previous step to its stored ``x_{k-1}``, detaches all gradients
@@ -722,9 +1159,9 @@ class DeltaSGD(Optimizer):
         and restores ``x_k`` and the gradients, also on error. Sets
         ``plan.olds`` to the new gradients of ``plan.params``.
         """
-        swap: list[torch.Tensor] = []
-        prevs: list[torch.Tensor] = []
-        saves: list[torch.Tensor] = []
+        swap: list[Tensor] = []
+        prevs: list[Tensor] = []
+        saves: list[Tensor] = []
         for plan in plans:
             buffers = plan.buffers
             if buffers is not None:
@@ -750,7 +1187,7 @@ class DeltaSGD(Optimizer):
         try:
             if swap:
                 torch._foreach_copy_(swap, prevs)
-            guard = nullcontext()
+            guard: AbstractContextManager[None] = nullcontext()
             if self._module is not None:
                 if self._snapshot is None or self._snapshot.module is not self._module:
                     self._snapshot = _BufferSnapshot(self._module)
@@ -766,7 +1203,7 @@ class DeltaSGD(Optimizer):
                 p.grad = g
 
 
-def _buffer(state: dict[str, Any], key: str, like: torch.Tensor) -> torch.Tensor:
+def _buffer(state: dict[str, Any], key: str, like: Tensor) -> Tensor:
     """``state[key]`` if it can hold a copy of ``like``, else a new buffer."""
     buf = state.get(key)
     if (
@@ -778,34 +1215,6 @@ def _buffer(state: dict[str, Any], key: str, like: torch.Tensor) -> torch.Tensor
         buf = torch.empty_like(like, memory_format=torch.preserve_format)
         state[key] = buf
     return buf
-
-
-def _first_step(group: dict[str, Any]) -> StepInfo:
-    """Step size of local step 0 (spec §2.7): η0, or the code's growth step."""
-    eta0, theta0 = group["eta0"], group["theta0"]
-    if group["first_step"] == "paper":  # Alg. 1 line 6: η_{t,0} = η0, θ_{t,0} = θ0
-        return StepInfo(0, eta0, theta0, "first", math.nan)
-    # [C] prev_net == model at the first batch: ‖Δx‖ = 0, the guard fires.
-    growth = math.sqrt(1.0 + group["delta"] * theta0)
-    return StepInfo(0, eta0 * growth, growth, "first", math.nan)
-
-
-def _adaptive_step(group: dict[str, Any], a: float, b: float) -> StepInfo:
-    """ICLR Alg. 1 lines 9-10 with δ and the zero-norm guard (spec §2.6).
-
-    ``a = ‖x_k - x_{k-1}‖``, ``b = ‖g̃(x_k) - g̃(x_{k-1})‖``.
-    """
-    eta_prev, theta_prev = group["lr"], group["theta"]
-    growth = math.sqrt(1.0 + group["delta"] * theta_prev) * eta_prev
-    if a > 0.0 and b > 0.0:
-        smooth = group["gamma"] * a / (2.0 * b)
-        branch = "smoothness" if smooth < growth else "growth"
-        eta = min(smooth, growth) + group["step_eps"]
-    else:  # treat the first term as +inf
-        smooth = math.inf
-        branch = "growth"
-        eta = growth
-    return StepInfo(group["k"], eta, eta / eta_prev, branch, smooth)
 
 
 def _validate_hyperparameters(group: dict[str, Any]) -> None:

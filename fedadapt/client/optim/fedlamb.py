@@ -1,15 +1,18 @@
-r"""Fed-LAMB and Fed-AMS client optimizers (LAMB Alg. 1).
+r"""Fed-LAMB and Fed-AMS client optimizers (LAMB Algorithm 1).
 
-Paper: Karimi et al., "Layer-wise and Dimension-wise Locally Adaptive
-Federated Learning" (``fed-lamb.txt``, cited as LAMB).
+Paper: Karimi, Li & Li, "Layer-wise and Dimension-wise Locally Adaptive
+Federated Learning", UAI 2023, arXiv:2110.00532 (cited as LAMB; algorithm
+line numbers as in its Algorithm 1).
 
-Both are local AMSGrad with a second moment shared through the server
-(algorithms-spec §3). They differ only in the final line of the local step:
-Fed-LAMB rescales each parameter tensor by a trust ratio (LAMB Alg. 1 line 12),
-Fed-AMS takes the plain AMSGrad step (spec §3.4). One kernel,
-:func:`fed_lamb`, implements both through its ``trust_ratio`` flag.
+Both are local AMSGrad with a second moment shared through the server. They
+differ only in the final line of the local step: Fed-LAMB rescales each
+parameter tensor by a trust ratio (LAMB Algorithm 1 line 12), Fed-AMS takes
+the plain AMSGrad step (the Local AMSGrad baseline of LAMB §1 and §4, which
+the paper does not write out). One kernel, :func:`fed_lamb`, implements both
+through its ``trust_ratio`` flag.
 
-Client step (spec §3.2, the normative fix of LAMB Alg. 1 lines 7–12)::
+Client step (LAMB Algorithm 1 lines 7-12, with the listing's gaps filled as
+noted below)::
 
     round start:  m ← 0;  t ← 0;  v ← v̂_{r−1};  v̂_loc ← v̂_{r−1}
     each step:    t ← t + 1
@@ -22,14 +25,25 @@ Client step (spec §3.2, the normative fix of LAMB Alg. 1 lines 7–12)::
                   θ ← θ − α r u                     (per parameter tensor)
     Fed-AMS:      θ ← θ − α p
 
+Where the listing is incomplete or inconsistent we read it as follows. The
+gradient is taken at the current iterate. ``v`` starts each round at the
+server's v̂ and is the raw EMA. The listing uses v̂ in the step without
+defining a local max, so the local AMSGrad max v̂_loc starts at the server's
+v̂. ``m`` restarts at 0 every round (clients are stateless). Bias-correcting
+a warm-started ``v`` would inflate the first denominators (up to 1000x at
+t = 1 with β2 = 0.999) and make the server's v̂ grow geometrically, so only
+``m`` is corrected by default; a torch-style correction of the denominator
+alone is optional. A "layer" is one parameter tensor (weight and bias
+separately).
+
 State uses torch's Adam key names: ``step`` (t), ``exp_avg`` (m),
 ``exp_avg_sq`` (v) and ``max_exp_avg_sq`` (v̂_loc).
 
 Round protocol. At the start of each round the client calls
 :meth:`FedLAMB.load_second_moments` with the server's v̂_{r−1} (``None`` in
-round 1 gives v̂_0 = ε·1, LAMB Alg. 1 line 2); at the end it sends
-:meth:`FedLAMB.second_moments`, the raw v of every parameter (LAMB Alg. 1
-line 13, spec §3.2 (c)). The server side is
+round 1 gives v̂_0 = ε·1, LAMB Algorithm 1 line 2); at the end it sends
+:meth:`FedLAMB.second_moments`, the raw v of every parameter (LAMB Algorithm
+1 line 13 and Fig. 1 both send v, not v̂). The server side is
 :func:`fedadapt.strategies._second_moments.aggregate_second_moments`.
 """
 
@@ -87,10 +101,11 @@ def _trust_ratios(
 ) -> Tensor:
     """Return r = φ(‖θ‖)/‖u‖ elementwise, or 1 where either norm is zero.
 
-    LAMB Alg. 1 line 12 with the zero-norm guard of spec §3.2 (A-L9): without
-    it a zero-initialised tensor would never move (φ(0) = 0). φ is the identity
-    (LAMB §4) or ``clamp(z, lo, hi)`` when ``phi_bounds`` is given (spec §3.2
-    (a)). Works on 0-d tensors and on stacked norms alike, with no host sync.
+    LAMB Algorithm 1 line 12 with a zero-norm guard: without it a
+    zero-initialised tensor would never move (φ(0) = 0). φ is the identity
+    (LAMB §4) or ``clamp(z, lo, hi)`` when ``phi_bounds`` is given (a bounded
+    φ, as LAMB's analysis assumes). Works on 0-d tensors and on stacked norms
+    alike, with no host sync.
     A NaN norm also gives 1 (``min`` propagates it and ``NaN > 0`` is false).
     """
     phi = w_norm if phi_bounds is None else w_norm.clamp(phi_bounds[0], phi_bounds[1])
@@ -149,7 +164,8 @@ def fed_lamb(
 ) -> None:
     """Apply one Fed-LAMB (``trust_ratio=True``) or Fed-AMS step in place.
 
-    Functional form of :class:`FedLAMB` / :class:`FedAMS` (spec §3.2, §3.4).
+    Functional form of :class:`FedLAMB` / :class:`FedAMS` (LAMB Algorithm 1
+    lines 7-12; see the module docstring).
     All lists are aligned per parameter; ``state_steps`` holds 0-d CPU tensors
     (t of the current round), incremented here.
 
@@ -162,17 +178,17 @@ def fed_lamb(
     state_steps : list of Tensor
         Local step counters t (restart at 0 each round).
     trust_ratio : bool
-        ``True``: Fed-LAMB layerwise step (LAMB Alg. 1 line 12). ``False``:
+        ``True``: Fed-LAMB layerwise step (LAMB Algorithm 1 line 12). ``False``:
         Fed-AMS step θ ← θ − α p; ``weight_decay`` and ``phi_bounds`` unused.
     lr, beta1, beta2, eps : float
-        α, β1, β2, ε (LAMB Alg. 1 line 1; spec §3.5).
+        α, β1, β2, ε (LAMB Algorithm 1 line 1).
     weight_decay : float, optional
-        λ of LAMB Alg. 1 line 12 (Fed-LAMB only). Defaults to 0.0.
+        λ of LAMB Algorithm 1 line 12 (Fed-LAMB only). Defaults to 0.0.
     bias_correction_m : bool, optional
-        Divide m by 1−β1^t (LAMB Alg. 1 line 8). Defaults to True.
+        Divide m by 1−β1^t (LAMB Algorithm 1 line 8). Defaults to True.
     bias_correction_v : bool, optional
-        Use sqrt(v̂_loc/(1−β2^t)) in the denominator only (spec §3.2 (b), A-L4).
-        Defaults to False.
+        Use sqrt(v̂_loc/(1−β2^t)) in the denominator only, never correcting v
+        itself (see the module docstring). Defaults to False.
     phi_bounds : tuple of float or None, optional
         Clip bounds of φ; ``None`` is the identity. Defaults to None.
     foreach : bool or None, optional
@@ -261,21 +277,21 @@ def _single_tensor_fed_lamb(
             bc1, bc2_sqrt = _bias_corrections(
                 step_t.item(), beta1, beta2, bias_correction_m, bias_correction_v
             )
-        # LAMB Alg. 1 lines 8-9 (spec §3.2): m and the raw EMA v.
+        # LAMB Algorithm 1 lines 8-9: m and the raw EMA v.
         m.lerp_(grad, 1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        # Local AMSGrad max (A-L3) and denominator (spec §3.2 (b)); dividing
-        # by a correction of 1 is skipped (it is exact).
+        # Local AMSGrad max and denominator (module docstring); dividing by a
+        # correction of 1 is skipped (it is exact).
         torch.maximum(v_max, v, out=v_max)
         den = v_max.sqrt()
         if bias_correction_v:
             den.div_(bc2_sqrt)
         den.add_(eps)
         if not trust_ratio:
-            # Fed-AMS (spec §3.4): θ ← θ − α m̂ / den.
+            # Fed-AMS: θ ← θ − α m̂ / den.
             param.addcdiv_(m, den, value=-lr / bc1)
             continue
-        # Fed-LAMB, LAMB Alg. 1 line 12: u = p + λθ, θ ← θ − α r u.
+        # Fed-LAMB, LAMB Algorithm 1 line 12: u = p + λθ, θ ← θ − α r u.
         update = m.div(den)
         if bias_correction_m:
             update.div_(bc1)
@@ -363,7 +379,7 @@ class _LocalAMSGrad(Optimizer):
     _trust_ratio: bool = False
 
     def _fill_state(self, p: Tensor, v_hat: Tensor) -> None:
-        """Start a round for ``p``: m = 0, t = 0, v = v̂_loc = v̂ (spec §3.2)."""
+        """Start a round for ``p``: m = 0, t = 0, v = v̂_loc = v̂ (LAMB Algorithm 1)."""
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -405,7 +421,7 @@ class _LocalAMSGrad(Optimizer):
                 )
             state = self.state[p]
             if len(state) == 0:
-                # Never loaded: round 1 with v̂_0 = ε·1 (LAMB Alg. 1 line 2).
+                # Never loaded: round 1 with v̂_0 = ε·1 (LAMB Algorithm 1 line 2).
                 self._fill_state(p, torch.full_like(p, group["eps"]))
             params.append(p)
             grads.append(p.grad)
@@ -416,7 +432,7 @@ class _LocalAMSGrad(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one local step (spec §3.2; LAMB Alg. 1 lines 7–12).
+        """Perform one local step (LAMB Algorithm 1 lines 7-12).
 
         Parameters
         ----------
@@ -471,11 +487,11 @@ class _LocalAMSGrad(Optimizer):
 
     @torch.no_grad()
     def load_second_moments(self, v_hat: Sequence[Tensor] | None) -> None:
-        """Start a new round from the server's v̂_{r−1} (spec §3.2, A-L2/A-L3/A-L5).
+        """Start a new round from the server's v̂_{r−1} (LAMB Algorithm 1).
 
         Sets ``exp_avg_sq`` (v) and ``max_exp_avg_sq`` (v̂_loc) of every
         parameter to v̂_{r−1}, and resets ``exp_avg`` (m) to 0 and ``step`` (t)
-        to 0 (LAMB Alg. 1 lines 4–6). Values are copied and cast to each
+        to 0 (LAMB Algorithm 1 lines 4-6). Values are copied and cast to each
         parameter's device and dtype. Inputs are validated before any state
         changes.
 
@@ -485,7 +501,7 @@ class _LocalAMSGrad(Optimizer):
             One tensor (or array-like) per parameter, in parameter order (param
             groups in order, then each group's ``params``), shaped like the
             parameter, finite and >= 0. ``None`` gives v̂_0 = ε·1 with each
-            group's ε (LAMB Alg. 1 line 2; spec §3.3 init).
+            group's ε (LAMB Algorithm 1 line 2).
 
         Raises
         ------
@@ -525,8 +541,8 @@ class _LocalAMSGrad(Optimizer):
         """Return copies of the raw second moments v, in parameter order.
 
         This is what the client sends to the server at the end of a round
-        (LAMB Alg. 1 line 13; spec §3.2 (c), A-L17): the raw EMA v, not the
-        local max v̂_loc. A parameter with no state yet reports v̂_0 = ε·1.
+        (LAMB Algorithm 1 line 13 and Fig. 1 both say v): the raw EMA v, not
+        the local max v̂_loc. A parameter with no state yet reports v̂_0 = ε·1.
 
         Returns
         -------
@@ -545,10 +561,11 @@ class _LocalAMSGrad(Optimizer):
 
 
 class FedLAMB(_LocalAMSGrad):
-    r"""Fed-LAMB client optimizer (LAMB Alg. 1; spec §3.2).
+    r"""Fed-LAMB client optimizer (LAMB Algorithm 1, arXiv:2110.00532).
 
     Local AMSGrad warm-started from the server's v̂, with a layerwise step per
-    parameter tensor (LAMB Alg. 1 line 12, "layer" = one tensor, A-L10)::
+    parameter tensor (LAMB Algorithm 1 line 12; the paper does not define a
+    "layer", we take one parameter tensor, weight and bias separately)::
 
         u = m̂/(sqrt(v̂_loc)+ε) + λθ
         θ ← θ − α · φ(‖θ‖)/‖u‖ · u      (ratio 1 when ‖θ‖ = 0 or ‖u‖ = 0)
@@ -560,24 +577,25 @@ class FedLAMB(_LocalAMSGrad):
     params : iterable
         Parameters or parameter groups.
     lr : float, optional
-        α. Defaults to 1e-2 (spec §3.5, [O]).
+        α. Defaults to 1e-2 (our choice: the paper does not state its α).
     betas : tuple of float, optional
         (β1, β2), each in [0, 1). Defaults to (0.9, 0.999) (LAMB §4).
     eps : float, optional
-        ε, also the initial v̂_0 = ε·1 (LAMB Alg. 1 line 2; A-L11). Defaults to
-        1e-8.
+        ε, also the initial v̂_0 = ε·1 (LAMB Algorithm 1 line 2; the paper
+        does not state ε). Defaults to 1e-8.
     weight_decay : float, optional
-        λ >= 0 (LAMB Alg. 1 line 12; A-L8). Alg. 1 line 1 asks for ]0, 1[ but
+        λ >= 0 (LAMB Algorithm 1 line 12). Line 1 asks for ]0, 1[ but
         LAMB §4 tunes over {0, 0.01, 0.1} and Thm 1 uses 0, so any λ >= 0 is
         accepted. Defaults to 0.01.
     bias_correction_m : bool, optional
-        Divide m by 1−β1^t (LAMB Alg. 1 line 8). Defaults to True.
+        Divide m by 1−β1^t (LAMB Algorithm 1 line 8). Defaults to True.
     bias_correction_v : bool, optional
-        Bias-correct v̂_loc in the denominator only, never v itself (spec §3.2
-        (b), A-L4). Defaults to False.
+        Bias-correct v̂_loc in the denominator only, never v itself (see the
+        module docstring). Defaults to False.
     phi_bounds : tuple of float or None, optional
         ``(lo, hi)`` with 0 <= lo <= hi, hi > 0: φ(z) = clip(z, lo, hi).
-        ``None``: the identity (LAMB §4; A-L9). Defaults to None.
+        ``None``: the identity (LAMB §4), with ratio 1 for a zero norm.
+        Defaults to None.
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path (same values as the for-loop path).
         ``None``: foreach when all parameters are on CUDA, or all on CPU and
@@ -634,27 +652,29 @@ class FedLAMB(_LocalAMSGrad):
 
 
 class FedAMS(_LocalAMSGrad):
-    r"""Fed-AMS client optimizer: local AMSGrad with a shared v̂ (spec §3.4).
+    r"""Fed-AMS client optimizer: local AMSGrad with a shared v̂.
 
-    The Local AMSGrad baseline of LAMB (§1, §4, A-L15): the same client and
-    server as Fed-LAMB, with LAMB Alg. 1 line 12 replaced by
-    ``θ ← θ − α · m̂/(sqrt(v̂_loc)+ε)``. There is no λ (spec §3.2: "λ unused").
+    The Local AMSGrad baseline of LAMB (arXiv:2110.00532 §1, §4; the paper
+    does not write it out): the same client and server as Fed-LAMB, with LAMB
+    Algorithm 1 line 12 replaced by ``θ ← θ − α · m̂/(sqrt(v̂_loc)+ε)``.
+    There is no λ (it only enters the trust-ratio step).
 
     Parameters
     ----------
     params : iterable
         Parameters or parameter groups.
     lr : float, optional
-        α. Defaults to 1e-3 (spec §3.5, [O]).
+        α. Defaults to 1e-3 (our choice: the paper does not state its α).
     betas : tuple of float, optional
         (β1, β2), each in [0, 1). Defaults to (0.9, 0.999) (LAMB §4).
     eps : float, optional
-        ε, also the initial v̂_0 = ε·1 (LAMB Alg. 1 line 2). Defaults to 1e-8.
+        ε, also the initial v̂_0 = ε·1 (LAMB Algorithm 1 line 2). Defaults to
+        1e-8.
     bias_correction_m : bool, optional
         Divide m by 1−β1^t. Defaults to True.
     bias_correction_v : bool, optional
-        Bias-correct v̂_loc in the denominator only (spec §3.2 (b)); with
-        v̂_0 = 0 in round 1 this is ``torch.optim.Adam(amsgrad=True)`` (U9).
+        Bias-correct v̂_loc in the denominator only; with v̂_0 = 0 in round 1
+        this is ``torch.optim.Adam(amsgrad=True)`` (tested against it).
         Defaults to False.
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path. ``None``: foreach when all

@@ -1,9 +1,11 @@
 """Stochastic Polyak step size (SPS), a baseline of the Δ-SGD paper.
 
 Loizou, Vaswani, Laradji & Lacoste-Julien, "Stochastic Polyak Step-size for
-SGD" (AISTATS 2021), eq. (4) with the smoothing of their §5 ("SPS_max" with
-an exponentially growing cap). The Δ-SGD paper (ICLR 2024 Table 1) runs it
-with the official defaults ``f* = 0`` and ``c = 0.5`` (spec §7.1).
+SGD: An Adaptive Learning Rate for Fast Convergence", AISTATS 2021,
+arXiv:2002.10542: eq. (4) with the smoothing of their §5 ("SPS_max" with an
+exponentially growing cap). The Δ-SGD paper (Kim et al., arXiv:2306.11201,
+Table 1 and the footnote to its §4 setup) runs it with the official defaults
+``f* = 0`` and ``c = 0.5``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ Closure = Callable[[], torch.Tensor]
 class SPS(Optimizer):
     r"""SGD with the stochastic Polyak step size.
 
-    Per step ``k`` on the mini-batch loss ``f_B`` (SPS eq. (4), smoothed as in
-    the authors' ``smooth_iter`` mode)::
+    Per step ``k`` on the mini-batch loss ``f_B`` (arXiv:2002.10542 eq. (4),
+    smoothed as in the authors' ``smooth_iter`` mode)::
 
         η_k = min{ (f_B(x_k) − f*) / (c ‖∇f_B(x_k)‖² + ε),  γ^{1/n} η_{k−1} }
         x_{k+1} = x_k − η_k ∇f_B(x_k)
