@@ -186,3 +186,24 @@ def test_training_on_cuda_matches_cpu(optimizer):
     assert gpu.update_sq_norm == pytest.approx(cpu.update_sq_norm, rel=1e-4)
     for a, b in zip(cpu_params, gpu_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_adagrad_client_optimizer_is_a_fresh_adagrad_each_round():
+    """Δ-SGD's Adagrad baseline: x ← x − η·g/(√(Σg²) + 1e-10), state reset."""
+    from fedadapt.client.optim import OPTIMIZERS
+
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -2.0]]))
+    x = torch.tensor([[3.0, 1.0]])
+    w = np.array([1.0, -2.0])
+    acc = np.zeros(2)
+    opt = OPTIMIZERS.get("adagrad")(model, 0.5, {})
+    for _ in range(2):
+        g = 2.0 * (x.numpy()[0] @ w) * x.numpy()[0]  # d/dw (x·w)²
+        acc += g**2
+        w = w - 0.5 * g / (np.sqrt(acc) + 1e-10)
+        opt.zero_grad()
+        (model(x) ** 2).sum().backward()
+        opt.step()
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], w, rtol=1e-6)
