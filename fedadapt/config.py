@@ -148,6 +148,14 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("fed-lamb-lambda", 0.01, "Fed-LAMB weight decay λ.", minimum=0.0),
     Key("client-lr", 0.1, "Client learning rate η_l (η0 for Δ-SGD).",
         minimum=0.0, exclusive_minimum=True),
+    Key("client-lr-decay", 1.0, "Client learning rate decay per round: round t "
+        "trains with client-lr·decay^(t−1) (DUA/FedExP image tasks: 0.998).",
+        minimum=0.0, maximum=1.0, exclusive_minimum=True),
+    Key("client-weight-decay", 0.0, "L2 weight decay λ of local training: every "
+        "gradient gets + λ·x (DUA/FedExP image tasks: 1e-4).", minimum=0.0),
+    Key("client-grad-clip", 0.0, "Clip each local loss gradient to this L2 norm "
+        "(over all parameters, before weight decay); 0 = off (DUA/FedExP image "
+        "tasks: 10).", minimum=0.0),
     Key("server-lr", 0.0, "Server learning rate η_g; 0 = the strategy's default "
         "(fedavg/fedavgm 1.0, fedadam/fedadagrad 0.1, fedyogi 0.01). fedexp/feddua "
         "have none.", minimum=0.0),

@@ -158,17 +158,26 @@ def test_fedexp_identical_updates():
 
 
 def test_fedexp_closed_form_on_hand_made_updates():
-    """Δ_1 = (1, 0), Δ_2 = (−1, 2): A = (1+5)/2 = 3, Δ̄ = (0, 1), η = 3/(2(1+ε))."""
+    """Δ_1 = (2, 0), Δ_2 = (−2, 2): A = (4+8)/2 = 6, Δ̄ = (0, 1), ε = ½.
+
+    Paper: η = A/(2(‖Δ̄‖²+ε)) = 6/3 = 2; code form (ε·|S|): 6/(2(1+1)) = 1.5.
+    Both ratios are above 1, so max(1,·) hides no error: a denominator of
+    4(‖Δ̄‖²+ε) (η = 1), ε·|S| in the paper form (1.5), ε added to A (3.25) or
+    left out (3) all give another η.
+    """
     x0 = {"w": np.array([10.0, 20.0])}
-    clients = [{"w": np.array([11.0, 20.0])}, {"w": np.array([9.0, 22.0])}]
+    clients = [{"w": np.array([12.0, 20.0])}, {"w": np.array([8.0, 22.0])}]
     eps = 0.5
     new, diag = FedExPRule(epsilon=eps).step(x0, clients, [3, 1])
-    eta = 3.0 / (2 * (1.0 + eps))
-    assert diag["server-lr"] == pytest.approx(eta, rel=1e-12)
-    np.testing.assert_allclose(new["w"], [10.0, 20.0 + eta], rtol=1e-12)
-    # official code form: ε·|S| and the max (Divyansh03 main.py)
-    _, diag = FedExPRule(epsilon=eps, eps_form="times_S").step(x0, clients, [3, 1])
-    assert diag["server-lr"] == pytest.approx(max(1.0, 0.5 * 3.0 / (1.0 + 2 * eps)))
+    assert diag["server-lr"] == pytest.approx(2.0, rel=1e-12)
+    np.testing.assert_allclose(new["w"], [10.0, 22.0], rtol=1e-12)
+    # DUA's form has no max(1,·) and the same ratio here
+    _, diag = FedExPRule(epsilon=eps, form="dua").step(x0, clients, [3, 1])
+    assert diag["server-lr"] == pytest.approx(2.0, rel=1e-12)
+    # official code form: ε·|S| (Divyansh03 main.py)
+    new, diag = FedExPRule(epsilon=eps, eps_form="times_S").step(x0, clients, [3, 1])
+    assert diag["server-lr"] == pytest.approx(1.5, rel=1e-12)
+    np.testing.assert_allclose(new["w"], [10.0, 21.5], rtol=1e-12)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])

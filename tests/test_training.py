@@ -19,7 +19,7 @@ def _linear_problem(n=10, seed=0):
     return x, y
 
 
-def _run(x, y, w0, *, lr, epochs=0, steps=0, batch_size):
+def _run(x, y, w0, *, lr, epochs=0, steps=0, batch_size, **tricks):
     model = nn.Linear(3, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.from_numpy(w0.T.copy()))
@@ -34,6 +34,7 @@ def _run(x, y, w0, *, lr, epochs=0, steps=0, batch_size):
         seed=0,
         device=torch.device("cpu"),
         classification=False,
+        **tricks,
     )
     return model.weight.detach().numpy().T.astype(np.float64), result
 
@@ -58,6 +59,64 @@ def test_full_batch_sgd_matches_closed_form_gradient_steps():
     assert result.update_sq_norm == pytest.approx(
         float(np.sum((w - w0) ** 2)), rel=1e-4
     )
+
+
+@pytest.mark.parametrize(
+    ("clip", "decay"), [(0.0, 0.05), (0.5, 0.0), (0.5, 0.05), (100.0, 0.05)]
+)
+def test_clipping_then_weight_decay_match_closed_form(clip, decay):
+    """DUA App. H.1 tricks (FedExP code): g ← clip(∇f, c), then g + λw, then SGD.
+
+    Hand-written full-batch steps; the clip is active at c = 0.5 (‖∇f‖ ≈ 4
+    at w0) and inactive at c = 100.
+    """
+    x, y = _linear_problem()
+    w0 = np.array([[0.5], [-1.0], [2.0]])
+    lr, n = 0.1, len(x)
+    w = w0.copy()
+    for _ in range(3):
+        g = 2.0 / n * x.T @ (x.astype(np.float64) @ w - y)
+        if clip > 0:
+            g = g * min(1.0, clip / np.linalg.norm(g))
+        w = w - lr * (g + decay * w)
+    assert np.linalg.norm(2.0 / n * x.T @ (x @ w0 - y)) > 2.0  # clip 0.5 acts
+    w_trained, _ = _run(x, y, w0, lr=lr, steps=3, batch_size=n, grad_clip=clip,
+                        weight_decay=decay)  # fmt: skip
+    np.testing.assert_allclose(w_trained, w, rtol=1e-5)
+
+
+def test_client_lr_decays_per_round():
+    """η_l·0.998^(t−1) (DUA App. H.1): round 1 trains with η_l itself."""
+    from fedadapt.client.local import round_lr
+
+    assert round_lr(0.1, 0.998, 1) == 0.1
+    assert round_lr(0.1, 0.998, 0) == 0.1
+    assert round_lr(0.1, 0.998, 3) == pytest.approx(0.1 * 0.998**2, rel=1e-15)
+    assert round_lr(0.1, 1.0, 500) == 0.1
+
+
+def test_train_round_applies_the_decayed_lr_and_tricks(cfg):
+    """train_round passes client-lr-decay, weight decay and clipping on."""
+    from fedadapt.client.local import train_round
+
+    config = cfg(**{"client-lr-decay": 0.5, "local-steps": 1, "batch-size": 4096})
+    task = TASKS.get("digits-mlp")
+    torch.manual_seed(0)
+    state = task.build_model().state_dict()
+
+    def norm(**over):
+        run = train_round({**config, **over}, 0, 10, state, 0.1, server_round=3)
+        return run.metrics["update-sq-norm"]
+
+    # one full-batch SGD step: ‖Δ‖² scales with lr², so round 3 (lr·0.25) gives
+    # 1/16 of round 1's squared update
+    first = train_round(config, 0, 10, state, 0.1, server_round=1)
+    assert norm() == pytest.approx(first.metrics["update-sq-norm"] / 16, rel=1e-5)
+    # clipping to a tiny norm bounds the step: ‖Δ‖ = lr·0.25·c
+    assert norm(**{"client-grad-clip": 1e-3}) == pytest.approx(
+        (0.1 * 0.25 * 1e-3) ** 2, rel=1e-4
+    )
+    assert norm(**{"client-weight-decay": 1.0}) != pytest.approx(norm(), rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -127,3 +186,24 @@ def test_training_on_cuda_matches_cpu(optimizer):
     assert gpu.update_sq_norm == pytest.approx(cpu.update_sq_norm, rel=1e-4)
     for a, b in zip(cpu_params, gpu_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_adagrad_client_optimizer_is_a_fresh_adagrad_each_round():
+    """Δ-SGD's Adagrad baseline: x ← x − η·g/(√(Σg²) + 1e-10), state reset."""
+    from fedadapt.client.optim import OPTIMIZERS
+
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -2.0]]))
+    x = torch.tensor([[3.0, 1.0]])
+    w = np.array([1.0, -2.0])
+    acc = np.zeros(2)
+    opt = OPTIMIZERS.get("adagrad")(model, 0.5, {})
+    for _ in range(2):
+        g = 2.0 * (x.numpy()[0] @ w) * x.numpy()[0]  # d/dw (x·w)²
+        acc += g**2
+        w = w - 0.5 * g / (np.sqrt(acc) + 1e-10)
+        opt.zero_grad()
+        (model(x) ** 2).sum().backward()
+        opt.step()
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], w, rtol=1e-6)

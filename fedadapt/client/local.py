@@ -35,6 +35,16 @@ def client_seed(cfg: Mapping[str, Any], server_round: int, partition_id: int) ->
     return cfg["seed"] * 1_000_003 + server_round * 10_007 + partition_id
 
 
+def round_lr(lr: float, decay: float, server_round: int) -> float:
+    """Return the client learning rate of round ``server_round`` (1-based).
+
+    η_l·decay^(t−1): the per-round decay of DUA App. H.1 ("learning rate decay
+    of 0.998", after FedExP's code, which multiplies η_l by 0.998 after each
+    round). Round 0 (no round sent) counts as round 1.
+    """
+    return lr * decay ** max(server_round - 1, 0)
+
+
 def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
     model = TASKS.get(cfg["task"]).build_model()
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
@@ -55,12 +65,16 @@ def train_round(
     ``v_hat`` is the server's v̂ for Fed-LAMB/Fed-AMS (None in round 1:
     v̂_0 = ε·1). Metrics: ``train-loss``, ``train-accuracy``,
     ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
-    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes).
+    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes). The
+    learning rate is decayed by run-config ``client-lr-decay`` per round
+    (:func:`round_lr`); ``client-weight-decay`` and ``client-grad-clip`` act
+    on every local gradient (:func:`train_local`).
     """
     task = TASKS.get(cfg["task"])
     data = task.load_client(cfg, partition_id, num_partitions)
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
+    lr = round_lr(lr, cfg["client-lr-decay"], server_round)
     optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
     names = [name for name, _ in model.named_parameters()]
     if uses_second_moments(optimizer):
@@ -78,6 +92,8 @@ def train_round(
         seed=client_seed(cfg, server_round, partition_id),
         device=device,
         classification=task.classification,
+        weight_decay=cfg["client-weight-decay"],
+        grad_clip=cfg["client-grad-clip"],
     )
     metrics: dict[str, float | int] = {
         "train-loss": result.loss,

@@ -49,6 +49,8 @@ def train_local(
     seed: int,
     device: torch.device,
     classification: bool = True,
+    weight_decay: float = 0.0,
+    grad_clip: float = 0.0,
 ) -> TrainResult:
     """Train ``model`` in place and report loss, accuracy and ‖x_i − x_t‖².
 
@@ -59,6 +61,13 @@ def train_local(
     taken from the closure's first call, at the current iterate. Running sums
     stay on the device (no host synchronisation per step); the squared update
     norm is computed over the trainable parameters in float64 on the device.
+
+    ``grad_clip > 0`` clips the loss gradient to that L2 norm over all
+    parameters, then ``weight_decay`` adds λ·x to it, in this order as the
+    FedExP code that DUA follows (App. H.1: "weight decay of 1e-4 [...] and
+    gradient clipping"; ``clip_grad_norm_`` before ``SGD(weight_decay)``'s
+    step). Both act inside the closure, so every optimizer (and Δ-SGD's
+    re-evaluation at the previous iterate) sees the same gradient.
     """
     model.to(device).train()
     start = [p.detach().clone() for p in model.parameters()]
@@ -82,6 +91,12 @@ def train_local(
             outputs = model(inputs)
             loss = criterion(outputs, targets)
             loss.backward()
+            if grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            if weight_decay > 0:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.add_(p.detach(), alpha=weight_decay)
             if not first:
                 first.append((loss.detach(), outputs.detach()))
             return loss

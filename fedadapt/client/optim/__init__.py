@@ -99,6 +99,18 @@ def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Op
     )
 
 
+@OPTIMIZERS.register("adagrad")
+def _adagrad(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """torch.optim.Adagrad restarted every round (a Δ-SGD paper baseline, §4).
+
+    Defaults of torch (and of the Δ-SGD code): no lr decay, initial
+    accumulator 0, ε = 1e-10.
+    """
+    return torch.optim.Adagrad(model.parameters(), lr=lr)
+
+
 @OPTIMIZERS.register("sps")
 def _sps(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """Stochastic Polyak step size (arXiv:2002.10542), official defaults.

