@@ -513,7 +513,9 @@ def _leaf_json_files(root: Path, name: str, split: str) -> list[Path]:
     return files
 
 
-def _to_tensors(name: str, user: str, x: list, y: list) -> tuple[torch.Tensor, ...]:
+def _to_tensors(
+    name: str, user: str, x: list, y: list
+) -> tuple[torch.Tensor, torch.Tensor]:
     if len(x) != len(y):
         raise ValueError(f"{name} user {user!r}: {len(x)} inputs but {len(y)} labels")
     if name == "femnist":
