@@ -495,7 +495,8 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
         lines.append(
             f"| {r['strategy']} | {r['aggregate_median_s']:.3f} "
             f"| {r['aggregate_min_s']:.3f} | {r['ratio_to_flower_fedadam']:.2f} "
-            f"| {r['ratio_to_floor']:.2f} | {counterpart} | {r['configure_median_s']:.3f} "
+            f"| {r['ratio_to_floor']:.2f} | {counterpart} "
+            f"| {r['configure_median_s']:.3f} "
             + (
                 f"| {peak:.0f} | {r['peak_ratio_to_flower_fedadam']:.2f} "
                 f"| {r['kept_mib']:.0f} |"

@@ -14,9 +14,9 @@ mappings of arrays; the Flower adapters only unpack messages into that form.
 Cost: replies are checked from array *metadata* (names, shapes, dtypes) and
 read one array at a time while the rule sums them (:class:`LazyArrays`).
 Reading is a read-only NumPy view of the serialised bytes
-(:func:`array_view`), not a copy, so a round holds no copy of any reply. Non-finite values are caught on the
-aggregate (one cheap pass); only then are the replies scanned one by one to
-find and drop the culprits.
+(:func:`array_view`), not a copy, so a round holds no copy of any reply.
+Non-finite values are caught on the aggregate (one cheap pass); only then
+are the replies scanned one by one to find and drop the culprits.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def array_view(item: Any) -> NDArray[Any]:
     the values are ``np.frombuffer`` over the rest, which must hold exactly
     ``prod(shape)·itemsize`` bytes. Anything else (another ``stype``, format
     version 3, object dtypes, a size mismatch, or objects that are not
-    Flower ``Array``\ s) goes through ``item.numpy()`` and its errors.
+    Flower Arrays) goes through ``item.numpy()`` and its errors.
     """
     data = getattr(item, "data", None)
     if (
