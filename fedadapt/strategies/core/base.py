@@ -153,6 +153,7 @@ class ServerRule(ABC):
         self.weighting = check_choice("weighting", weighting, WEIGHTINGS)
         self.plain_average = plain_average
         self.num_updates = 0
+        self._buffers: dict[tuple[int, np.dtype[Any]], NDArray[Any]] = {}
 
     # --- the rule itself -----------------------------------------------------
 
@@ -173,6 +174,19 @@ class ServerRule(ABC):
         """Restore what :meth:`_state` returned."""
 
     # --- shared machinery ------------------------------------------------------
+
+    def scratch(self, like: NDArray[Any], slot: int = 0) -> NDArray[Any]:
+        """Return a work array shaped like ``like`` (contents undefined).
+
+        One flat buffer per ``slot`` and dtype, grown to the largest key and
+        kept across keys and rounds, so the server step allocates (and the
+        OS zero-fills) no per-key temporaries. Not part of the state.
+        """
+        key = (slot, like.dtype)
+        flat = self._buffers.get(key)
+        if flat is None or flat.size < like.size:
+            flat = self._buffers[key] = np.empty(like.size, like.dtype)
+        return flat[: like.size].reshape(like.shape)
 
     def adaptive_keys(self, current: Mapping[str, NDArray[Any]]) -> list[str]:
         """Return the keys the rule updates (floating point, not plain-averaged)."""
