@@ -229,6 +229,7 @@ class Case:
         self.norms = norms
         self.counterpart = counterpart
         self.aggregate: list[float] = []
+        self.aggregate_cpu: list[float] = []
         self.configure: list[float] = []
         self.memory: dict[str, float] = {}
 
@@ -316,8 +317,12 @@ def one_round(
     global_arrays: ArrayRecord,
     replies: list[Message],
     grid: Grid,
-) -> tuple[float, float, ArrayRecord]:
-    """Run configure_train + aggregate_train; return both times and the result."""
+) -> tuple[float, float, float, ArrayRecord]:
+    """Run configure_train + aggregate_train; return the times and the result.
+
+    Times: configure_train (wall), aggregate_train (wall, then CPU time of
+    this process, ``time.process_time``).
+    """
     start = time.perf_counter()
     messages = list(
         strategy.configure_train(server_round, global_arrays, ConfigRecord(), grid)
@@ -327,12 +332,14 @@ def one_round(
         raise RuntimeError(f"sampled {len(messages)} nodes, expected {len(replies)}")
     del messages
     gc.collect()
+    start_cpu = time.process_time()
     start_aggregate = time.perf_counter()
     arrays, _ = strategy.aggregate_train(server_round, replies)
     done = time.perf_counter()
+    cpu = time.process_time() - start_cpu
     if arrays is None:
         raise RuntimeError(f"{type(strategy).__name__} produced no arrays")
-    return configured - start, done - start_aggregate, arrays
+    return configured - start, done - start_aggregate, cpu, arrays
 
 
 def measure_time(
@@ -347,13 +354,14 @@ def measure_time(
     strategies = {case.name: case.factory() for case in cases}
     for i in range(warmup + repeats):
         for case in cases:
-            configure, aggregate, arrays = one_round(
+            configure, aggregate, cpu, arrays = one_round(
                 strategies[case.name], i + 1, global_arrays, replies[case.norms], grid
             )
             del arrays
             if i >= warmup:
                 case.configure.append(configure)
                 case.aggregate.append(aggregate)
+                case.aggregate_cpu.append(cpu)
         print(f"  pass {i + 1}/{warmup + repeats} done", file=sys.stderr, flush=True)
     check_reports(strategies)
 
@@ -380,7 +388,7 @@ def measure_memory(
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         strategy = case.factory()
-        _, _, result = one_round(strategy, 1, global_arrays, replies[case.norms], grid)
+        *_, result = one_round(strategy, 1, global_arrays, replies[case.norms], grid)
         del result
         messages = list(
             strategy.configure_train(2, global_arrays, ConfigRecord(), grid)
@@ -457,6 +465,8 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
     by_name = {c.name: c for c in cases}
     base = statistics.median(by_name[BASELINE].aggregate)
     floor = statistics.median(by_name[FLOOR].aggregate)
+    base_cpu = statistics.median(by_name[BASELINE].aggregate_cpu)
+    floor_cpu = statistics.median(by_name[FLOOR].aggregate_cpu)
     base_mem = by_name[BASELINE].memory.get("peak_extra_mib")
     rows = []
     for case in cases:
@@ -470,6 +480,11 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
             "configure_median_s": statistics.median(case.configure),
             "ratio_to_flower_fedadam": med / base,
             "ratio_to_floor": med / floor,
+            "aggregate_cpu_median_s": statistics.median(case.aggregate_cpu),
+            "aggregate_cpu_times_s": case.aggregate_cpu,
+            "cpu_ratio_to_flower_fedadam": statistics.median(case.aggregate_cpu)
+            / base_cpu,
+            "cpu_ratio_to_floor": statistics.median(case.aggregate_cpu) / floor_cpu,
             "counterpart": case.counterpart,
             "ratio_to_counterpart": (
                 med / statistics.median(other.aggregate) if other else None
@@ -483,10 +498,11 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
         rows.append(row)
     header = (
         "| strategy | aggregate_train median (s) | min (s) | × Flower FedAdam "
-        "| × floor | × Flower counterpart | configure_train (s) | peak extra (MiB) "
-        "| × Flower FedAdam peak | kept state (MiB) |"
+        "| × floor | CPU × Flower FedAdam | CPU × floor | × Flower counterpart "
+        "| configure_train (s) | peak extra (MiB) | × Flower FedAdam peak "
+        "| kept state (MiB) |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 12]
     for r in rows:
         counterpart = (
             f"{r['ratio_to_counterpart']:.2f}" if r["ratio_to_counterpart"] else "—"
@@ -495,7 +511,8 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
         lines.append(
             f"| {r['strategy']} | {r['aggregate_median_s']:.3f} "
             f"| {r['aggregate_min_s']:.3f} | {r['ratio_to_flower_fedadam']:.2f} "
-            f"| {r['ratio_to_floor']:.2f} | {counterpart} "
+            f"| {r['ratio_to_floor']:.2f} | {r['cpu_ratio_to_flower_fedadam']:.2f} "
+            f"| {r['cpu_ratio_to_floor']:.2f} | {counterpart} "
             f"| {r['configure_median_s']:.3f} "
             + (
                 f"| {peak:.0f} | {r['peak_ratio_to_flower_fedadam']:.2f} "
