@@ -221,6 +221,16 @@ class ReplyError(ValueError):
         self.reason = reason
 
 
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """Return ``str(dtype)``, cached.
+
+    ``numpy.dtype.__str__`` is slow, and a round compares the dtypes of
+    every array of every reply.
+    """
+    return str(dtype)
+
+
 #: The ``.npy`` magic string and the ``stype`` Flower gives such bytes.
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_STYPE = "numpy.ndarray"
@@ -296,7 +306,9 @@ class LazyArrays(Mapping[str, NDArray[Any]]):
     def __getitem__(self, key: str) -> NDArray[Any]:
         item = self._record[key]
         array = array_view(item)
-        if array.shape != tuple(item.shape) or str(array.dtype) != str(item.dtype):
+        if array.shape != tuple(item.shape) or dtype_name(array.dtype) != str(
+            item.dtype
+        ):
             raise ReplyError(self, f"array '{key}' data do not match its metadata")
         return array
 
@@ -315,7 +327,7 @@ def array_specs(arrays: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], s
     """Return {name: (shape, dtype)} of plain or lazy arrays."""
     if isinstance(arrays, LazyArrays):
         return arrays.specs()
-    return {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
+    return {k: (tuple(a.shape), dtype_name(a.dtype)) for k, a in arrays.items()}
 
 
 def all_finite(arrays: Mapping[str, NDArray[Any]]) -> bool:
@@ -396,7 +408,7 @@ def reject_reason(
             shape, dtype = specs[name]
             if shape != ref.shape:
                 return f"array '{name}' has shape {shape}, expected {ref.shape}"
-            if dtype != str(ref.dtype):
+            if dtype != dtype_name(ref.dtype):
                 return f"array '{name}' has dtype {dtype}, expected {ref.dtype}"
     return _check_metrics(metrics, weight_key)
 
