@@ -15,10 +15,18 @@ in their metrics, once without. The server computes every norm either way
 
 Replies are built once, up front, as a Flower ``Message`` would hold them
 (``RecordDict`` with an ``ArrayRecord`` of serialised ``flwr.app.Array`` and a
-``MetricRecord``); every strategy deserialises the same ``Array`` objects.
+``MetricRecord``); every strategy reads the same ``Array`` objects (Flower's
+with ``Array.numpy()``, a copy; fedadapt's as read-only views of the bytes).
 Each measured call is ``configure_train`` (timed separately) followed by a
-timed ``aggregate_train``; strategies are interleaved round-robin, one warm-up
+timed ``aggregate_train`` (wall time, and CPU time with
+``time.process_time``); strategies are interleaved round-robin, one warm-up
 call each, and the median of ``--repeats`` calls is reported.
+
+Two *floors* run in the same round-robin: one pass over the replies that only
+deserialises each ``Array`` once and adds it into one float32 accumulator per
+array (no screening, norms, server step or serialised result), once with
+``Array.numpy()`` and once with fedadapt's zero-copy ``array_view``. Every
+row's time is also given as a ratio to the zero-copy floor.
 
 Memory is measured in a separate pass with ``tracemalloc`` (which also traces
 NumPy's array buffers), on a fresh instance per strategy, in the second round
@@ -35,7 +43,9 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/aggregation.py --quick          # width 16, ~0.7 M
     .venv/bin/python benchmarks/aggregation.py --repeats 9 --json out.json
 
-Runtime at full size is about 1-1.5 minutes on 2 CPU cores (plus ~10 s setup).
+Runtime at full size is about 1 minute on 2 CPU cores (plus ~10 s setup).
+For the CPU-time columns, run with ``OPENBLAS_NUM_THREADS=1`` so that NumPy
+works in this one thread.
 """
 
 from __future__ import annotations
