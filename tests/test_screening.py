@@ -111,16 +111,18 @@ def test_reject_reason_accepts_integer_arrays_without_finiteness_check():
 # --- reading replies without copies (issue #20) --------------------------------
 
 
-@pytest.mark.parametrize(
-    "array",
-    [
-        np.arange(12, dtype=np.float32).reshape(3, 4),
-        np.asfortranarray(np.arange(12.0).reshape(3, 4)),
-        np.array(7, dtype=np.int64),
-        np.zeros((0, 3), dtype=np.float16),
-        np.arange(6, dtype=">f4").reshape(2, 3),
-    ],
-)
+#: Layouts a serialised Array can carry: C and Fortran order, 0-d, empty,
+#: big-endian, and (for serialising) a strided view.
+ODD_ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    np.array(7, dtype=np.int64),
+    np.zeros((0, 3), dtype=np.float16),
+    np.arange(6, dtype=">f4").reshape(2, 3),
+]
+
+
+@pytest.mark.parametrize("array", ODD_ARRAYS)
 def test_array_view_equals_flowers_numpy_and_is_read_only(array):
     """array_view gives what Array.numpy() gives (np.load), as a read-only view."""
     from flwr.app import Array
@@ -170,17 +172,7 @@ def test_reply_whose_header_contradicts_its_metadata_is_rejected():
     np.testing.assert_array_equal(arrays["w"].numpy(), np.ones((2, 3)))
 
 
-@pytest.mark.parametrize(
-    "array",
-    [
-        np.arange(12, dtype=np.float32).reshape(3, 4),
-        np.asfortranarray(np.arange(12.0).reshape(3, 4)),
-        np.array(7, dtype=np.int64),
-        np.zeros((0, 3), dtype=np.float32),
-        np.arange(6, dtype=">f4"),
-        np.arange(10.0)[::2],
-    ],
-)
+@pytest.mark.parametrize("array", [*ODD_ARRAYS, np.arange(10.0)[::2]])
 def test_results_are_serialised_byte_for_byte_as_flower_does(array):
     """Issue #20: the one-copy serialisation writes np.save's exact bytes."""
     from flwr.app import Array
