@@ -15,10 +15,18 @@ in their metrics, once without. The server computes every norm either way
 
 Replies are built once, up front, as a Flower ``Message`` would hold them
 (``RecordDict`` with an ``ArrayRecord`` of serialised ``flwr.app.Array`` and a
-``MetricRecord``); every strategy deserialises the same ``Array`` objects.
+``MetricRecord``); every strategy reads the same ``Array`` objects (Flower's
+with ``Array.numpy()``, a copy; fedadapt's as read-only views of the bytes).
 Each measured call is ``configure_train`` (timed separately) followed by a
-timed ``aggregate_train``; strategies are interleaved round-robin, one warm-up
+timed ``aggregate_train`` (wall time, and CPU time with
+``time.process_time``); strategies are interleaved round-robin, one warm-up
 call each, and the median of ``--repeats`` calls is reported.
+
+Two *floors* run in the same round-robin: one pass over the replies that only
+deserialises each ``Array`` once and adds it into one float32 accumulator per
+array (no screening, norms, server step or serialised result), once with
+``Array.numpy()`` and once with fedadapt's zero-copy ``array_view``. Every
+row's time is also given as a ratio to the zero-copy floor.
 
 Memory is measured in a separate pass with ``tracemalloc`` (which also traces
 NumPy's array buffers), on a fresh instance per strategy, in the second round
@@ -35,7 +43,9 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/aggregation.py --quick          # width 16, ~0.7 M
     .venv/bin/python benchmarks/aggregation.py --repeats 9 --json out.json
 
-Runtime at full size is about 1-1.5 minutes on 2 CPU cores (plus ~10 s setup).
+Runtime at full size is about 1 minute on 2 CPU cores (plus ~10 s setup).
+For the CPU-time columns, run with ``OPENBLAS_NUM_THREADS=1`` so that NumPy
+works in this one thread.
 """
 
 from __future__ import annotations
@@ -75,11 +85,13 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp import strategy as flwr_strategy  # noqa: E402
 
 from fedadapt import strategies as ours  # noqa: E402
+from fedadapt.strategies._screening import array_view  # noqa: E402
 from fedadapt.strategies.core import is_batchnorm_buffer  # noqa: E402
 
 RESNET18_TRAINABLE = 11_173_962
 NORM_KEY = "update-sq-norm"
 BASELINE = "flower FedAdam"
+FLOOR = "floor (one pass, zero-copy)"
 
 # --- model ---------------------------------------------------------------------
 
@@ -227,13 +239,52 @@ class Case:
         self.norms = norms
         self.counterpart = counterpart
         self.aggregate: list[float] = []
+        self.aggregate_cpu: list[float] = []
         self.configure: list[float] = []
         self.memory: dict[str, float] = {}
+
+
+class Floor:
+    """The unavoidable work of a round: read every reply's arrays once.
+
+    ``aggregate_train`` deserialises each ``Array`` once and adds it into one
+    accumulator per key (float32 for float arrays), nothing else: no
+    screening, no norms, no server step, no serialised result. ``decode`` is
+    ``Array.numpy()`` (a copy, as Flower's strategies read replies) or
+    fedadapt's :func:`array_view` (a read-only view of the bytes).
+    """
+
+    def __init__(self, decode: Callable[[Array], np.ndarray]) -> None:
+        self.decode = decode
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[None]:
+        """Sample every node (nothing to configure)."""
+        return [None] * len(grid.get_node_ids())
+
+    def aggregate_train(
+        self, server_round: int, replies: list[Message]
+    ) -> tuple[dict[str, np.ndarray], None]:
+        """Return Σ_i x_i per key, one pass over the replies."""
+        records = [next(iter(m.content.array_records.values())) for m in replies]
+        sums: dict[str, np.ndarray] = {}
+        for key in records[0]:
+            acc: np.ndarray | None = None
+            for record in records:
+                x = self.decode(record[key])
+                if acc is None:
+                    acc = np.zeros(x.shape, np.result_type(x.dtype, np.float32))
+                acc += x
+            sums[key] = acc  # type: ignore[assignment]
+        return sums, None
 
 
 def make_cases(with_references: bool) -> list[Case]:
     """All strategies, Flower's first; default arguments everywhere."""
     cases = [
+        Case("floor (one pass, Array.numpy)", lambda: Floor(Array.numpy)),
+        Case(FLOOR, lambda: Floor(array_view)),
         Case("flower FedAvg", flwr_strategy.FedAvg),
         Case(BASELINE, flwr_strategy.FedAdam),
     ]
@@ -263,9 +314,11 @@ def make_cases(with_references: bool) -> list[Case]:
     return cases
 
 
-def record_bytes(record: ArrayRecord) -> int:
-    """Return the serialised size of an ArrayRecord's arrays."""
-    return sum(len(a.data) for a in record.values())
+def record_bytes(record: ArrayRecord | dict[str, np.ndarray]) -> int:
+    """Return the size of a result: serialised Arrays or plain NumPy arrays."""
+    return sum(
+        a.nbytes if isinstance(a, np.ndarray) else len(a.data) for a in record.values()
+    )
 
 
 def one_round(
@@ -274,8 +327,12 @@ def one_round(
     global_arrays: ArrayRecord,
     replies: list[Message],
     grid: Grid,
-) -> tuple[float, float, ArrayRecord]:
-    """Run configure_train + aggregate_train; return both times and the result."""
+) -> tuple[float, float, float, ArrayRecord]:
+    """Run configure_train + aggregate_train; return the times and the result.
+
+    Times: configure_train (wall), aggregate_train (wall, then CPU time of
+    this process, ``time.process_time``).
+    """
     start = time.perf_counter()
     messages = list(
         strategy.configure_train(server_round, global_arrays, ConfigRecord(), grid)
@@ -285,12 +342,14 @@ def one_round(
         raise RuntimeError(f"sampled {len(messages)} nodes, expected {len(replies)}")
     del messages
     gc.collect()
+    start_cpu = time.process_time()
     start_aggregate = time.perf_counter()
     arrays, _ = strategy.aggregate_train(server_round, replies)
     done = time.perf_counter()
+    cpu = time.process_time() - start_cpu
     if arrays is None:
         raise RuntimeError(f"{type(strategy).__name__} produced no arrays")
-    return configured - start, done - start_aggregate, arrays
+    return configured - start, done - start_aggregate, cpu, arrays
 
 
 def measure_time(
@@ -305,13 +364,14 @@ def measure_time(
     strategies = {case.name: case.factory() for case in cases}
     for i in range(warmup + repeats):
         for case in cases:
-            configure, aggregate, arrays = one_round(
+            configure, aggregate, cpu, arrays = one_round(
                 strategies[case.name], i + 1, global_arrays, replies[case.norms], grid
             )
             del arrays
             if i >= warmup:
                 case.configure.append(configure)
                 case.aggregate.append(aggregate)
+                case.aggregate_cpu.append(cpu)
         print(f"  pass {i + 1}/{warmup + repeats} done", file=sys.stderr, flush=True)
     check_reports(strategies)
 
@@ -338,7 +398,7 @@ def measure_memory(
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         strategy = case.factory()
-        _, _, result = one_round(strategy, 1, global_arrays, replies[case.norms], grid)
+        *_, result = one_round(strategy, 1, global_arrays, replies[case.norms], grid)
         del result
         messages = list(
             strategy.configure_train(2, global_arrays, ConfigRecord(), grid)
@@ -414,6 +474,9 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
     """Return a Markdown table and the rows behind it."""
     by_name = {c.name: c for c in cases}
     base = statistics.median(by_name[BASELINE].aggregate)
+    floor = statistics.median(by_name[FLOOR].aggregate)
+    base_cpu = statistics.median(by_name[BASELINE].aggregate_cpu)
+    floor_cpu = statistics.median(by_name[FLOOR].aggregate_cpu)
     base_mem = by_name[BASELINE].memory.get("peak_extra_mib")
     rows = []
     for case in cases:
@@ -426,6 +489,12 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
             "aggregate_times_s": case.aggregate,
             "configure_median_s": statistics.median(case.configure),
             "ratio_to_flower_fedadam": med / base,
+            "ratio_to_floor": med / floor,
+            "aggregate_cpu_median_s": statistics.median(case.aggregate_cpu),
+            "aggregate_cpu_times_s": case.aggregate_cpu,
+            "cpu_ratio_to_flower_fedadam": statistics.median(case.aggregate_cpu)
+            / base_cpu,
+            "cpu_ratio_to_floor": statistics.median(case.aggregate_cpu) / floor_cpu,
             "counterpart": case.counterpart,
             "ratio_to_counterpart": (
                 med / statistics.median(other.aggregate) if other else None
@@ -439,10 +508,11 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
         rows.append(row)
     header = (
         "| strategy | aggregate_train median (s) | min (s) | × Flower FedAdam "
-        "| × Flower counterpart | configure_train (s) | peak extra (MiB) "
-        "| × Flower FedAdam peak | kept state (MiB) |"
+        "| × floor | CPU × Flower FedAdam | CPU × floor | × Flower counterpart "
+        "| configure_train (s) | peak extra (MiB) | × Flower FedAdam peak "
+        "| kept state (MiB) |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 12]
     for r in rows:
         counterpart = (
             f"{r['ratio_to_counterpart']:.2f}" if r["ratio_to_counterpart"] else "—"
@@ -451,7 +521,9 @@ def results_table(cases: list[Case]) -> tuple[str, list[dict[str, Any]]]:
         lines.append(
             f"| {r['strategy']} | {r['aggregate_median_s']:.3f} "
             f"| {r['aggregate_min_s']:.3f} | {r['ratio_to_flower_fedadam']:.2f} "
-            f"| {counterpart} | {r['configure_median_s']:.3f} "
+            f"| {r['ratio_to_floor']:.2f} | {r['cpu_ratio_to_flower_fedadam']:.2f} "
+            f"| {r['cpu_ratio_to_floor']:.2f} | {counterpart} "
+            f"| {r['configure_median_s']:.3f} "
             + (
                 f"| {peak:.0f} | {r['peak_ratio_to_flower_fedadam']:.2f} "
                 f"| {r['kept_mib']:.0f} |"

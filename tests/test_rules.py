@@ -388,3 +388,33 @@ def test_plain_arrays_are_averaged_and_keep_their_dtype():
 def test_invalid_hyperparameters_name_the_parameter(build, pattern):
     with pytest.raises(ValueError, match=pattern):
         build()
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1e3])
+def test_blocked_sums_equal_a_client_by_client_loop(monkeypatch, max_norm):
+    """Issue #20: Δ̄ summed block by block (blocks of 5 here, arrays of 23 and
+    7 values) equals the plain loop Σ_i ω_i(x_i − x_t) in float32 exactly, and
+    each ‖Δ_i‖² the float64 value."""
+    from fedadapt.strategies.core import base
+
+    monkeypatch.setattr(base, "SUM_BLOCK", 5)
+    rng = np.random.default_rng(3)
+    x_t = {"w": rng.normal(size=(23,)).astype(np.float32),
+           "b": rng.normal(size=(7, 1)).astype(np.float32)}  # fmt: skip
+    clients = [
+        {k: x + np.float32(0.1) * rng.normal(size=x.shape).astype(np.float32)
+         for k, x in x_t.items()}
+        for _ in range(4)
+    ]  # fmt: skip
+    n = [3.0, 5.0, 7.0, 11.0]
+    stats = FedExPRule().statistics(x_t, clients, n, max_norm=max_norm)
+    for k, x in x_t.items():
+        expected = np.zeros_like(x)
+        for c in clients:
+            expected += (c[k] - x) * 0.25
+        np.testing.assert_array_equal(stats.mean_update[k], expected)
+    norms = [
+        sum(float(np.sum((c[k] - x).astype(np.float64) ** 2)) for k, x in x_t.items())
+        for c in clients
+    ]
+    np.testing.assert_allclose(stats.client_sq_norms, norms, rtol=1e-6)

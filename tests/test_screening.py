@@ -106,3 +106,83 @@ def test_evaluate_replies_are_screened():
 def test_reject_reason_accepts_integer_arrays_without_finiteness_check():
     arrays = {"steps": np.array([3], dtype=np.int64)}
     assert reject_reason(arrays, {"num-examples": 1}, arrays, "num-examples") is None
+
+
+# --- reading replies without copies (issue #20) --------------------------------
+
+
+#: Layouts a serialised Array can carry: C and Fortran order, 0-d, empty,
+#: big-endian, and (for serialising) a strided view.
+ODD_ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    np.array(7, dtype=np.int64),
+    np.zeros((0, 3), dtype=np.float16),
+    np.arange(6, dtype=">f4").reshape(2, 3),
+]
+
+
+@pytest.mark.parametrize("array", ODD_ARRAYS)
+def test_array_view_equals_flowers_numpy_and_is_read_only(array):
+    """array_view gives what Array.numpy() gives (np.load), as a read-only view."""
+    from flwr.app import Array
+
+    from fedadapt.strategies._screening import array_view
+
+    item = Array(array)
+    view, loaded = array_view(item), item.numpy()
+    assert view.shape == loaded.shape and view.dtype == loaded.dtype
+    np.testing.assert_array_equal(view, loaded)
+    assert not view.flags.writeable
+    with pytest.raises(ValueError):
+        view[...] = 0
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_array_view_of_truncated_or_padded_bytes_fails_like_numpy(cut):
+    """Data shorter than the header says raise as np.load does; extra bytes too."""
+    from flwr.app import Array
+
+    from fedadapt.strategies._screening import array_view
+
+    item = Array(np.arange(6.0))
+    short = Array(item.dtype, item.shape, item.stype, item.data[:-cut])
+    with pytest.raises(ValueError):
+        array_view(short)
+    padded = Array(item.dtype, item.shape, item.stype, item.data + b"\0" * cut)
+    assert array_view(padded).shape == (6,)  # np.load's answer: trailing ignored
+
+
+def test_reply_whose_header_contradicts_its_metadata_is_rejected():
+    """The .npy header (what is read) must match the declared shape and dtype."""
+    from flwr.app import Array
+
+    global_arrays = {"w": np.zeros((2, 3), dtype=np.float32)}
+    forged = Array(np.zeros(6, dtype=np.float32))  # header says (6,)
+    lying = Array("float32", (2, 3), forged.stype, forged.data)
+    honest = make_reply({"w": np.ones((2, 3), dtype=np.float32)}, {"num-examples": 10})
+    liar = make_reply({"w": np.ones((2, 3), dtype=np.float32)}, {"num-examples": 9}, 2)
+    next(iter(liar.content.array_records.values()))["w"] = lying
+    strategy = FedAvg()
+    strategy._sent = global_arrays
+    arrays, _ = strategy.aggregate_train(1, [honest, liar])
+    report = strategy.round_reports[1]["train_replies"]
+    assert report["used"] == 1 and report["rejected"] == 1
+    assert "do not match its metadata" in report["rejections"][0]
+    np.testing.assert_array_equal(arrays["w"].numpy(), np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("array", [*ODD_ARRAYS, np.arange(10.0)[::2]])
+def test_results_are_serialised_byte_for_byte_as_flower_does(array):
+    """Issue #20: the one-copy serialisation writes np.save's exact bytes."""
+    from flwr.app import Array
+
+    from fedadapt.strategies._message_api import _to_array
+
+    ours, flowers = _to_array(array), Array(array)
+    assert ours.data == flowers.data
+    assert (ours.dtype, tuple(ours.shape), ours.stype) == (
+        flowers.dtype,
+        tuple(flowers.shape),
+        flowers.stype,
+    )

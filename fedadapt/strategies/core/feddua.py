@@ -98,46 +98,68 @@ class FedDuARule(ServerRule):
         self.s: Arrays | None = None
         self.v: Arrays | None = None
         self.m = 0.0
+        self._direction: Arrays | None = None
 
     def update(
         self, current: Arrays, stats: RoundStatistics
     ) -> tuple[Arrays, dict[str, float]]:
-        """Apply one FedDuA step (DUA Alg. 1 lines 12-17)."""
+        """Apply one FedDuA step (DUA Alg. 1 lines 12-17).
+
+        v and s are updated in place and G^{-1}v is built in a buffer kept
+        across rounds; per element the operations and their order are those
+        of the formulas in the module docstring.
+        """
         delta, half_a = stats.mean_update, 0.5 * float(stats.mean_sq_norm)
         identity = self.preconditioner == "identity"
         if self.v is None:
             self.v = zeros_like(delta)
             self.s = None if identity else zeros_like(delta)
         if self.variant == "adagrad":
-            self.v = {k: d.copy() for k, d in delta.items()}
+            for k, v in self.v.items():
+                np.copyto(v, delta[k])
             self.m = half_a
-            if self.s is not None:
-                self.s = {k: s + delta[k] ** 2 for k, s in self.s.items()}
         else:
-            b1, b2 = self.beta_1, self.beta_2
-            self.v = {k: b1 * v + (1 - b1) * delta[k] for k, v in self.v.items()}
+            b1 = self.beta_1
+            for k, v in self.v.items():
+                v *= b1
+                v += np.multiply(delta[k], 1 - b1, out=self.scratch(delta[k]))
             self.m = 0.5 * b1 * self.m + (1 - b1) * half_a
-            if self.s is not None:
-                self.s = {
-                    k: b2 * s + (1 - b2) * delta[k] ** 2 for k, s in self.s.items()
-                }
+        if self.s is not None:
+            adagrad, b2 = self.variant == "adagrad", self.beta_2
+            for k, s in self.s.items():
+                square = np.square(delta[k], out=self.scratch(delta[k]))
+                if not adagrad:
+                    s *= b2
+                    square *= 1 - b2
+                s += square
         direction = self.v if self.s is None else self._precondition(self.v, self.s)
         q = math.fsum(float(np.vdot(self.v[k], u)) for k, u in direction.items())
         denominator = q + self.epsilon_g
         eta = self.m / denominator if denominator > 0 else 0.0
-        new = {k: x + eta * direction[k] for k, x in current.items()}
+        new = {
+            k: x + np.multiply(direction[k], eta, out=self.scratch(direction[k]))
+            for k, x in current.items()
+        }
         return new, {"server-lr": eta, "q": q, "m": self.m}
 
     def _precondition(self, v: Arrays, s: Arrays) -> Arrays:
-        """Return G^{-1}v = v/(√s + ε), with 0/0 := 0 (A-F18)."""
-        out = {}
+        """Return G^{-1}v = v/(√s + ε), with 0/0 := 0 (A-F18).
+
+        Written into arrays kept between rounds (``self._direction``).
+        """
+        if self._direction is None:
+            self._direction = {k: np.empty_like(vk) for k, vk in v.items()}
         for k, vk in v.items():
-            g = np.sqrt(s[k]) + self.epsilon
-            out[k] = np.divide(vk, g, out=np.zeros_like(vk), where=g > 0)
-        return out
+            g = np.sqrt(s[k], out=self.scratch(s[k]))
+            g += self.epsilon
+            out = self._direction[k]
+            out.fill(0)
+            np.divide(vk, g, out=out, where=g > 0)
+        return self._direction
 
     def _state(self) -> dict[str, Any]:
         return {"s": self.s, "v": self.v, "m": self.m}
 
     def _load(self, state: Mapping[str, Any]) -> None:
         self.s, self.v, self.m = state["s"], state["v"], float(state["m"])
+        self._direction = None

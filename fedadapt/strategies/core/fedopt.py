@@ -75,8 +75,11 @@ class FedOptRule(ServerRule):
         self.m: Arrays | None = None
         self.v: Arrays | None = None
 
-    def second_moment(self, v: Any, delta_sq: Any) -> Any:
-        """Return v_t from v_{t−1} and Δ̄_t² (one array)."""
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Turn v_{t−1} into v_t in place, given Δ̄_t² (one array).
+
+        ``delta_sq`` is a scratch array the rule may overwrite.
+        """
         raise NotImplementedError
 
     def step_scale(self) -> tuple[float, float]:
@@ -86,18 +89,29 @@ class FedOptRule(ServerRule):
     def update(
         self, current: Arrays, stats: RoundStatistics
     ) -> tuple[Arrays, dict[str, float]]:
-        """Apply one FedOpt step (Reddi et al., Alg. 2 lines 11-14)."""
+        """Apply one FedOpt step (Reddi et al., Alg. 2 lines 11-14).
+
+        The moments are updated in place and every temporary is a reused
+        scratch array; each element sees the same operations in the same
+        order as ``x + η·(β1·m + (1−β1)·Δ̄) / (√v + τ)`` written out.
+        """
         delta = stats.mean_update
         if self.m is None or self.v is None:
             self.m, self.v = zeros_like(delta), zeros_like(delta)
         b1 = self.beta_1
-        self.m = {k: b1 * m + (1 - b1) * delta[k] for k, m in self.m.items()}
-        self.v = {k: self.second_moment(v, delta[k] ** 2) for k, v in self.v.items()}
         eta, tau = self.step_scale()
-        new = {
-            k: x + eta * self.m[k] / (np.sqrt(self.v[k]) + tau)
-            for k, x in current.items()
-        }
+        new = {}
+        for k, x in current.items():
+            d, m, v = delta[k], self.m[k], self.v[k]
+            work = self.scratch(d, 0)
+            m *= b1
+            m += np.multiply(d, 1 - b1, out=work)
+            self.second_moment(v, np.square(d, out=work))
+            root = np.sqrt(v, out=self.scratch(v, 0))
+            root += tau
+            ratio = np.multiply(m, eta, out=self.scratch(m, 1))
+            ratio /= root
+            new[k] = x + ratio
         return new, {"server-lr": eta}
 
     def _state(self) -> dict[str, Any]:
@@ -127,9 +141,9 @@ class FedAdagradRule(FedOptRule):
             plain_average=plain_average,
         )
 
-    def second_moment(self, v: Any, delta_sq: Any) -> Any:
-        """Adagrad accumulator."""
-        return v + delta_sq
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Adagrad accumulator: v += Δ̄²."""
+        v += delta_sq
 
 
 class FedAdamRule(FedOptRule):
@@ -158,9 +172,11 @@ class FedAdamRule(FedOptRule):
             "bias_correction", bias_correction, BIAS_CORRECTIONS
         )
 
-    def second_moment(self, v: Any, delta_sq: Any) -> Any:
-        """Exponential moving average of Δ̄²."""
-        return self.beta_2 * v + (1 - self.beta_2) * delta_sq
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Exponential moving average: v = β2·v + (1−β2)·Δ̄²."""
+        v *= self.beta_2
+        delta_sq *= 1 - self.beta_2
+        v += delta_sq
 
     def step_scale(self) -> tuple[float, float]:
         """Bias-corrected (η_t, τ_t); ``num_updates`` counts earlier updates."""
@@ -199,6 +215,10 @@ class FedYogiRule(FedOptRule):
             plain_average=plain_average,
         )
 
-    def second_moment(self, v: Any, delta_sq: Any) -> Any:
-        """Yogi's additive, sign-controlled update."""
-        return v - (1.0 - self.beta_2) * delta_sq * np.sign(v - delta_sq)
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Yogi's additive update: v −= (1−β2)·Δ̄²·sign(v − Δ̄²)."""
+        sign = np.subtract(v, delta_sq, out=self.scratch(v, 1))
+        np.sign(sign, out=sign)
+        delta_sq *= 1.0 - self.beta_2
+        delta_sq *= sign
+        v -= delta_sq
