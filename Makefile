@@ -50,6 +50,7 @@ smoke: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m fedadapt.config --check
 
 format: $(STAMP)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from logging import WARNING
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -83,7 +83,7 @@ def _to_array(array: NDArray[Any]) -> Array:
         )
     except ValueError:
         return Array(array)
-    data = b"".join((header.getvalue(), array.reshape(-1).view(np.uint8)))
+    data = b"".join((header.getvalue(), array.reshape(-1).view(np.uint8).data))
     return Array(
         dtype=str(array.dtype), shape=tuple(array.shape), stype=SType.NUMPY, data=data
     )
@@ -96,7 +96,7 @@ def _to_record(arrays: Arrays) -> ArrayRecord:
 def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
     node = message.metadata.src_node_id
     if message.has_error():
-        return message.error.reason
+        return message.error.reason or f"error code {message.error.code}"
     content = message.content
     if len(content.metric_records) != 1:
         return Candidate(node, None, {}, message, "expected exactly one MetricRecord")
@@ -121,6 +121,11 @@ class _NodeSnapshot:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
+
+
+def _snapshot(grid: Grid, node_ids: list[int]) -> Grid:
+    """Return a :class:`_NodeSnapshot` as what it stands in for (duck-typed)."""
+    return cast(Grid, _NodeSnapshot(grid, node_ids))
 
 
 class RuleStrategy(RuleHost):
@@ -204,7 +209,11 @@ class RuleStrategy(RuleHost):
         record = _to_record(new)
         self._last_output = record
         self._evaluation = None
-        self._evaluation_pair = (self._sent, new) if self.average_last_two else None
+        self._evaluation_pair = (
+            (self._sent, new)
+            if self.average_last_two and self._sent is not None
+            else None
+        )
         return record, metrics
 
     def configure_evaluate(
@@ -279,7 +288,7 @@ class RuleStrategy(RuleHost):
             saved = random.getstate()
             random.seed(f"fedadapt/{self.sampling_seed}/{phase}/{global_round}")
             try:
-                yield _NodeSnapshot(connected, nodes)
+                yield _snapshot(connected, nodes)
             finally:
                 random.setstate(saved)
 
@@ -312,7 +321,7 @@ class RuleStrategy(RuleHost):
                 nodes = list(grid.get_node_ids())
         if len(nodes) >= wanted:
             self._degraded.pop(minimum, None)
-            yield _NodeSnapshot(grid, nodes)
+            yield _snapshot(grid, nodes)
             return
         if not nodes:
             yield grid  # nobody left: Flower waits for nodes to (re)connect
@@ -330,7 +339,7 @@ class RuleStrategy(RuleHost):
         self.min_available_nodes = len(nodes)
         setattr(self, minimum, min(saved[1], len(nodes)))
         try:
-            yield _NodeSnapshot(grid, nodes)
+            yield _snapshot(grid, nodes)
         finally:
             self.min_available_nodes = saved[0]
             setattr(self, minimum, saved[1])

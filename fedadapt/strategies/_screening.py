@@ -134,7 +134,8 @@ class RuleHost:
         entry = self.round_reports.setdefault(server_round, {})
         valid, report = screen(candidates, reference, weight_key, label,
                                self.check_reply)  # fmt: skip
-        new, diagnostics = None, {}
+        new: Arrays | None = None
+        diagnostics: dict[str, Any] = {}
         if valid and reference is not None:
             new, diagnostics, valid = apply_rule(
                 self.rule, reference, valid, weight_key, report, label,
@@ -206,7 +207,7 @@ class Candidate:
     """One client reply, unpacked: who sent it, its arrays and metrics."""
 
     node: int | str
-    arrays: Arrays | None
+    arrays: Mapping[str, NDArray[Any]] | None  # plain or LazyArrays
     metrics: Mapping[str, Any]
     source: Any = None  # the original reply object, for the adapter
     problem: str | None = None  # set when the reply could not even be unpacked

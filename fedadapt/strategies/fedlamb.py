@@ -111,7 +111,7 @@ class FedLAMB(RuleStrategy, flwr_strategy.FedAvg):
             if message.has_error():
                 continue
             if SECOND_MOMENTS_KEY in message.content.array_records:
-                record = message.content[SECOND_MOMENTS_KEY]
+                record = message.content.array_records[SECOND_MOMENTS_KEY]
                 self._moments[id(message)] = {k: v.numpy() for k, v in record.items()}
                 del message.content[SECOND_MOMENTS_KEY]
         return super().aggregate_train(server_round, replies)

@@ -137,9 +137,9 @@ class LegacyRuleStrategy(RuleHost):
         """Screen results, apply the rule; ``(None, {})`` keeps the model."""
         candidates: list[Candidate | str] = [repr(f) for f in failures]
         for proxy, res in results:
-            metrics = {**res.metrics, WEIGHT_KEY: res.num_examples}
+            reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
             arrays = _keyed(parameters_to_ndarrays(res.parameters), self.array_names)
-            candidates.append(Candidate(proxy.cid, arrays, metrics, (proxy, res)))
+            candidates.append(Candidate(proxy.cid, arrays, reply, (proxy, res)))
         # Flower's contract: with failures and accept_failures=False, no update
         keep = bool(failures) and not self.accept_failures
         new, valid = self.run_rule(

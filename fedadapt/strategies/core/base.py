@@ -229,6 +229,8 @@ class ServerRule(ABC):
         compute = sq_norms is None and (self.needs_sq_norms or max_norm > 0)
         norms = np.zeros(len(clients)) if compute else None
         if max_norm > 0:
+            # clipping needs the norms: it is refused with reported ones
+            assert norms is not None, "clipping computes the clients' norms"
             mean_update = self._clipped_sum(current, clients, weights, adaptive,
                                             norms, max_norm)  # fmt: skip
         else:
@@ -339,9 +341,9 @@ class ServerRule(ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a state returned by :meth:`state_dict`."""
-        state = copy.deepcopy(dict(state))
-        self.num_updates = int(state.pop("num_updates"))
-        self._load(state)
+        restored = copy.deepcopy(dict(state))
+        self.num_updates = int(restored.pop("num_updates"))
+        self._load(restored)
 
 
 def zeros_like(arrays: Mapping[str, NDArray[Any]]) -> Arrays:

@@ -109,6 +109,7 @@ class FedDuARule(ServerRule):
         across rounds; per element the operations and their order are those
         of the formulas in the module docstring.
         """
+        assert stats.mean_sq_norm is not None, "FedDuA's step needs A"
         delta, half_a = stats.mean_update, 0.5 * float(stats.mean_sq_norm)
         identity = self.preconditioner == "identity"
         if self.v is None:

@@ -101,6 +101,7 @@ class FedExPRule(ServerRule):
             self._momentum.epsilon_g = eps
             return self._momentum.update(current, stats)
         denominator = 2.0 * (sq_norm(stats.mean_update) + eps)
+        assert stats.mean_sq_norm is not None, "FedExP's step needs A"
         raw = float(stats.mean_sq_norm) / denominator if denominator > 0 else 0.0
         eta = max(1.0, raw) if self.form == "original" else raw
         new = {k: x + eta * stats.mean_update[k] for k, x in current.items()}
