@@ -14,7 +14,7 @@ torchvision image datasets (:func:`load_torchvision`)
                                        test_batch, batches.meta
         <data-dir>/cifar-100-python/train, test, meta
 
-    Images come out as normalised float tensors (§7.1 of the algorithms spec):
+    Images come out as normalised float tensors (as in the Δ-SGD authors' code):
     MNIST/FMNIST ``Normalize((0.1307,), (0.3081,))``; CIFAR per-dataset
     channel mean/std, optionally after ``RandomCrop(32, padding=4)`` and
     ``RandomHorizontalFlip()`` on the training split (``augment=True``).
@@ -133,7 +133,7 @@ SHAKESPEARE_VOCAB = (
 """LEAF's ``ALL_LETTERS``: character ``c`` is encoded as its index here."""
 
 SHAKESPEARE_VOCAB_SIZE = len(SHAKESPEARE_VOCAB)
-"""80, LEAF's vocabulary. DUA's Table 4 says 79 (spec A-F7); a model that
+"""80, LEAF's vocabulary. FedDuA's App. Table 4 says 79 (one short); a model that
 embeds these indices needs at least 80 rows, see :func:`shakespeare_encode`."""
 
 SHAKESPEARE_SEQ_LEN = 80
@@ -347,7 +347,7 @@ def image_transform(name: str, train: bool = True, augment: bool = False) -> Cal
         ever applies there.
     augment : bool
         CIFAR only: ``RandomCrop(32, padding=4)`` and ``RandomHorizontalFlip()``
-        before normalisation (Δ-SGD code, spec §7.1). Ignored for MNIST/FMNIST,
+        before normalisation (Δ-SGD authors' code). Ignored for MNIST/FMNIST,
         which the papers train without augmentation.
 
     Returns

@@ -1,25 +1,27 @@
 """Models of the tasks: the papers' architectures.
 
-Section numbers refer to ``shared/docs/algorithms-spec.md`` ("spec"); papers are
-in ``shared/papers/``: Δ-SGD (``delta-sgd-*.txt``, code ``jlylekim/auto-tuned-FL``),
-Fed-LAMB (``fed-lamb.txt``) and FedDuA (``feddua.txt``, which follows the FedExP
-code ``Divyansh03/FedExP``).
+Papers: Δ-SGD (Kim et al., arXiv:2306.11201; authors' code
+``jlylekim/auto-tuned-FL``), Fed-LAMB (Karimi et al., arXiv:2110.00532) and
+FedDuA (Takakura et al., "FedDuA: Doubly Adaptive Federated Learning", which
+follows the FedExP code ``Divyansh03/FedExP`` of Jhunjhunwala et al.,
+arXiv:2301.09604).
 
-Models and parameter counts (spec §10.1 U24 where listed there):
+Models and parameter counts (each checked in ``tests/test_models.py``):
 
 * :class:`MLP`: the digits task's small perceptron (unchanged).
 * :class:`CNNMnist`: Δ-SGD MNIST/FMNIST CNN, also Fed-LAMB's MNIST CNN
-  (§7.1, §7.2): 21,840.
-* :class:`LambMLP`: Fed-LAMB MNIST MLP 784→200→10 (§7.2): 159,010.
-* :func:`resnet18_cifar`: Δ-SGD / FedDuA CIFAR ResNet-18 (§7.1, §7.3; A-D22,
-  A-F8): 11,173,962 for 10 classes, BN or GroupNorm.
-* :func:`resnet50_cifar`: Δ-SGD CIFAR-100 ResNet-50 (§7.1): 23,705,252 for 100
+  (Δ-SGD §4; Fed-LAMB §4): 21,840.
+* :class:`LambMLP`: Fed-LAMB MNIST MLP 784→200→10 (§4): 159,010.
+* :func:`resnet18_cifar`: Δ-SGD / FedDuA CIFAR ResNet-18 (Δ-SGD §4;
+  FedDuA §5.1, App. H.2): 11,173,962 for 10 classes, BN or GroupNorm.
+* :func:`resnet50_cifar`: Δ-SGD CIFAR-100 ResNet-50 (Δ-SGD §4): 23,705,252 for 100
   classes.
-* :class:`FemnistCNN`: FedDuA FEMNIST CNN, App. Table 5 (§7.3; A-F6): 1,206,590.
-* :class:`ShakespeareLSTM`: FedDuA LSTM, App. Table 4 (§7.3; A-F7): 1,093,199.
-* :class:`LinearRegression`: FedDuA synthetic linear model (§7.3, §10.2 C1):
-  1,000.
-* :class:`ResNet9`: [O] Fed-LAMB CIFAR-10 ResNet-9 (A-L14): 6,573,120.
+* :class:`FemnistCNN`: FedDuA FEMNIST CNN, App. Table 5: 1,206,590.
+* :class:`ShakespeareLSTM`: FedDuA LSTM, App. Table 4: 1,093,199.
+* :class:`LinearRegression`: FedDuA synthetic linear model (FedDuA §5.1,
+  App. H.2): 1,000.
+* :class:`ResNet9`: Fed-LAMB CIFAR-10 ResNet-9 (our choice of network, §4
+  leaves it open): 6,573,120.
 
 Every classifier returns *logits*: use it with ``nn.CrossEntropyLoss``.
 """
@@ -54,7 +56,7 @@ NormKind = Literal["batch", "group"]
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Return the number of trainable parameters (spec §10.1 U24).
+    """Return the number of trainable parameters.
 
     Parameters
     ----------
@@ -92,20 +94,20 @@ class MLP(nn.Module):
 
 
 class CNNMnist(nn.Module):
-    """The Δ-SGD MNIST/FMNIST CNN (spec §7.1, code ``src/cnn.py`` ``CNNMnist``).
+    """The Δ-SGD MNIST/FMNIST CNN (Δ-SGD §4; code ``src/cnn.py``).
 
     conv 1→10 (5×5), max-pool 2, ReLU; conv 10→20 (5×5), Dropout2d, max-pool 2,
     ReLU; flatten (20·4·4 = 320); FC 320→50, ReLU, dropout (p = 0.5); FC
     50→``num_classes``. With 28×28 inputs and 10 classes: 21,840 parameters
-    (spec §10.1 U24). The same shape is Fed-LAMB's MNIST CNN ("two max-pooled
+    The same shape is Fed-LAMB's MNIST CNN ("two max-pooled
     convolutional layers followed by a dropout layer and two fully-connected
-    layers with 320 and 50 cells", LAMB §4; spec §7.2).
+    layers with 320 and 50 cells", Fed-LAMB §4).
 
     Deviation: the official code returns ``log_softmax``; this model returns the
     logits. ``CrossEntropyLoss(logits)`` equals ``NLLLoss(log_softmax(logits))``
     and, since ``log_softmax`` is idempotent, also equals the code's
     ``CrossEntropyLoss(log_softmax(logits))``; the argmax is unchanged. So the
-    loss, gradients and accuracy are identical (spec §7.1 "harmless").
+    loss, gradients and accuracy are identical.
 
     Parameters
     ----------
@@ -143,11 +145,11 @@ class CNNMnist(nn.Module):
 
 
 class LambMLP(nn.Module):
-    """Fed-LAMB's MNIST MLP: 784 → 200 (ReLU, dropout) → 10 (spec §7.2).
+    """Fed-LAMB's MNIST MLP: 784 → 200 (ReLU, dropout) → 10.
 
-    LAMB §4: "a simple multilayer perceptron (MLP), which has one hidden layer
-    containing 200 cells with dropout". 784·200 + 200 + 200·10 + 10 = 159,010
-    parameters (spec §10.1 U24).
+    Fed-LAMB (Karimi et al., arXiv:2110.00532) §4: "a simple multilayer
+    perceptron (MLP), which has one hidden layer containing 200 cells with
+    dropout". 784·200 + 200 + 200·10 + 10 = 159,010 parameters.
 
     The dropout rate is not stated; the default 0.5 is PyTorch's default, used
     by the MLP of the federated code base that the Δ-SGD code derives from
@@ -165,7 +167,7 @@ class LambMLP(nn.Module):
     num_classes : int (default: 10)
         Output classes.
     dropout : float (default: 0.5)
-        Dropout rate after the hidden layer [O].
+        Dropout rate after the hidden layer (our choice).
     """
 
     def __init__(
@@ -219,10 +221,11 @@ class BasicBlock(nn.Module):
     norm : {"batch", "group"} (default: "batch")
         Normalisation layer.
     groups : int (default: 2)
-        Groups of ``GroupNorm`` (FedExP code: 2; A-F8).
+        Groups of ``GroupNorm`` (FedExP code: 2; FedDuA does not state its norm
+        layer and follows that code).
     track_running_stats : bool (default: True)
         For ``norm="batch"``: whether ``bn1``/``bn2`` keep running statistics.
-        The Δ-SGD code sets ``False`` on these two BNs only (A-D22); the
+        The Δ-SGD code sets ``False`` on these two BNs only; the
         shortcut's BN keeps the standard behaviour, as in that code.
     """
 
@@ -280,7 +283,7 @@ class Bottleneck(nn.Module):
         Groups of ``GroupNorm``.
     track_running_stats : bool (default: True)
         For ``norm="batch"``: whether ``bn1``–``bn3`` keep running statistics.
-        The Δ-SGD code keeps them (True); ``False`` extends A-D22 to R-50.
+        The Δ-SGD code keeps them (True); ``False`` extends R-18's setting to R-50.
     """
 
     expansion = 4
@@ -322,7 +325,9 @@ class Bottleneck(nn.Module):
 
 
 class ResNetCIFAR(nn.Module):
-    """ResNet for 32×32 inputs, kuangliu's CIFAR variant (spec §7.1, §7.3).
+    """ResNet for 32×32 inputs, kuangliu's CIFAR variant.
+
+    Used by Δ-SGD (arXiv:2306.11201) §4 and FedDuA §5.1, App. H.2.
 
     3×3 stem conv (64 channels, stride 1, no bias) → norm → ReLU, no max-pool;
     four stages of widths 64/128/256/512 with strides 1/2/2/2;
@@ -340,20 +345,21 @@ class ResNetCIFAR(nn.Module):
         Output classes.
     norm : {"batch", "group"} (default: "batch")
         ``BatchNorm2d`` (Δ-SGD code) or ``GroupNorm(groups, C)`` (FedExP code;
-        FedDuA's default per A-F8). Both have 2 parameters per channel, so the
-        parameter count does not depend on it.
+        our default for FedDuA, whose paper does not name the norm). Both
+        have 2 parameters per channel, so the parameter count does not depend
+        on it.
     groups : int (default: 2)
         Groups of ``GroupNorm``.
     track_running_stats : bool (default: True)
-        Passed to the blocks' inner BNs only (A-D22); the stem BN and the
+        Passed to the blocks' inner BNs only; the stem BN and the
         shortcut BNs always track running statistics, as in the Δ-SGD code.
         No effect with ``norm="group"``.
     pool_kernel : int (default: 4)
         Kernel (and stride) of the final average pool. The 4×4 feature map of a
         32×32 input gives 1×1 either way; 4 (kuangliu, Δ-SGD) averages the whole
-        map, 3 (FedExP code) averages only its top-left 3×3 window. Spec §7.3
-        notes the FedExP choice; it is offered for exact reproduction, the
-        default is the standard global average.
+        map, 3 (FedExP code) averages only its top-left 3×3 window. The FedExP
+        choice is offered for exact reproduction of FedDuA's runs; the default
+        is the standard global average.
     in_channels : int (default: 3)
         Input channels.
 
@@ -418,11 +424,12 @@ def resnet18_cifar(
 ) -> ResNetCIFAR:
     """Return the CIFAR ResNet-18 (BasicBlock, [2, 2, 2, 2]).
 
-    11,173,962 parameters for 10 classes with either norm (spec §10.1 U24).
+    11,173,962 parameters for 10 classes with either norm.
 
-    * Δ-SGD (§7.1): ``norm="batch"``; ``track_running_stats=False`` reproduces
-      the code's BasicBlock BNs (A-D22; standard BN is the default).
-    * FedDuA (§7.3, A-F8): ``norm="group"`` (2 groups); add ``pool_kernel=3``
+    * Δ-SGD (§4): ``norm="batch"``; ``track_running_stats=False`` reproduces
+      the authors' code's BasicBlock BNs (standard BN is the default).
+    * FedDuA (§5.1; the paper does not name the norm layer, the FedExP code it
+      follows uses GroupNorm): ``norm="group"`` (2 groups); add ``pool_kernel=3``
       for the FedExP code's exact pooling.
 
     Parameters
@@ -461,7 +468,7 @@ def resnet50_cifar(
     pool_kernel: int = 4,
     groups: int = 2,
 ) -> ResNetCIFAR:
-    """Return the CIFAR ResNet-50 (Bottleneck, [3, 4, 6, 3]; spec §7.1).
+    """Return the CIFAR ResNet-50 (Bottleneck, [3, 4, 6, 3]; Δ-SGD §4).
 
     Δ-SGD's CIFAR-100 model: 23,705,252 parameters for 100 classes
     (23,520,842 for 10).
@@ -501,14 +508,14 @@ def resnet50_cifar(
 
 
 class FemnistCNN(nn.Module):
-    """FedDuA's FEMNIST CNN (DUA App. Table 5 = FedExP's ``EMNIST_CNN``; A-F6).
+    """FedDuA's FEMNIST CNN (App. Table 5 = FedExP's ``EMNIST_CNN``).
 
     conv 1→32 (3×3), ReLU; conv 32→64 (3×3), ReLU; max-pool 2; dropout 0.25;
     flatten (64·12·12 = 9,216); FC 9216→128, ReLU; dropout 0.5; FC 128→62.
     Table 5 omits the max-pool (implied by the 1,179,776 = 9216·128 + 128
     parameters of the first dense layer) and the dropout rates, which are
     taken from the FedExP code. 320 + 18,496 + 1,179,776 + 7,998 = 1,206,590
-    parameters (spec §10.1 U24).
+    parameters.
 
     Parameters
     ----------
@@ -549,7 +556,7 @@ class FemnistCNN(nn.Module):
 
 
 class ShakespeareLSTM(nn.Module):
-    """FedDuA's Shakespeare next-character LSTM (DUA App. Table 4; A-F7).
+    """FedDuA's Shakespeare next-character LSTM (FedDuA App. Table 4).
 
     Embedding ``vocab_size``→``embed_dim``; ``num_layers``-layer LSTM with
     ``hidden`` units (batch first); dropout; dense ``hidden``→``vocab_size``
@@ -563,11 +570,12 @@ class ShakespeareLSTM(nn.Module):
       that);
     * Dense 20,303 = 256·79 + 79.
 
-    Total 1,093,199 (spec §10.1 U24). The table's output shape ``[256, 79]`` is
+    Total 1,093,199. The table's output shape ``[256, 79]`` is
     read as the dense layer's weight shape; the prediction is made from the
-    last position (A-F7), so the output is ``(N, vocab_size)``. The dropout rate
-    is not stated; 0.5 is an [O] choice (FedDuA's other model uses 0.5 before
-    its last layer). ``last_only=False`` returns every position's logits.
+    last position (the paper does not say), so the output is
+    ``(N, vocab_size)``. The dropout rate is not stated; 0.5 is our choice
+    (FedDuA's other model uses 0.5 before its last layer). ``last_only=False``
+    returns every position's logits.
 
     Parameters
     ----------
@@ -580,7 +588,7 @@ class ShakespeareLSTM(nn.Module):
     num_layers : int (default: 2)
         Stacked LSTM layers.
     dropout : float (default: 0.5)
-        Dropout between the LSTM and the dense layer [O].
+        Dropout between the LSTM and the dense layer (our choice).
     seq_len : int (default: 80)
         Nominal input length (Table 4's input ``[80]``); informational, any
         length is accepted.
@@ -620,9 +628,10 @@ class ShakespeareLSTM(nn.Module):
 
 
 class LinearRegression(nn.Module):
-    """FedDuA's synthetic linear model ``x ↦ ⟨w, x⟩`` (DUA §5.1; spec §7.3, C1).
+    """FedDuA's synthetic linear model ``x ↦ ⟨w, x⟩`` (FedDuA §5.1).
 
-    The loss of spec §10.2 C1 is ``F(w) = (1/M) Σ_i (1/(2n)) ‖X_i w − y_i‖²``
+    The loss (our reading of FedDuA §5.1, App. H.2) is
+    ``F(w) = (1/M) Σ_i (1/(2n)) ‖X_i w − y_i‖²``
     with labels ``y = ⟨w_{i,j}, x⟩`` (no intercept) and ``w_0 = 0``: the model
     is a bias-free linear layer, zero-initialised by default. With
     ``nn.MSELoss()`` on a batch, ``0.5 * MSELoss`` is ``(1/(2n))‖Xw − y‖²``.
@@ -632,7 +641,8 @@ class LinearRegression(nn.Module):
     dim : int (default: 1000)
         Input dimension d.
     zero_init : bool (default: True)
-        Start from ``w_0 = 0`` (A-F5); ``False`` keeps PyTorch's default init.
+        Start from ``w_0 = 0`` (not stated in the paper); ``False`` keeps
+        PyTorch's default init.
 
     Notes
     -----
@@ -651,7 +661,7 @@ class LinearRegression(nn.Module):
 
 
 # ---------------------------------------------------------------------------
-# [O] Fed-LAMB CIFAR-10 ResNet-9
+# Fed-LAMB CIFAR-10 ResNet-9 (our choice of network)
 # ---------------------------------------------------------------------------
 
 
@@ -681,10 +691,10 @@ class _Residual(nn.Module):
 
 
 class ResNet9(nn.Module):
-    """[O] DAWNBench-style ResNet-9 (64-128r-256-512r) for Fed-LAMB (A-L14).
+    """DAWNBench-style ResNet-9 (64-128r-256-512r) for Fed-LAMB (our choice).
 
-    LAMB §4 attributes its CIFAR-10 ResNet-9 to He et al. without details; the
-    spec's default is the DAWNBench (Myrtle / D. Page) network:
+    Fed-LAMB (arXiv:2110.00532) §4 attributes its CIFAR-10 ResNet-9 to He et al.
+    without details; we take the DAWNBench (Myrtle / D. Page) network:
 
     prep: conv 3→64; layer1: conv 64→128, max-pool 2, residual of two convs
     128→128; layer2: conv 128→256, max-pool 2; layer3: conv 256→512, max-pool

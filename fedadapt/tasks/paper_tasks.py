@@ -7,7 +7,11 @@ the clients with run-config ``partition`` and hold out
 the official test set is the central test set. LEAF tasks use their natural
 clients (writers, speakers): ``num-partitions`` of them, chosen with
 ``seed``, each with its own LEAF train/test split. The synthetic task
-generates DUA's per-client data from ``seed``.
+generates FedDuA's per-client data from ``seed``.
+
+Papers: Δ-SGD (Kim et al., arXiv:2306.11201), Fed-LAMB (Karimi et al.,
+arXiv:2110.00532), FedDuA (Takakura et al., "FedDuA: Doubly Adaptive Federated
+Learning"); "DUA" in the task summaries is FedDuA.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def vision_task(
 
 
 def chosen_users(cfg: Mapping[str, Any], dataset: str, num: int) -> list[str]:
-    """``num`` LEAF users drawn without replacement with ``seed`` (DUA: 100)."""
+    """``num`` LEAF users drawn without replacement with ``seed`` (FedDuA: 100)."""
     users = leaf_users(cfg["data-dir"], dataset)
     if num > len(users):
         raise ValueError(
@@ -114,7 +118,7 @@ def leaf_task(
 
 
 class HalfSquaredError(nn.Module):
-    """½·mean((ŷ − y)²): DUA's (1/(2n))‖Xw − y‖² per batch (spec §10.2 C1)."""
+    """½·mean((ŷ − y)²): FedDuA's (1/(2n))‖Xw − y‖² per batch (§5.1)."""
 
     def forward(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Return the loss."""
@@ -140,7 +144,8 @@ def _synthetic_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
 
 SYNTHETIC_CLIENTS = 20
 
-# The papers' setups (spec §7); num-supernodes is the number of clients.
+# The papers' setups (source cited after each dict); num-supernodes is the
+# number of clients.
 DELTA_SGD_SETUP = {
     "num-supernodes": 100,
     "clients-per-round": 10,
@@ -152,7 +157,7 @@ DELTA_SGD_SETUP = {
     "strategy": "fedavg",
     "client-optimizer": "delta-sgd",
     "client-lr": 0.2,
-}  # Δ-SGD ICLR §4 / App. A: 100 clients x 500 samples, 10 %/round, E=1, b=64
+}  # Δ-SGD §4 (ICLR version App. A): 100 clients x 500 samples, 10 %/round, E=1, b=64
 FED_LAMB_SETUP = {
     "num-supernodes": 50,
     "clients-per-round": 25,
@@ -174,7 +179,7 @@ FEDDUA_SETUP = {
     "num-server-rounds": 500,
     "average-last-two": True,
     "weighting": "uniform",
-}  # DUA §5.1: 20 participants, tau = 20 steps, batch 50, 500 rounds
+}  # FedDuA §5.1: 20 participants, tau = 20 steps, batch 50, 500 rounds
 
 SYNTHETIC_LINREG = Task(
     name="synthetic-linreg",
@@ -227,7 +232,7 @@ PAPER_TASKS = (
         "cifar10-resnet18-gn", "cifar10",
         lambda: models.resnet18_cifar(10, norm="group", pool_kernel=3),
         "CIFAR-10, ResNet-18 with GroupNorm(2) and 3×3 final pooling, the FedExP "
-        "code's model that DUA uses (A-F8); DUA §5",
+        "code's model that FedDuA follows; FedDuA §5.1",
         {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
          "client-lr": 0.01, "epsilon-g": 0.01},
     ),
@@ -250,7 +255,7 @@ PAPER_TASKS = (
     ),
     leaf_task(
         "shakespeare-lstm", "shakespeare",
-        # LEAF's alphabet has 80 characters; DUA's count (1,093,199) implies 79,
+        # LEAF's alphabet has 80 characters; FedDuA's count (1,093,199) implies 79,
         # which cannot encode real LEAF data, so the task uses 80 (+513 params)
         lambda: models.ShakespeareLSTM(vocab_size=SHAKESPEARE_VOCAB_SIZE),
         "LEAF Shakespeare (natural speakers), 2×256 LSTM of DUA App. Table 4",

@@ -14,16 +14,19 @@ Where Flower Datasets implements the papers' scheme we use its partitioner
                    ``DirichletPartitioner``, min. 10 samples per client)
 ``dirichlet-equal`` equal client sizes, per-client Dir(α) class mix without
                    replacement (flwr-datasets ``InnerDirichletPartitioner``;
-                   FedExP's ``getDirichletData_equal``, DUA's CIFAR split,
-                   A-F9)
+                   FedExP's ``getDirichletData_equal``, our reading of FedDuA
+                   §5.1's unstated Dirichlet split)
 ``shards``         ``classes-per-client`` classes each, the pathological
                    split (flwr-datasets ``PathologicalPartitioner``; 1 class
-                   per client is Fed-LAMB's non-iid MNIST, spec §7.2)
-``delta-sgd``      the Δ-SGD code's sampler (spec §7.1), which flwr-datasets
+                   per client is Fed-LAMB's non-iid MNIST, arXiv:2110.00532
+                   §4)
+``delta-sgd``      the Δ-SGD code's sampler (arXiv:2306.11201 §4 cites Hsu et
+                   al., arXiv:1909.06335; code ``sampling.py``), which flwr-datasets
                    lacks: per client q ~ Dir(α·p), ``round(n·q)`` samples per
                    class (remainder to the last class), drawn *with
                    replacement* and independently per client, so clients may
-                   overlap (A-D17)
+                   overlap (the paper's "randomly partitioning" is, in the
+                   code, this per-class sampling with replacement)
 =================  ==========================================================
 """
 
@@ -170,7 +173,11 @@ def delta_sgd_partition(
     samples_per_client: int,
     seed: int,
 ) -> Partition:
-    """Sample clients as the Δ-SGD code does (``sampling.py``; spec §7.1, A-D17).
+    """Sample clients as the Δ-SGD code does (``sampling.py``).
+
+    Δ-SGD (Kim et al., arXiv:2306.11201) §4 describes a Dirichlet split
+    following Hsu et al. (arXiv:1909.06335); the authors' code
+    ``jlylekim/auto-tuned-FL`` implements it as below.
 
     For each client: q ~ Dir(α·p) with uniform prior p over the classes;
     class counts ``round(samples_per_client·q)`` with the last class taking

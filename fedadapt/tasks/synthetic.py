@@ -1,15 +1,17 @@
 """FedDuA's synthetic over-parameterised linear regression (NumPy only).
 
-Paper: "FedDuA: Doubly Adaptive Federated Learning" (shared/papers/feddua.txt),
-§5.1 ("Synthetic Datasets") and App. H.2; spec §7.3 and §10.2 C1. For each of
+Paper: "FedDuA: Doubly Adaptive Federated Learning" (Takakura et al.), §5.1
+("Synthetic Datasets") and App. H.2. For each of
 ``M = 20`` clients, ``n = 30`` samples ``(x_j, y_j)`` with
 
     x_j ~ N(0, Σ),  Σ = diag(k^{-1.1}), k = 1..d (d = 1000),
     y_j = ⟨w_{i,j}, x_j⟩,  w_{i,j} ~ N(w_i, 1),  w_i ~ N(0, 0.1).
 
-The paper leaves several choices open (spec A-F5); this module takes:
+The paper leaves open whether there is one ``w_{i,j}`` per sample, whether
+``N(0, 0.1)`` gives a variance or a standard deviation, whether ``w_i`` is a
+scalar or a vector, any normalisation, and the loss; this module takes:
 
-* one model ``w_{i,j}`` per *sample*, literally as written in DUA;
+* one model ``w_{i,j}`` per *sample*, literally as written in the paper;
 * ``w_i`` a *scalar* (broadcast over all d coordinates) with *standard
   deviation* 0.1 (the FedExP generator's convention), not a variance;
 * no normalisation of inputs or labels;
@@ -31,7 +33,7 @@ from numpy.typing import NDArray
 
 __all__ = ["linreg_grad", "linreg_loss", "make_feddua_linreg"]
 
-#: Exponent β in Σ_kk = k^{-β} (DUA §5.1: β = 1.1).
+#: Exponent β in Σ_kk = k^{-β} (FedDuA §5.1: β = 1.1).
 COVARIANCE_DECAY = 1.1
 
 
@@ -41,7 +43,9 @@ def make_feddua_linreg(
     num_clients: int = 20,
     samples_per_client: int = 30,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Generate DUA's synthetic linear-regression clients (App. H.2, A-F5).
+    """Generate FedDuA's synthetic linear-regression clients (App. H.2).
+
+    The open choices are taken as listed in the module docstring.
 
     Parameters
     ----------
@@ -72,7 +76,7 @@ def make_feddua_linreg(
     xs = np.empty((m, n, d))
     ys = np.empty((m, n))
     for i in range(m):
-        w_i = rng.normal(0.0, 0.1)  # scalar, std 0.1 (A-F5)
+        w_i = rng.normal(0.0, 0.1)  # scalar, std 0.1 (our reading)
         x_i = rng.normal(size=(n, d)) * sd  # x ~ N(0, Σ)
         w_ij = rng.normal(w_i, 1.0, size=(n, d))  # one model per sample
         xs[i] = x_i
@@ -93,7 +97,7 @@ def _residuals(
 def linreg_loss(
     w: NDArray[Any], x: NDArray[np.float64], y: NDArray[np.float64]
 ) -> float:
-    """Return ``F(w) = (1/M) Σ_i (1/(2n)) ‖X_i w − y_i‖²`` (A-F5).
+    """Return ``F(w) = (1/M) Σ_i (1/(2n)) ‖X_i w − y_i‖²`` (our reading of §5.1).
 
     Parameters
     ----------
