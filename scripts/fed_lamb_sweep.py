@@ -21,7 +21,7 @@ import torch
 from fedadapt.client.local import train_round
 from fedadapt.config import validate_run_config
 from fedadapt.server.run import initial_state
-from fedadapt.strategies._second_moments import aggregate_second_moments
+from fedadapt.strategies.core import aggregate_second_moments
 from fedadapt.tasks import TASKS, evaluate_model
 
 GRIDS = {

@@ -88,42 +88,45 @@ def test_fedavg_rejects_a_server_learning_rate(cfg):
 
 
 @pytest.mark.parametrize(
-    ("name", "cls", "attrs"),
+    ("name", "cls", "public"),
     [
         ("fedavg", "FedAvg", {}),
         ("fedavgm", "FedAvgM", {"server_learning_rate": 1.0, "server_momentum": 0.9}),
-        ("fedadam", "FedAdam", {"eta": 0.1, "beta_1": 0.9, "tau": 1e-3}),
-        ("fedadagrad", "FedAdagrad", {"eta": 0.1}),
+        ("fedadam", "FedAdam", {"eta": 0.1, "tau": 1e-3}),
+        ("fedadagrad", "FedAdagrad", {"eta": 0.1, "tau": 1e-3}),
         ("fedyogi", "FedYogi", {"eta": 0.01}),
-        ("fedexp", "FedExP", {"average_last_two": True}),
-        ("fedexpm", "FedExP", {}),
-        ("feddua", "FedDuA", {"average_last_two": True}),
+        ("fedexp", "FedExP", {}),
+        ("fedexpm", "FedExP", {"server_momentum": 0.9}),
+        ("feddua", "FedDuA", {"epsilon_g": 1e-3}),
         ("fed-lamb", "FedLAMB", {"eps": 1e-8}),
     ],
 )
 @pytest.mark.parametrize("api", ["message", "legacy"])
-def test_every_strategy_builds_from_run_config(cfg, name, cls, attrs, api):
+def test_every_strategy_builds_from_run_config(cfg, name, cls, public, api):
+    """The factory builds the rule the public class builds with the same
+    hyperparameters (run-config defaults), inside either API's adapter."""
     from fedadapt import strategies
+    from fedadapt.server.policy import RunStrategy
     from fedadapt.strategies import legacy
 
     optimizer = "fed-lamb" if name == "fed-lamb" else "sgd"
     config = cfg(strategy=name, client_optimizer=optimizer, clients_per_round=4)
     if api == "legacy":
-        if name == "fed-lamb":
-            pytest.skip("legacy Fed-LAMB packs moments into the parameter list")
         from flwr.common import ndarrays_to_parameters
 
         init = ndarrays_to_parameters([])
         strategy = build_strategy(config, api="legacy", initial_parameters=init)
-        assert type(strategy) is getattr(legacy, cls)
+        assert type(strategy) is legacy.LegacyRuleStrategy
         assert strategy.min_fit_clients == 4
         assert strategy.num_fit_clients(10) == (4, 4)
+        expected = getattr(legacy, cls)(**public)
     else:
         strategy = build_strategy(config, 10)
-        assert type(strategy) is getattr(strategies, cls)
+        assert type(strategy) is RunStrategy
         assert strategy.min_train_nodes == 4
-    for attr, value in attrs.items():
-        assert getattr(strategy, attr) == value
+        expected = getattr(strategies, cls)(**public)
+    assert repr(strategy.rule) == repr(expected.rule)
+    assert strategy.average_last_two == expected.average_last_two
 
 
 def test_run_config_reaches_the_rules(cfg):

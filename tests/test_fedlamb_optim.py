@@ -439,7 +439,7 @@ def test_round_protocol_state():
 
 def test_fresh_optimizer_round_with_server_vhat_from_aggregator():
     """U12 end to end: server v̂ (NumPy) feeds the next round's clients."""
-    from fedadapt.strategies._second_moments import aggregate_second_moments
+    from fedadapt.strategies.core import aggregate_second_moments
 
     model = torch.nn.Linear(3, 2)
     names = [n for n, _ in model.named_parameters()]

@@ -52,7 +52,7 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
         # uniform means (A-L6), not num-examples weighted
         np.testing.assert_allclose(new["w"].numpy(), np.mean(thetas, axis=0), rtol=1e-5)
         expected_v_hat = np.maximum(expected_v_hat, np.mean(vs, axis=0))
-        np.testing.assert_allclose(strategy.v_hat["w"], expected_v_hat, rtol=1e-6)
+        np.testing.assert_allclose(strategy.rule.v_hat["w"], expected_v_hat, rtol=1e-6)
         arrays = new
     diag = strategy.round_reports[3]["diagnostics"]
     assert diag["v-hat-mean"] == pytest.approx(float(expected_v_hat.mean()), rel=1e-6)
@@ -78,7 +78,7 @@ def test_replies_with_bad_second_moments_are_rejected(v, reason):
     np.testing.assert_allclose(new["w"].numpy(), 1.0)
     report = strategy.round_reports[1]["train_replies"]
     assert report["rejected"] == 1 and reason in report["rejections"][0]
-    np.testing.assert_allclose(strategy.v_hat["w"], 1.0)
+    np.testing.assert_allclose(strategy.rule.v_hat["w"], 1.0)
 
 
 def test_v_hat_survives_a_state_dict_round_trip():
@@ -90,4 +90,93 @@ def test_v_hat_survives_a_state_dict_round_trip():
     )
     restored = FedLAMB()
     restored.load_state_dict(strategy.state_dict())
-    np.testing.assert_array_equal(restored.v_hat["w"], strategy.v_hat["w"])
+    np.testing.assert_array_equal(restored.rule.v_hat["w"], strategy.rule.v_hat["w"])
+
+
+# --- one rule, two adapters ---------------------------------------------------
+
+
+def _legacy_round(strategy, server_round, model, results):
+    """Configure and aggregate one legacy round; return what was sent."""
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.server.client_manager import ClientManager
+    from flwr.server.client_proxy import ClientProxy
+
+    proxies = []
+    for cid in range(len(results)):
+        proxy = Mock(spec=ClientProxy)
+        proxy.cid = str(cid)
+        proxies.append(proxy)
+    manager = Mock(spec=ClientManager)
+    manager.num_available.return_value = len(proxies)
+    manager.sample.return_value = proxies
+    pairs = strategy.configure_fit(server_round, ndarrays_to_parameters(model), manager)
+    fit = [
+        (proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, {}))
+        for proxy, (arrays, n) in zip(proxies, results, strict=True)
+    ]
+    new, _ = strategy.aggregate_fit(server_round, fit, [])
+    return pairs, new
+
+
+def test_legacy_and_message_fed_lamb_keep_the_same_v_hat():
+    """The rule is the same object under both adapters: the same replies give
+    the same v̂ whether moments come as a record or after the model arrays."""
+    from flwr.common import parameters_to_ndarrays
+
+    from fedadapt.strategies import legacy
+
+    rng = np.random.default_rng(1)
+    message, old_api = FedLAMB(), legacy.FedLAMB()
+    model = [np.zeros(4, np.float32)]
+    for server_round in (1, 2):
+        thetas = [rng.normal(size=4).astype(np.float32) for _ in range(3)]
+        vs = [rng.uniform(0, 1, size=4).astype(np.float32) for _ in range(3)]
+        arrays = ArrayRecord({"w": Array(model[0])})
+        list(message.configure_train(server_round, arrays, ConfigRecord(), _grid()))
+        message.aggregate_train(
+            server_round,
+            [_reply(t, v, i) for i, (t, v) in enumerate(zip(thetas, vs, strict=True))],
+        )
+        pairs, new = _legacy_round(
+            old_api,
+            server_round,
+            model,
+            [([t, v], 10) for t, v in zip(thetas, vs, strict=True)],
+        )
+        sent = parameters_to_ndarrays(pairs[0][1].parameters)
+        assert len(sent) == (1 if server_round == 1 else 2)  # v̂ after the model
+        model = parameters_to_ndarrays(new)
+        np.testing.assert_allclose(model[0], np.mean(thetas, axis=0), rtol=1e-6)
+        np.testing.assert_array_equal(old_api.rule.v_hat["0"], message.rule.v_hat["w"])
+
+
+def test_legacy_first_round_moments_of_another_shape_are_rejected_not_a_crash():
+    """Before v̂ exists, positional moments are checked against the first
+    accepted reply's (they cannot be matched to named parameters)."""
+    from fedadapt.strategies import legacy
+
+    strategy = legacy.FedLAMB()
+    model = [np.zeros(4, np.float32)]
+    good = ([np.ones(4, np.float32), np.ones(4, np.float32)], 10)
+    odd = ([np.ones(4, np.float32), np.ones(3, np.float32)], 10)
+    _, new = _legacy_round(strategy, 1, model, [good, odd])
+    assert new is not None
+    report = strategy.round_reports[1]["train_replies"]
+    assert report["rejected"] == 1 and "does not match" in report["rejections"][0]
+    np.testing.assert_allclose(strategy.rule.v_hat["0"], 1.0)
+
+
+def test_checkpoint_with_v_hat_beside_the_rule_state_still_loads():
+    """Checkpoints written before v̂ moved into the rule keep it at top level."""
+    strategy = FedLAMB()
+    list(strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(2, np.float32))}),
+                                  ConfigRecord(), _grid()))  # fmt: skip
+    strategy.aggregate_train(1, [_reply(np.ones(2, np.float32),
+                                        np.full(2, 0.5, np.float32), 1)])  # fmt: skip
+    state = strategy.state_dict()
+    old = {"rule": {k: v for k, v in state["rule"].items() if k != "v_hat"},
+           "v_hat": state["rule"]["v_hat"]}  # fmt: skip
+    restored = FedLAMB()
+    restored.load_state_dict(old)
+    np.testing.assert_array_equal(restored.rule.v_hat["w"], 0.5)

@@ -1,4 +1,4 @@
-"""Seeded client sampling (Message API): reruns train the same partitions.
+"""Seeded client sampling (server/policy.py): reruns train the same partitions.
 
 Flower samples with the module-level RNG over node ids that are random per
 run; with ``sampling_seed`` and ``node_keys`` (node id -> partition-id) the
@@ -18,7 +18,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
-from fedadapt import strategies as ours
+from fedadapt.server.policy import RunStrategy
+from fedadapt.strategies.core import FedAvgRule
 from tests.helpers import make_reply, run_in_process
 
 NUM_NODES, PER_ROUND = 10, 3
@@ -32,7 +33,8 @@ def _a_run(run_seed: int, sampling_seed: int | None, per_eval: int = 0):
     in an arbitrary order, each holding one of the partitions 0..NUM_NODES-1."""
     rng = random.Random(run_seed)
     node_ids = [rng.getrandbits(63) for _ in range(NUM_NODES)]
-    strategy = ours.FedAvg(
+    strategy = RunStrategy(
+        FedAvgRule(),
         fraction_train=PER_ROUND / NUM_NODES,
         min_train_nodes=PER_ROUND,
         fraction_evaluate=per_eval / NUM_NODES,
@@ -145,7 +147,7 @@ def test_aggregate_does_not_depend_on_reply_arrival_order():
     values = {11: 1e16, 22: 1.0, 33: -1e16, 44: 3.0}
     results = []
     for order in ([11, 22, 33, 44], [11, 33, 22, 44], [44, 22, 33, 11]):
-        strategy = ours.FedAvg(fraction_train=1.0, min_train_nodes=4)
+        strategy = RunStrategy(FedAvgRule(), fraction_train=1.0, min_train_nodes=4)
         strategy.node_keys = {11: 2, 22: 0, 33: 3, 44: 1}
         grid = Mock(spec=Grid)
         grid.get_node_ids.return_value = list(values)

@@ -12,6 +12,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flwr_strategy
 
 from fedadapt import strategies as ours
+from fedadapt.server.policy import RunStrategy
+from fedadapt.strategies.core import FedAvgRule, FedDuARule, FedExPRule
 from tests.helpers import make_reply
 
 SHAPES = {"conv.weight": (8, 3, 3, 3), "conv.bias": (8,), "fc.weight": (10, 8)}
@@ -108,8 +110,9 @@ def test_fedadam_equivalence_detects_a_different_rule():
 
 def test_strategies_keep_flowers_sampling_and_config():
     strategy = ours.FedDuA(fraction_train=0.5, min_train_nodes=2, min_available_nodes=2)
+    # one generic adapter: every strategy is Flower's FedAvg with a rule
     assert isinstance(strategy, flwr_strategy.FedAvg)
-    assert isinstance(ours.FedAdam(), flwr_strategy.FedAdam)
+    assert isinstance(ours.FedAdam(), ours.RuleStrategy)
     messages = list(
         strategy.configure_train(3, _record({"w": np.zeros(2, np.float32)}),
                                  ConfigRecord({"lr": 0.1}), _grid(8))
@@ -238,8 +241,7 @@ def test_fedexp_adapter_closed_form_step(with_norms, kwargs, eta):
 
 
 def test_round_offset_shifts_rounds_seen_by_clients_and_reports():
-    strategy = ours.FedExP()
-    strategy.round_offset = 10
+    strategy = RunStrategy(FedExPRule(), round_offset=10)
     msgs = list(strategy.configure_train(1, _record({"w": np.zeros(2, np.float32)}),
                                          ConfigRecord(), _grid()))  # fmt: skip
     assert msgs[0].content["config"]["server-round"] == 11
@@ -290,9 +292,9 @@ def test_reply_whose_data_contradict_its_metadata_is_rejected():
 
 def test_node_loss_samples_from_the_nodes_still_connected():
     """3 of 4 wanted nodes connected: after the grace period, sample those 3."""
-    strategy = ours.FedDuA(fraction_train=1.0, min_train_nodes=4, min_available_nodes=4,
-                           fraction_evaluate=1.0, min_evaluate_nodes=4)  # fmt: skip
-    strategy.node_grace_s = 0.05
+    strategy = RunStrategy(FedDuARule(), fraction_train=1.0, min_train_nodes=4,
+                           min_available_nodes=4, fraction_evaluate=1.0,
+                           min_evaluate_nodes=4, node_grace_s=0.05)  # fmt: skip
     arrays = _record({"w": np.zeros(3, np.float32)})
     grid = _grid(num_nodes=3)
     train = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
@@ -310,8 +312,8 @@ def test_node_loss_samples_from_the_nodes_still_connected():
 
 
 def test_node_that_returns_within_the_grace_period_is_waited_for():
-    strategy = ours.FedAvg(fraction_train=1.0, min_train_nodes=3, min_available_nodes=3)
-    strategy.node_grace_s = 5.0
+    strategy = RunStrategy(FedAvgRule(), fraction_train=1.0, min_train_nodes=3,
+                           min_available_nodes=3, node_grace_s=5.0)  # fmt: skip
     grid = Mock(spec=Grid)
     grid.get_node_ids.side_effect = [[1, 2], [1, 2], [1, 2, 3]] + [[1, 2, 3]] * 10
     arrays = _record({"w": np.zeros(3, np.float32)})
@@ -322,8 +324,8 @@ def test_node_that_returns_within_the_grace_period_is_waited_for():
 
 def test_after_a_loss_later_rounds_do_not_wait_again_and_never_hang():
     """The grace wait happens once per loss; sampling uses one snapshot."""
-    strategy = ours.FedAvg(fraction_train=1.0, min_train_nodes=3, min_available_nodes=3)
-    strategy.node_grace_s = 0.2
+    strategy = RunStrategy(FedAvgRule(), fraction_train=1.0, min_train_nodes=3,
+                           min_available_nodes=3, node_grace_s=0.2)  # fmt: skip
     arrays = _record({"w": np.zeros(3, np.float32)})
     grid = _grid(num_nodes=2)
     list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
@@ -336,3 +338,30 @@ def test_after_a_loss_later_rounds_do_not_wait_again_and_never_hang():
     racing.get_node_ids.side_effect = [[1, 2, 3]] + [[1, 2]] * 100
     messages = list(strategy.configure_train(3, arrays, ConfigRecord(), racing))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3]
+
+
+def test_the_generic_adapter_with_a_rule_is_the_public_class():
+    """Public classes only build the rule: RuleStrategy(rule) gives the same
+    arrays, and anything but a rule is refused at construction."""
+    from fedadapt.strategies.core import FedAdamRule
+
+    arrays = _record({"w": np.zeros(3, np.float32)})
+    outputs = []
+    for strategy in (
+        ours.FedAdam(eta=0.05, tau=1e-2),
+        ours.RuleStrategy(FedAdamRule(eta=0.05, tau=1e-2)),
+    ):
+        current = arrays
+        for server_round in (1, 2):
+            list(strategy.configure_train(server_round, current, ConfigRecord(),
+                                          _grid()))  # fmt: skip
+            current, _ = strategy.aggregate_train(
+                server_round,
+                [make_reply({"w": np.full(3, 0.1 * n, np.float32)},
+                            {"num-examples": n}, n) for n in (1, 2)],
+            )  # fmt: skip
+        outputs.append(_numpy(current)["w"])
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert not np.allclose(outputs[0], 0.0)
+    with pytest.raises(TypeError, match="ServerRule"):
+        ours.RuleStrategy("fedadam")

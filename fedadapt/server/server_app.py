@@ -152,20 +152,23 @@ def main(grid: Grid, context: Context) -> None:
     if cfg["clients-per-round"] == 0:
         log(logging.INFO, "fedadapt: clients-per-round=0: every connected node "
             "trains each round (%d now)", num_nodes)  # fmt: skip
-    strategy = build_strategy(cfg, num_nodes)
-    strategy.node_grace_s = NODE_GRACE_S  # node loss: go on with the others
-    if cfg["seeded-sampling"]:
-        strategy.sampling_seed = cfg["seed"]
-        wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
-        if any(0 < k < num_nodes for k in wanted):  # a real sample: order the nodes
-            timeout = min(QUERY_TIMEOUT_S, cfg["round-timeout"])
-            strategy.node_keys = node_partitions(grid, timeout)
+    first_round = resume["round"] if resume is not None else 0
+    strategy = build_strategy(
+        cfg,
+        num_nodes,
+        sampling_seed=cfg["seed"] if cfg["seeded-sampling"] else None,
+        node_grace_s=NODE_GRACE_S,  # node loss: go on with the others
+        round_offset=first_round,
+    )
+    wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
+    if cfg["seeded-sampling"] and any(0 < k < num_nodes for k in wanted):
+        # a real sample: order the nodes by partition-id
+        timeout = min(QUERY_TIMEOUT_S, cfg["round-timeout"])
+        strategy.node_keys = node_partitions(grid, timeout)
     state = initial_state(task, cfg)
-    first_round = 0
     if resume is not None:
-        first_round, state = resume["round"], resume["arrays"]
+        state = resume["arrays"]
         strategy.load_state_dict(resume["strategy"])
-        strategy.round_offset = first_round
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
 
     recorder = RunRecorder(

@@ -1,10 +1,12 @@
 """Build the strategy named by run-config ``strategy``, for either Flower API.
 
-A registry entry maps the run config to ``(class name, hyperparameters)``;
-:func:`build_strategy` picks the class from :mod:`fedadapt.strategies`
-(Message API) or :mod:`fedadapt.strategies.legacy` and adds the sampling
-arguments of that API, so both ServerApps sample ``clients-per-round``
-clients (0: every connected one) with the same hyperparameters.
+A registry entry maps the run config to ``(rule, options)``: the
+framework-free :class:`~fedadapt.strategies.core.ServerRule` and the
+adapter's options (``average_last_two``). :func:`build_strategy` puts the
+rule into the Message API's :class:`~fedadapt.server.policy.RunStrategy` or
+the legacy :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`, with the
+sampling arguments of that API, so both ServerApps sample
+``clients-per-round`` clients (0: every connected one) with the same rule.
 """
 
 from __future__ import annotations
@@ -12,12 +14,22 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedadapt import strategies
 from fedadapt.config import ConfigError
 from fedadapt.registry import Registry
-from fedadapt.strategies import legacy
+from fedadapt.server.policy import RunStrategy
+from fedadapt.strategies.core import (
+    FedAdagradRule,
+    FedAdamRule,
+    FedAvgRule,
+    FedDuARule,
+    FedExPRule,
+    FedLAMBRule,
+    FedYogiRule,
+    ServerRule,
+)
+from fedadapt.strategies.legacy import LegacyRuleStrategy
 
-StrategySpec = tuple[str, dict[str, Any]]
+StrategySpec = tuple[ServerRule, dict[str, Any]]
 StrategyFactory = Callable[[Mapping[str, Any]], StrategySpec]
 
 STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
@@ -60,7 +72,7 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
 
 
 def _weighting(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the weighting argument when the run config overrides the default."""
+    """Return the weighting argument when the run config overrides the rule's."""
     if cfg["weighting"] == "default":
         return {}
     return {"weighting": cfg["weighting"].replace("-", "_")}
@@ -104,14 +116,19 @@ def build_strategy(
 
     ``num_nodes`` (connected nodes) is needed by the Message API's sampling;
     ``extra`` goes to the constructor (e.g. legacy ``initial_parameters``,
-    ``evaluate_fn``, ``on_fit_config_fn``).
+    ``evaluate_fn``, ``on_fit_config_fn``; :class:`RunStrategy` policies).
     """
-    name, kwargs = STRATEGIES.get(cfg["strategy"])(cfg)
-    kwargs = {**kwargs, **_weighting(cfg), **trust_kwargs(cfg), **extra}
+    rule, options = build_rule(cfg)
+    kwargs = {**options, **trust_kwargs(cfg), **extra}
     if api == "legacy":
-        return getattr(legacy, name)(**legacy_sampling_kwargs(cfg), **kwargs)
+        return LegacyRuleStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"
-    return getattr(strategies, name)(**sampling_kwargs(cfg, num_nodes), **kwargs)
+    return RunStrategy(rule, **sampling_kwargs(cfg, num_nodes), **kwargs)
+
+
+def build_rule(cfg: Mapping[str, Any]) -> StrategySpec:
+    """Return the rule of run-config ``strategy`` and its adapter options."""
+    return STRATEGIES.get(cfg["strategy"])(cfg)
 
 
 def server_lr(cfg: Mapping[str, Any], name: str) -> float:
@@ -136,57 +153,61 @@ def server_lr(cfg: Mapping[str, Any], name: str) -> float:
 @STRATEGIES.register("fedavg")
 def _fedavg(cfg: Mapping[str, Any]) -> StrategySpec:
     server_lr(cfg, "fedavg")
-    return "FedAvg", {}
+    return FedAvgRule(**_weighting(cfg)), {}
 
 
 @STRATEGIES.register("fedavgm")
 def _fedavgm(cfg: Mapping[str, Any]) -> StrategySpec:
-    return "FedAvgM", {
-        "server_learning_rate": server_lr(cfg, "fedavgm"),
-        "server_momentum": cfg["server-momentum"],
-    }
+    rule = FedAvgRule(
+        server_lr=server_lr(cfg, "fedavgm"),
+        server_momentum=cfg["server-momentum"],
+        **_weighting(cfg),
+    )
+    return rule, {}
 
 
 @STRATEGIES.register("fedadam")
 def _fedadam(cfg: Mapping[str, Any]) -> StrategySpec:
-    return "FedAdam", {
-        "eta": server_lr(cfg, "fedadam"),
-        "eta_l": cfg["client-lr"],
-        "beta_1": cfg["beta-1"],
-        "beta_2": cfg["beta-2"],
-        "tau": cfg["tau"],
-        "bias_correction": cfg["bias-correction"],
-    }
+    rule = FedAdamRule(
+        eta=server_lr(cfg, "fedadam"),
+        beta_1=cfg["beta-1"],
+        beta_2=cfg["beta-2"],
+        tau=cfg["tau"],
+        bias_correction=cfg["bias-correction"],
+        **_weighting(cfg),
+    )
+    return rule, {}
 
 
 @STRATEGIES.register("fedadagrad")
 def _fedadagrad(cfg: Mapping[str, Any]) -> StrategySpec:
-    return "FedAdagrad", {
-        "eta": server_lr(cfg, "fedadagrad"),
-        "eta_l": cfg["client-lr"],
-        "tau": cfg["tau"],
-    }
+    rule = FedAdagradRule(
+        eta=server_lr(cfg, "fedadagrad"), tau=cfg["tau"], **_weighting(cfg)
+    )
+    return rule, {}
 
 
 @STRATEGIES.register("fedyogi")
 def _fedyogi(cfg: Mapping[str, Any]) -> StrategySpec:
-    return "FedYogi", {
-        "eta": server_lr(cfg, "fedyogi"),
-        "eta_l": cfg["client-lr"],
-        "beta_1": cfg["beta-1"],
-        "beta_2": cfg["beta-2"],
-        "tau": cfg["tau"],
-    }
+    rule = FedYogiRule(
+        eta=server_lr(cfg, "fedyogi"),
+        beta_1=cfg["beta-1"],
+        beta_2=cfg["beta-2"],
+        tau=cfg["tau"],
+        **_weighting(cfg),
+    )
+    return rule, {}
 
 
 def _fedexp_family(cfg: Mapping[str, Any], name: str) -> StrategySpec:
     server_lr(cfg, name)
-    return "FedExP", {
-        "epsilon": cfg["epsilon-g"],
-        "server_momentum": cfg["server-momentum"] if name == "fedexpm" else 0.0,
-        "form": cfg["fedexp-form"],
-        "average_last_two": cfg["average-last-two"],
-    }
+    rule = FedExPRule(
+        epsilon=cfg["epsilon-g"],
+        server_momentum=cfg["server-momentum"] if name == "fedexpm" else 0.0,
+        form=cfg["fedexp-form"],
+        **_weighting(cfg),
+    )
+    return rule, {"average_last_two": cfg["average-last-two"]}
 
 
 @STRATEGIES.register("fedexp")
@@ -202,17 +223,18 @@ def _fedexpm(cfg: Mapping[str, Any]) -> StrategySpec:
 @STRATEGIES.register("feddua")
 def _feddua(cfg: Mapping[str, Any]) -> StrategySpec:
     server_lr(cfg, "feddua")
-    return "FedDuA", {
-        "variant": cfg["feddua-variant"],
-        "beta_1": cfg["beta-1"],
-        "beta_2": cfg["beta-2"],
-        "epsilon": cfg["epsilon"],
-        "epsilon_g": cfg["epsilon-g"],
-        "average_last_two": cfg["average-last-two"],
-    }
+    rule = FedDuARule(
+        variant=cfg["feddua-variant"],
+        beta_1=cfg["beta-1"],
+        beta_2=cfg["beta-2"],
+        epsilon=cfg["epsilon"],
+        epsilon_g=cfg["epsilon-g"],
+        **_weighting(cfg),
+    )
+    return rule, {"average_last_two": cfg["average-last-two"]}
 
 
 @STRATEGIES.register("fed-lamb")
 def _fed_lamb(cfg: Mapping[str, Any]) -> StrategySpec:
     server_lr(cfg, "fed-lamb")
-    return "FedLAMB", {}
+    return FedLAMBRule(**_weighting(cfg)), {}

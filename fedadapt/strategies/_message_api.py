@@ -1,27 +1,26 @@
-"""Thin Message-API adapter: Flower samples and configures, the core rule updates.
+"""The Message-API adapter: Flower samples and configures, a core rule updates.
 
-:class:`RuleStrategy` is a mixin placed before a ``flwr.serverapp.strategy``
-class in the bases. Sampling, configuration, metric aggregation and the round
-loop (``start``) stay Flower's; only ``aggregate_train`` is replaced by
-screening + a :class:`~fedadapt.strategies.core.ServerRule`. Optionally the
-sampling is made reproducible (``sampling_seed``, ``node_keys``).
+:class:`RuleStrategy` is ``flwr.serverapp.strategy.FedAvg`` with
+``aggregate_train`` replaced by reply screening + a
+:class:`~fedadapt.strategies.core.ServerRule`. Sampling, configuration,
+metric aggregation and the round loop (``start``) stay Flower's. Every
+Message-API strategy of fedadapt is this class with one rule; the public
+classes (:class:`~fedadapt.strategies.FedAdam`, ...) only build the rule.
 """
 
 from __future__ import annotations
 
 import io
-import random
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from logging import WARNING
-from typing import Any, cast
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any, Unpack
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.constant import SType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
@@ -33,7 +32,7 @@ from fedadapt.strategies._screening import (
     evaluation_average,
     screen,
 )
-from fedadapt.strategies.core import Arrays
+from fedadapt.strategies.core import Arrays, ServerRule
 
 
 class FedAvgKwargs(ScreeningKwargs, total=False):
@@ -93,7 +92,14 @@ def _to_record(arrays: Arrays) -> ArrayRecord:
     return ArrayRecord({k: _to_array(v) for k, v in arrays.items()})
 
 
-def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
+def _unpack(
+    message: Message, with_arrays: bool, state_key: str | None = None
+) -> Candidate | str:
+    """Unpack a reply into metrics, model arrays and the rule's client state.
+
+    The client state is the ArrayRecord named ``state_key`` (when the rule
+    has one); exactly one other ArrayRecord must hold the model.
+    """
     node = message.metadata.src_node_id
     if message.has_error():
         return message.error.reason or f"error code {message.error.code}"
@@ -103,99 +109,82 @@ def _unpack(message: Message, with_arrays: bool) -> Candidate | str:
     metrics = dict(next(iter(content.metric_records.values())))
     if not with_arrays:
         return Candidate(node, None, metrics, message)
-    if len(content.array_records) != 1:
+    records = dict(content.array_records)
+    state = records.pop(state_key, None) if state_key is not None else None
+    if len(records) != 1:
         return Candidate(node, None, metrics, message, "expected one ArrayRecord")
-    arrays = LazyArrays(next(iter(content.array_records.values())))
-    return Candidate(node, arrays, metrics, message)
+    arrays = LazyArrays(next(iter(records.values())))
+    client_state = None if state is None else _to_numpy(state)
+    return Candidate(node, arrays, metrics, message, client_state=client_state)
 
 
-class _NodeSnapshot:
-    """A Grid whose ``get_node_ids`` returns a fixed list (one round's sample)."""
+class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
+    """Flower's FedAvg with its aggregation replaced by a fedadapt rule.
 
-    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
-        self._grid, self._node_ids = grid, node_ids
-
-    def get_node_ids(self) -> list[int]:
-        """Return the snapshot taken when the round was configured."""
-        return list(self._node_ids)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
-
-
-def _snapshot(grid: Grid, node_ids: list[int]) -> Grid:
-    """Return a :class:`_NodeSnapshot` as what it stands in for (duck-typed)."""
-    return cast(Grid, _NodeSnapshot(grid, node_ids))
-
-
-class RuleStrategy(RuleHost):
-    """Mixin: screen replies, apply ``self.rule``, keep per-round reports.
-
-    See :class:`~fedadapt.strategies._screening.RuleHost` for ``rule``,
-    ``average_last_two`` and ``round_reports``.
+    Parameters
+    ----------
+    rule : ServerRule
+        The update rule, e.g. ``FedAdamRule(eta=0.01)``.
+    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
+        See :class:`~fedadapt.strategies._screening.RuleHost`.
+    **kwargs
+        Any argument of ``flwr.serverapp.strategy.FedAvg``.
 
     Attributes
     ----------
-    round_offset : int
-        Added to Flower's round counter (set when resuming from a checkpoint,
-        so clients and reports see the global round number).
+    rule, round_reports
+        See :class:`~fedadapt.strategies._screening.RuleHost`.
+    latest_arrays : ArrayRecord | None
+        The global model this strategy produced last.
     """
 
     weighted_by_key: str
-    arrayrecord_key: str
-    min_available_nodes: int
     train_metrics_aggr_fn: Callable[..., MetricRecord]
 
-    #: Node loss: seconds to wait for missing nodes before a round samples
-    #: from the nodes still connected. None (default) keeps Flower's
-    #: behaviour of waiting for ``min_available_nodes`` indefinitely.
-    node_grace_s: float | None = None
-
-    #: Reproducible sampling: with a seed, each round's sample is a function
-    #: of (seed, phase, global round) and of the connected nodes' keys only
-    #: (see :meth:`_sampling_grid`). None (default): Flower's unseeded RNG.
-    sampling_seed: int | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.round_offset = 0
-        #: node id -> stable key (the ServerApp puts each node's partition-id
-        #: here); orders nodes for seeded sampling and replies for aggregation
-        self.node_keys: dict[int, int] = {}
-        self._degraded: dict[str, int] = {}  # phase minimum -> nodes after a loss
+    def __init__(
+        self,
+        rule: ServerRule,
+        *,
+        average_last_two: bool = False,
+        **kwargs: Unpack[FedAvgKwargs],
+    ) -> None:
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
         self._evaluation: ArrayRecord | None = None
         self._evaluation_pair: tuple[Arrays, Arrays] | None = None
+
+    def summary(self) -> None:
+        """Log Flower's sampling summary and the rule with its hyperparameters."""
+        log(INFO, "\t├──> Rule: %r", self.rule)
+        super().summary()
 
     # --- Flower hooks ------------------------------------------------------------
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the global arrays, then sample and configure as Flower does."""
-        with self._sampling_grid(grid, server_round, "min_train_nodes") as g:
-            messages = list(
-                super().configure_train(  # type: ignore[misc]
-                    server_round + self.round_offset, arrays, config, g
-                )
-            )
-        self._record_sample(server_round, "train", messages)
-        # Flower's FedOpt already keeps a NumPy copy; reuse it instead of a second
-        kept = getattr(self, "current_arrays", None)
-        self._sent = kept if isinstance(kept, dict) else _to_numpy(arrays)
+        """Remember the global arrays, sample and configure as Flower does.
+
+        A rule's :meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`
+        (Fed-LAMB's v̂) travels with the model as a second ArrayRecord named
+        by its ``client_state_key``.
+        """
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._sent = _to_numpy(arrays)
+        state = self.rule.broadcast_state()
+        if state is not None and self.rule.client_state_key is not None:
+            record = _to_record(state)
+            for message in messages:
+                message.content[self.rule.client_state_key] = record
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screen replies, apply the rule; ``(None, None)`` keeps the model."""
-        server_round += self.round_offset
-        # partition order, not arrival order: breaks the ties of canonical_order
-        # (equal weights), so float sums do not depend on arrival
-        candidates = [
-            _unpack(m, with_arrays=True) for m in self._in_node_order(replies)
-        ]
+        key = self.rule.client_state_key
+        candidates = [_unpack(m, with_arrays=True, state_key=key) for m in replies]
         new, valid = self.run_rule(
             server_round, candidates, self._sent, self.weighted_by_key
         )
@@ -220,138 +209,17 @@ class RuleStrategy(RuleHost):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Configure evaluation of the evaluation model (see average_last_two)."""
-        if getattr(self, "fraction_evaluate", 0.0) == 0.0:
+        if self.fraction_evaluate == 0.0:
             return []
-        with self._sampling_grid(grid, server_round, "min_evaluate_nodes") as g:
-            messages = list(
-                super().configure_evaluate(  # type: ignore[misc]
-                    server_round + self.round_offset,
-                    self.evaluation_arrays(arrays),
-                    config,
-                    g,
-                )
-            )
-        self._record_sample(server_round, "evaluate", messages)
-        return messages
-
-    # --- sampling ----------------------------------------------------------------
-
-    def _node_order(self, node_id: int) -> tuple[int, int]:
-        """Sort key of a node: its key (partition-id) first, unknown nodes last."""
-        key = self.node_keys.get(node_id)
-        return (0, key) if key is not None else (1, node_id)
-
-    def _in_node_order(self, replies: Iterable[Message]) -> list[Message]:
-        return sorted(replies, key=lambda m: self._node_order(m.metadata.src_node_id))
-
-    def _record_sample(
-        self, server_round: int, phase: str, messages: list[Message]
-    ) -> None:
-        """Record which nodes (by key where known) were sampled in ``phase``."""
-        if not self.node_keys:
-            return
-        sampled = sorted(
-            self.node_keys.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
-            for m in messages
+        return super().configure_evaluate(
+            server_round, self.evaluation_arrays(arrays), config, grid
         )
-        entry = self.round_reports.setdefault(server_round + self.round_offset, {})
-        entry.setdefault("sampled", {})[phase] = sampled
-
-    @contextmanager
-    def _sampling_grid(
-        self, grid: Grid, server_round: int, minimum: str
-    ) -> Iterator[Grid]:
-        """Yield the grid Flower samples from: connected nodes, seeded if asked.
-
-        Flower draws ``random.sample(grid.get_node_ids(), k)`` with the
-        module-level RNG, unseeded, over node ids that are random per run, so
-        two runs with the same seed train different clients. With
-        ``sampling_seed`` set, the nodes are listed in a stable order (by
-        ``node_keys``, i.e. partition-id) and the draw runs under
-        ``random.seed("fedadapt/<seed>/<phase>/<global round>")``; the RNG's
-        previous state is restored afterwards, so nobody else's random
-        numbers change. The sample then depends only on the seed, the round,
-        the phase and which partitions are connected, also after a resume
-        from a checkpoint.
-        """
-        with self._connected_nodes_only(grid, server_round, minimum) as connected:
-            if self.sampling_seed is None:
-                yield connected
-                return
-            nodes = sorted(connected.get_node_ids(), key=self._node_order)
-            wanted = max(self.min_available_nodes, getattr(self, minimum))
-            if len(nodes) < wanted:  # Flower must keep waiting for nodes
-                yield connected
-                return
-            phase = "train" if minimum == "min_train_nodes" else "evaluate"
-            global_round = server_round + self.round_offset
-            saved = random.getstate()
-            random.seed(f"fedadapt/{self.sampling_seed}/{phase}/{global_round}")
-            try:
-                yield _snapshot(connected, nodes)
-            finally:
-                random.setstate(saved)
-
-    @contextmanager
-    def _connected_nodes_only(
-        self, grid: Grid, server_round: int, minimum: str
-    ) -> Iterator[Grid]:
-        """Yield the grid to sample from, lowering the minimums after node loss.
-
-        Flower's sampling waits until ``min_available_nodes`` (and the
-        ``minimum`` of this phase) are connected — forever, once a node is
-        gone. With ``node_grace_s`` set, missing nodes get that long to come
-        back (once per loss: a round that finds the same reduced set goes on
-        at once); then the round samples from the nodes still connected (at
-        least one), logs a warning and records ``nodes`` (wanted / connected)
-        in ``round_reports``. Sampling sees one snapshot of the connected
-        nodes, so a node lost meanwhile cannot make Flower wait forever (its
-        message comes back as a failed reply). The minimums are restored
-        afterwards: nodes that return are sampled again.
-        """
-        if self.node_grace_s is None:
-            yield grid
-            return
-        wanted = max(self.min_available_nodes, getattr(self, minimum))
-        nodes = list(grid.get_node_ids())
-        if len(nodes) < wanted and len(nodes) < self._degraded.get(minimum, wanted):
-            deadline = time.monotonic() + self.node_grace_s  # a new loss: wait
-            while len(nodes) < wanted and time.monotonic() < deadline:
-                time.sleep(min(1.0, self.node_grace_s))
-                nodes = list(grid.get_node_ids())
-        if len(nodes) >= wanted:
-            self._degraded.pop(minimum, None)
-            yield _snapshot(grid, nodes)
-            return
-        if not nodes:
-            yield grid  # nobody left: Flower waits for nodes to (re)connect
-            return
-        self._degraded[minimum] = len(nodes)
-        phase = "train" if minimum == "min_train_nodes" else "evaluate"
-        log(WARNING, "Round %s %s: %d of %d nodes connected; sampling from those",
-            server_round + self.round_offset, phase, len(nodes), wanted)  # fmt: skip
-        entry = self.round_reports.setdefault(server_round + self.round_offset, {})
-        entry.setdefault("nodes", {})[phase] = {
-            "wanted": wanted,
-            "connected": len(nodes),
-        }
-        saved = self.min_available_nodes, getattr(self, minimum)
-        self.min_available_nodes = len(nodes)
-        setattr(self, minimum, min(saved[1], len(nodes)))
-        try:
-            yield _snapshot(grid, nodes)
-        finally:
-            self.min_available_nodes = saved[0]
-            setattr(self, minimum, saved[1])
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Screen evaluation replies, then aggregate their metrics as Flower does."""
-        server_round += self.round_offset
-        candidates = [
-            _unpack(m, with_arrays=False) for m in self._in_node_order(replies)
-        ]
+        candidates = [_unpack(m, with_arrays=False) for m in replies]
         valid, report = screen(
             candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
         )
@@ -359,9 +227,7 @@ class RuleStrategy(RuleHost):
         entry["evaluate_replies"] = report.as_dict()
         if not valid:
             return None
-        metrics = super().aggregate_evaluate(  # type: ignore[misc]
-            server_round, [c.source for c in valid]
-        )
+        metrics = super().aggregate_evaluate(server_round, [c.source for c in valid])
         if metrics is not None:
             entry["federated_eval"] = dict(metrics)
         return metrics
@@ -376,20 +242,14 @@ class RuleStrategy(RuleHost):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Run Flower's round loop.
-
-        ``evaluate_fn`` sees the evaluation model and the global round number
-        (``round_offset`` added).
-        """
+        """Run Flower's round loop; ``evaluate_fn`` sees the evaluation model."""
         wrapped = None
         if evaluate_fn is not None:
 
             def wrapped(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-                return evaluate_fn(
-                    server_round + self.round_offset, self.evaluation_arrays(arrays)
-                )
+                return evaluate_fn(server_round, self.evaluation_arrays(arrays))
 
-        return super().start(  # type: ignore[misc]
+        return super().start(
             grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
             wrapped,
         )  # fmt: skip

@@ -46,10 +46,15 @@ class ScreeningKwargs(TypedDict, total=False):
 
 
 class RuleHost:
-    """What both Flower adapters share: the rule, reports, hooks and state.
+    """What both Flower adapters share: the rule, screening, reports and state.
 
     Parameters
     ----------
+    rule : ServerRule
+        The framework-free update rule (:mod:`fedadapt.strategies.core`).
+    average_last_two : bool (default: False)
+        Evaluate (w_t + w_{t+1})/2 instead of w_{t+1}; training continues
+        from w_{t+1} (FedExP, arXiv:2301.09604; FedDuA §5.1 does the same).
     secure_aggregation : bool (default: False)
         Secure-aggregation mode: use the clients' reported ``update-sq-norm``
         as given (a secure aggregator reveals only sums, so the server cannot
@@ -71,26 +76,29 @@ class RuleHost:
     Attributes
     ----------
     rule : ServerRule
-        The framework-free update rule (set by the concrete class).
-    average_last_two : bool
-        Evaluate (w_t + w_{t+1})/2 instead of w_{t+1}; training continues
-        from w_{t+1} (FedExP/FedDuA, spec §5.3).
+        As given.
     round_reports : dict[int, dict]
         Per round: ``train_replies`` / ``evaluate_replies`` counts and
         rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
         and the rule's ``diagnostics`` (server step size, norms).
     """
 
-    rule: ServerRule
+    #: whether replies key the rule's client state by array name (Message
+    #: API) rather than by position (legacy parameter lists)
+    client_state_named: bool = True
 
     def __init__(
         self,
+        rule: ServerRule,
         *args: Any,
+        average_last_two: bool = False,
         secure_aggregation: bool = False,
         max_update_norm: float = 0.0,
         max_failed_rounds: int = 3,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(rule, ServerRule):
+            raise TypeError(f"rule must be a ServerRule, got {type(rule).__name__}")
         self.max_update_norm = check_scalar("max_update_norm", max_update_norm, low=0)
         if check_scalar("max_failed_rounds", max_failed_rounds, low=0) % 1:
             raise ValueError(f"Invalid max_failed_rounds: {max_failed_rounds} (an int)")
@@ -102,19 +110,29 @@ class RuleHost:
             )
         self.secure_aggregation = bool(secure_aggregation)
         super().__init__(*args, **kwargs)
-        self.average_last_two = False
+        self.rule = rule
+        self.average_last_two = bool(average_last_two)
         self.round_reports: dict[int, dict[str, Any]] = {}
-        self._failed_streak: list[
-            list[str]
-        ] = []  # problems of consecutive failed rounds
+        # problems of consecutive rounds without a usable reply
+        self._failed_streak: list[list[str]] = []
 
-    def check_reply(self, candidate: Candidate) -> str | None:
-        """Return why a (screened) train reply is unusable; override to extend."""
-        return None
+    def _client_state_check(
+        self, reference: Arrays | None
+    ) -> Callable[[Candidate], str | None] | None:
+        """Return the screening check of the rule's client state (if it has one)."""
+        if self.rule.client_state_key is None:
+            return None
+        model = reference if self.client_state_named else None
+        accepted: list[Mapping[str, NDArray[Any]]] = []
 
-    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
-        """Update extra state from the used replies; return extra diagnostics."""
-        return {}
+        def check(candidate: Candidate) -> str | None:
+            peer = accepted[0] if accepted else None
+            reason = self.rule.check_client_state(candidate.client_state, model, peer)
+            if reason is None and candidate.client_state is not None:
+                accepted.append(candidate.client_state)
+            return reason
+
+        return check
 
     def run_rule(
         self,
@@ -133,7 +151,7 @@ class RuleHost:
         label = f"Round {server_round}"
         entry = self.round_reports.setdefault(server_round, {})
         valid, report = screen(candidates, reference, weight_key, label,
-                               self.check_reply)  # fmt: skip
+                               self._client_state_check(reference))  # fmt: skip
         new: Arrays | None = None
         diagnostics: dict[str, Any] = {}
         if valid and reference is not None:
@@ -146,7 +164,13 @@ class RuleHost:
         self._count_failed_round(label, report, failed=report.used == 0)
         if new is None:
             return None, []
-        diagnostics.update(self.after_aggregate(valid))
+        if self.rule.client_state_key is not None:
+            diagnostics.update(
+                self.rule.aggregate_client_state(
+                    [c.client_state for c in valid],  # type: ignore[misc]
+                    [float(c.metrics[weight_key]) for c in valid],
+                )
+            )
         entry["diagnostics"] = diagnostics
         return new, valid
 
@@ -176,8 +200,13 @@ class RuleHost:
         return {"rule": self.rule.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (before training starts)."""
-        self.rule.load_state_dict(state["rule"])
+        """Restore :meth:`state_dict` output (before training starts).
+
+        Checkpoints written before Fed-LAMB's v̂ moved into its rule keep it
+        beside the rule's state; it is folded back in.
+        """
+        extra = {k: v for k, v in state.items() if k != "rule"}
+        self.rule.load_state_dict({**state["rule"], **extra})
 
 
 UPDATE_SQ_NORM_KEY = "update-sq-norm"
@@ -211,6 +240,7 @@ class Candidate:
     metrics: Mapping[str, Any]
     source: Any = None  # the original reply object, for the adapter
     problem: str | None = None  # set when the reply could not even be unpacked
+    client_state: Mapping[str, NDArray[Any]] | None = None  # see ServerRule
 
 
 class ReplyError(ValueError):
@@ -424,7 +454,7 @@ def screen(
     """Split replies into usable ones and a report; log each rejection.
 
     A ``str`` in ``candidates`` stands for a failed reply (its error text).
-    ``extra_check`` adds strategy-specific checks (e.g. Fed-LAMB's moments).
+    ``extra_check`` adds rule-specific checks (e.g. Fed-LAMB's moments).
     ``np.sum`` of a float array is non-finite iff it holds NaN/Inf (or its
     values are so large the sum overflows, which is rejected too).
     """
@@ -561,7 +591,12 @@ def _check_reported_norms(
 
 
 def evaluation_average(previous: Arrays, new: Arrays) -> Arrays:
-    """Return (w_t + w_{t+1})/2, the model FedExP/FedDuA evaluate (spec §5.3)."""
+    """Return (w_t + w_{t+1})/2, the model FedExP/FedDuA evaluate.
+
+    FedExP (arXiv:2301.09604) reports the average of the last two
+    iterates, whose extrapolated steps oscillate; FedDuA (§5.1) does the
+    same "as in FedExP". Non-float arrays are taken from w_{t+1}.
+    """
     return {
         k: ((previous[k] + x) / 2).astype(x.dtype) if x.dtype.kind == "f" else x
         for k, x in new.items()

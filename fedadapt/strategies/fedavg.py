@@ -1,22 +1,21 @@
 """FedAvg and FedAvgM [McMahan et al., 2017; Hsu et al., 2019].
 
-Papers: arxiv.org/abs/1602.05629, arxiv.org/abs/1909.06335. Drop-in
-replacements for ``flwr.serverapp.strategy.FedAvg`` / ``FedAvgM``: same
-arguments, same sampling and configuration, plus reply screening, per-round
-reports, integer arrays kept integer, and checkpointable state.
+Papers: arXiv:1602.05629 (FedAvg, Algorithm 1), arXiv:1909.06335 (FedAvgM,
+§3). Drop-in replacements for ``flwr.serverapp.strategy.FedAvg`` /
+``FedAvgM``: same arguments, same sampling and configuration, plus reply
+screening, per-round reports, integer arrays kept integer, and
+checkpointable state.
 """
 
 from __future__ import annotations
 
 from typing import Unpack
 
-from flwr.serverapp import strategy as flwr_strategy
-
 from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
 from fedadapt.strategies.core import FedAvgRule
 
 
-class FedAvg(RuleStrategy, flwr_strategy.FedAvg):
+class FedAvg(RuleStrategy):
     """FedAvg weighted by ``num-examples`` (Flower's behaviour).
 
     Parameters
@@ -30,11 +29,10 @@ class FedAvg(RuleStrategy, flwr_strategy.FedAvg):
     def __init__(
         self, *, weighting: str = "num_examples", **kwargs: Unpack[FedAvgKwargs]
     ) -> None:
-        super().__init__(**kwargs)
-        self.rule = FedAvgRule(weighting=weighting)
+        super().__init__(FedAvgRule(weighting=weighting), **kwargs)
 
 
-class FedAvgM(RuleStrategy, flwr_strategy.FedAvgM):
+class FedAvgM(RuleStrategy):
     """FedAvg with server learning rate and heavy-ball momentum (as Flower's).
 
     Parameters
@@ -42,7 +40,8 @@ class FedAvgM(RuleStrategy, flwr_strategy.FedAvgM):
     server_learning_rate : float (default: 1.0)
         η_g > 0.
     server_momentum : float (default: 0.0)
-        β in [0, 1); DUA's FedAvgM baseline uses 0.9 (A-F14).
+        β in [0, 1). FedDuA's FedAvgM baseline (§5.1) gives no β; its
+        suites use 0.9, the β_1 the paper fixes for FedDuAdam.
     weighting : str (default: "num_examples")
         ``"uniform"`` for the papers' unweighted mean.
     **kwargs
@@ -57,13 +56,9 @@ class FedAvgM(RuleStrategy, flwr_strategy.FedAvgM):
         weighting: str = "num_examples",
         **kwargs: Unpack[FedAvgKwargs],
     ) -> None:
-        super().__init__(
-            server_learning_rate=server_learning_rate,
-            server_momentum=server_momentum,
-            **kwargs,
-        )
-        self.rule = FedAvgRule(
+        rule = FedAvgRule(
             server_lr=server_learning_rate,
             server_momentum=server_momentum,
             weighting=weighting,
         )
+        super().__init__(rule, **kwargs)

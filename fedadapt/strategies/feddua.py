@@ -1,8 +1,8 @@
 """FedDuA: doubly adaptive federated learning (FedDuAdagrad, FedDuAdam).
 
-Paper: shared/papers/feddua.txt (Algorithm 1, eq. (3)); spec §4. The rule
-is :class:`fedadapt.strategies.core.FedDuARule`; this is its Flower
-Message-API strategy. The server computes each client's ‖Δ_i‖² itself and
+Paper: "FedDuA: Doubly Adaptive Federated Learning" (Takakura), Algorithm 1
+and eq. (3). The rule is :class:`fedadapt.strategies.core.FedDuARule`; this
+class only builds it. The server computes each client's ‖Δ_i‖² itself and
 checks a reported ``update-sq-norm`` against it; ``secure_aggregation=True``
 uses the reports as given (see :class:`~fedadapt.strategies._screening.RuleHost`).
 """
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from typing import Unpack
 
-from flwr.serverapp import strategy as flwr_strategy
-
 from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
 from fedadapt.strategies.core import FedDuARule
 
 
-class FedDuA(RuleStrategy, flwr_strategy.FedAvg):
+class FedDuA(RuleStrategy):
     """FedDuAdam (``variant="adam"``) or FedDuAdagrad (``variant="adagrad"``).
 
     There is no server learning rate: the step size η_t = m_t/(‖v_t‖²_{G⁻¹}
@@ -36,7 +34,7 @@ class FedDuA(RuleStrategy, flwr_strategy.FedAvg):
     weighting : str (default: "uniform")
         The paper's mean; ``"num_examples"`` weights Δ̄ and A alike.
     average_last_two : bool (default: True)
-        Evaluate (w_t + w_{t+1})/2 "as in FedExP" (DUA §5.1).
+        Evaluate (w_t + w_{t+1})/2 "as in FedExP" (FedDuA §5.1).
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
     """
@@ -57,6 +55,4 @@ class FedDuA(RuleStrategy, flwr_strategy.FedAvg):
             variant=variant, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
             epsilon_g=epsilon_g, weighting=weighting,
         )  # fmt: skip
-        super().__init__(**kwargs)
-        self.rule = rule
-        self.average_last_two = bool(average_last_two)
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)

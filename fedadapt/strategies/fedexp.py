@@ -1,10 +1,11 @@
 """FedExP: extrapolated server step [Jhunjhunwala et al., ICLR 2023].
 
-Paper: arxiv.org/abs/2301.09604. The rule is
-:class:`fedadapt.strategies.core.FedExPRule` (spec §5); this is its Flower
-Message-API strategy. The server computes each client's ‖x_i − x_t‖² from
-the arrays and checks any reported ``update-sq-norm`` against it; only
-``secure_aggregation=True`` uses the reports as given (see
+Paper: arXiv:2301.09604. The rule (its step size, with the paper's
+equations) is :class:`fedadapt.strategies.core.FedExPRule`; this class only
+builds it. The
+server computes each client's ‖x_i − x_t‖² from the arrays and checks any
+reported ``update-sq-norm`` against it; only ``secure_aggregation=True``
+uses the reports as given (see
 :class:`~fedadapt.strategies._screening.RuleHost`).
 """
 
@@ -12,13 +13,11 @@ from __future__ import annotations
 
 from typing import Unpack
 
-from flwr.serverapp import strategy as flwr_strategy
-
 from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
 from fedadapt.strategies.core import FedExPRule
 
 
-class FedExP(RuleStrategy, flwr_strategy.FedAvg):
+class FedExP(RuleStrategy):
     """FedExP, or FedExPM with ``server_momentum > 0``.
 
     Parameters
@@ -26,9 +25,10 @@ class FedExP(RuleStrategy, flwr_strategy.FedAvg):
     epsilon : float (default: 1e-3)
         ε ≥ 0 in η = max(1, A / (2(‖Δ̄‖² + ε))).
     server_momentum : float (default: 0.0)
-        β in [0, 1); > 0 gives FedExPM (spec §5.3, no max(1,·)).
+        β in [0, 1); > 0 gives FedExPM, FedDuA's momentum baseline (FedDuA
+        §2: FedDuAdam with G ≡ I, no max(1,·)).
     form : str (default: "original")
-        ``"original"`` (with max(1,·)) or ``"dua"`` (DUA §2, without).
+        ``"original"`` (with max(1,·)) or ``"dua"`` (FedDuA §2, without).
     eps_form : str (default: "paper")
         ``"times_S"`` multiplies ε by the participants, as the official code.
     eps_decay : float (default: 1.0)
@@ -58,6 +58,4 @@ class FedExP(RuleStrategy, flwr_strategy.FedAvg):
             epsilon=epsilon, server_momentum=server_momentum, form=form,
             eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
         )  # fmt: skip
-        super().__init__(**kwargs)
-        self.rule = rule
-        self.average_last_two = bool(average_last_two)
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)

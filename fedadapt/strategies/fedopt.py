@@ -1,25 +1,23 @@
 """FedAdagrad, FedAdam and FedYogi [Reddi et al., 2021] for the Message API.
 
-Paper: arxiv.org/abs/2003.00295. Drop-in replacements for Flower 1.41's
+Paper: arXiv:2003.00295, Algorithm 2. Drop-in replacements for Flower 1.41's
 ``flwr.serverapp.strategy.FedAdagrad`` / ``FedAdam`` / ``FedYogi``: with the
 same arguments they produce the same global arrays (Flower's num-examples
-weighting, τ and FedAdam bias correction are the defaults). For the papers'
-setting pass ``bias_correction="none", weighting="uniform"`` (spec §6.3).
-Integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are averaged and
-stay integers instead of going through Adam as in Flower.
+weighting, τ and FedAdam bias correction are the defaults). For the paper's
+Algorithm 2 pass ``bias_correction="none", weighting="uniform"``. Integer
+arrays (e.g. BatchNorm's ``num_batches_tracked``) are averaged and stay
+integers instead of going through Adam as in Flower.
 """
 
 from __future__ import annotations
 
 from typing import Unpack
 
-from flwr.serverapp import strategy as flwr_strategy
-
 from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
 from fedadapt.strategies.core import FedAdagradRule, FedAdamRule, FedYogiRule
 
 
-class FedAdagrad(RuleStrategy, flwr_strategy.FedAdagrad):
+class FedAdagrad(RuleStrategy):
     """FedAdagrad: ``v ← v + Δ̄²``, ``x ← x + η·Δ̄/(√v + τ)``.
 
     Parameters
@@ -27,11 +25,12 @@ class FedAdagrad(RuleStrategy, flwr_strategy.FedAdagrad):
     eta : float (default: 1e-1)
         Server learning rate.
     eta_l : float (default: 1e-1)
-        Client learning rate (stored, as in Flower; not sent by itself).
+        Client learning rate: accepted and kept as ``self.eta_l`` like
+        Flower's, which does not send it either.
     tau : float (default: 1e-3)
         Adaptivity, added to √v.
     weighting : str (default: "num_examples")
-        ``"uniform"`` for the papers.
+        ``"uniform"`` for the paper.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
     """
@@ -45,12 +44,13 @@ class FedAdagrad(RuleStrategy, flwr_strategy.FedAdagrad):
         weighting: str = "num_examples",
         **kwargs: Unpack[FedAvgKwargs],
     ) -> None:
-        rule = FedAdagradRule(eta=eta, tau=tau, weighting=weighting)
-        super().__init__(eta=eta, eta_l=eta_l, tau=tau, **kwargs)
-        self.rule = rule
+        super().__init__(
+            FedAdagradRule(eta=eta, tau=tau, weighting=weighting), **kwargs
+        )
+        self.eta_l = eta_l
 
 
-class FedAdam(RuleStrategy, flwr_strategy.FedAdam):
+class FedAdam(RuleStrategy):
     """FedAdam: Adam on the pseudo-gradient −Δ̄.
 
     Parameters
@@ -58,15 +58,15 @@ class FedAdam(RuleStrategy, flwr_strategy.FedAdam):
     eta : float (default: 1e-1)
         Server learning rate.
     eta_l : float (default: 1e-1)
-        Client learning rate (stored, as in Flower).
+        Client learning rate (kept as ``self.eta_l``, not sent; as Flower).
     beta_1, beta_2 : float (default: 0.9, 0.99)
         Moment decay rates in [0, 1).
     tau : float (default: 1e-3)
         Adaptivity, added to √v.
     bias_correction : str (default: "flower")
-        ``"flower"``, ``"none"`` (Reddi et al., DUA) or ``"torch"``.
+        ``"flower"``, ``"none"`` (Reddi et al., FedDuA) or ``"torch"``.
     weighting : str (default: "num_examples")
-        ``"uniform"`` for the papers.
+        ``"uniform"`` for the paper.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
     """
@@ -87,13 +87,11 @@ class FedAdam(RuleStrategy, flwr_strategy.FedAdam):
             eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
             bias_correction=bias_correction, weighting=weighting,
         )  # fmt: skip
-        super().__init__(
-            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
-        )
-        self.rule = rule
+        super().__init__(rule, **kwargs)
+        self.eta_l = eta_l
 
 
-class FedYogi(RuleStrategy, flwr_strategy.FedYogi):
+class FedYogi(RuleStrategy):
     """FedYogi: ``v ← v − (1−β2)·Δ̄²·sign(v − Δ̄²)``.
 
     Parameters
@@ -101,13 +99,13 @@ class FedYogi(RuleStrategy, flwr_strategy.FedYogi):
     eta : float (default: 1e-2)
         Server learning rate.
     eta_l : float (default: 0.0316)
-        Client learning rate (stored, as in Flower).
+        Client learning rate (kept as ``self.eta_l``, not sent; as Flower).
     beta_1, beta_2 : float (default: 0.9, 0.99)
         Moment decay rates in [0, 1).
     tau : float (default: 1e-3)
         Adaptivity, added to √v.
     weighting : str (default: "num_examples")
-        ``"uniform"`` for the papers.
+        ``"uniform"`` for the paper.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
     """
@@ -126,7 +124,5 @@ class FedYogi(RuleStrategy, flwr_strategy.FedYogi):
         rule = FedYogiRule(
             eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, weighting=weighting
         )
-        super().__init__(
-            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
-        )
-        self.rule = rule
+        super().__init__(rule, **kwargs)
+        self.eta_l = eta_l

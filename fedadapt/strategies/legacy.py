@@ -1,9 +1,12 @@
 """The same strategies for Flower's legacy API (``NumPyClient`` + ``server_fn``).
 
-Each class subclasses its ``flwr.server.strategy`` counterpart (so sampling,
-``on_fit_config_fn``, ``evaluate_fn`` and failure handling stay Flower's) and
-replaces ``aggregate_fit`` with reply screening + the framework-free rule of
-:mod:`fedadapt.strategies.core` — the same code path as the Message API.
+:class:`LegacyRuleStrategy` is ``flwr.server.strategy.FedAvg`` (so sampling,
+``on_fit_config_fn``, ``evaluate_fn`` and failure handling stay Flower's)
+with ``aggregate_fit`` replaced by reply screening + a framework-free rule of
+:mod:`fedadapt.strategies.core`: the same code path as the Message API's
+:class:`~fedadapt.strategies.RuleStrategy`. The public classes only build
+the rule; their defaults follow Flower's legacy classes (τ = 1e-9 for
+FedAdagrad and FedAdam).
 
 Legacy parameters are an ordered list of arrays. Pass ``array_names`` (the
 model's ``state_dict`` keys, in order) so that FedExP/FedDuA recognise
@@ -20,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
-import numpy as np
 from flwr.common import (
     EvaluateIns,
     FitIns,
@@ -33,11 +35,7 @@ from flwr.common import (
 )
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import FedAdagrad as _FlowerFedAdagrad
-from flwr.server.strategy import FedAdam as _FlowerFedAdam
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
-from flwr.server.strategy import FedAvgM as _FlowerFedAvgM
-from flwr.server.strategy import FedYogi as _FlowerFedYogi
 
 from fedadapt.strategies._screening import (
     Candidate,
@@ -52,9 +50,10 @@ from fedadapt.strategies.core import (
     FedAvgRule,
     FedDuARule,
     FedExPRule,
+    FedLAMBRule,
     FedYogiRule,
+    ServerRule,
 )
-from fedadapt.strategies.fedlamb import next_v_hat
 
 WEIGHT_KEY = "num-examples"
 
@@ -68,6 +67,9 @@ class LegacyFedAvgKwargs(ScreeningKwargs, total=False):
     """
 
     array_names: Sequence[str] | None
+    secure_aggregation: bool
+    max_update_norm: float
+    max_failed_rounds: int
 
     fraction_fit: float
     fraction_evaluate: float
@@ -95,38 +97,63 @@ def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
     return [arrays[k] for k in order]
 
 
-class LegacyRuleStrategy(RuleHost):
-    """Mixin for ``flwr.server.strategy.FedAvg`` subclasses (put it first).
-
-    Attributes as :class:`fedadapt.strategies.RuleStrategy`: ``rule``,
-    ``average_last_two`` and ``round_reports``.
+class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
+    """Flower's legacy FedAvg with its aggregation replaced by a fedadapt rule.
 
     Parameters
     ----------
+    rule : ServerRule
+        The update rule, e.g. ``FedAdamRule(eta=0.01)``.
     array_names : Sequence[str] | None (default: None)
         Names of the parameter list's arrays (the model's ``state_dict``
         keys); BatchNorm buffers are then recognised by name.
+    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
+        See :class:`~fedadapt.strategies._screening.RuleHost`.
+    **kwargs
+        Any argument of ``flwr.server.strategy.FedAvg``.
+
+    A rule's client state (Fed-LAMB's second moments) travels in the
+    parameter list after the model's arrays: server → client from the
+    second round on (:meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`,
+    in its key order), client → server always, one array per trainable
+    parameter (see :mod:`fedadapt.client.numpy_client`). The model part
+    has the length of the global model's list; the rest is keyed by
+    position ``"0"``, ``"1"``, ...
     """
 
-    accept_failures: bool
-    fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
+    client_state_named = False
 
     def __init__(
-        self, *args: Any, array_names: Sequence[str] | None = None, **kwargs: Any
+        self,
+        rule: ServerRule,
+        *,
+        average_last_two: bool = False,
+        **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.array_names = None if array_names is None else list(array_names)
+        names = kwargs.pop("array_names", None)
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
         self._evaluation: Parameters | None = None
         self._evaluation_pair: tuple[Arrays, Arrays] | None = None
 
+    def __repr__(self) -> str:
+        """Flower's strategy name line: the rule with its hyperparameters."""
+        return f"{type(self).__name__}({self.rule!r})"
+
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
         """Remember the global arrays, then sample and configure as Flower does."""
-        self._sent = _keyed(parameters_to_ndarrays(parameters), self.array_names)
-        return super().configure_fit(server_round, parameters, client_manager)  # type: ignore[misc]
+        model = parameters_to_ndarrays(parameters)
+        self._sent = _keyed(model, self.array_names)
+        pairs = super().configure_fit(server_round, parameters, client_manager)
+        state = self.rule.broadcast_state()
+        if state is None:
+            return pairs
+        packed = ndarrays_to_parameters(model + list(state.values()))
+        return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
 
     def aggregate_fit(
         self,
@@ -136,10 +163,18 @@ class LegacyRuleStrategy(RuleHost):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Screen results, apply the rule; ``(None, {})`` keeps the model."""
         candidates: list[Candidate | str] = [repr(f) for f in failures]
+        size = len(self._sent or {})
+        with_state = self.rule.client_state_key is not None
         for proxy, res in results:
             reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
-            arrays = _keyed(parameters_to_ndarrays(res.parameters), self.array_names)
-            candidates.append(Candidate(proxy.cid, arrays, reply, (proxy, res)))
+            arrays = parameters_to_ndarrays(res.parameters)
+            model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
+            candidates.append(
+                Candidate(
+                    proxy.cid, _keyed(model, self.array_names), reply, (proxy, res),
+                    client_state=_keyed(rest) if with_state else None,
+                )
+            )  # fmt: skip
         # Flower's contract: with failures and accept_failures=False, no update
         keep = bool(failures) and not self.accept_failures
         new, valid = self.run_rule(
@@ -180,7 +215,7 @@ class LegacyRuleStrategy(RuleHost):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, EvaluateIns]]:
         """Configure federated evaluation of the evaluation model."""
-        return super().configure_evaluate(  # type: ignore[misc]
+        return super().configure_evaluate(
             server_round, self.evaluation_parameters(parameters), client_manager
         )
 
@@ -188,20 +223,19 @@ class LegacyRuleStrategy(RuleHost):
         self, server_round: int, parameters: Parameters
     ) -> tuple[float, dict[str, Scalar]] | None:
         """Central evaluation (``evaluate_fn``) of the evaluation model."""
-        return super().evaluate(server_round, self.evaluation_parameters(parameters))  # type: ignore[misc]
+        return super().evaluate(server_round, self.evaluation_parameters(parameters))
 
 
-class FedAvg(LegacyRuleStrategy, _FlowerFedAvg):
+class FedAvg(LegacyRuleStrategy):
     """Legacy FedAvg (num-examples weighted) with screening; Flower's arguments."""
 
     def __init__(
         self, *, weighting: str = "num_examples", **kwargs: Unpack[LegacyFedAvgKwargs]
     ) -> None:
-        super().__init__(**kwargs)
-        self.rule = FedAvgRule(weighting=weighting)
+        super().__init__(FedAvgRule(weighting=weighting), **kwargs)
 
 
-class FedAvgM(LegacyRuleStrategy, _FlowerFedAvgM):
+class FedAvgM(LegacyRuleStrategy):
     """Legacy FedAvgM: server learning rate and heavy-ball momentum."""
 
     def __init__(
@@ -217,15 +251,10 @@ class FedAvgM(LegacyRuleStrategy, _FlowerFedAvgM):
             server_momentum=server_momentum,
             weighting=weighting,
         )
-        super().__init__(
-            server_learning_rate=server_learning_rate,
-            server_momentum=server_momentum,
-            **kwargs,
-        )
-        self.rule = rule
+        super().__init__(rule, **kwargs)
 
 
-class FedAdagrad(LegacyRuleStrategy, _FlowerFedAdagrad):
+class FedAdagrad(LegacyRuleStrategy):
     """Legacy FedAdagrad (Flower's legacy τ default, 1e-9)."""
 
     def __init__(
@@ -237,12 +266,13 @@ class FedAdagrad(LegacyRuleStrategy, _FlowerFedAdagrad):
         weighting: str = "num_examples",
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
-        rule = FedAdagradRule(eta=eta, tau=tau, weighting=weighting)
-        super().__init__(eta=eta, eta_l=eta_l, tau=tau, **kwargs)
-        self.rule = rule
+        super().__init__(
+            FedAdagradRule(eta=eta, tau=tau, weighting=weighting), **kwargs
+        )
+        self.eta_l = eta_l
 
 
-class FedAdam(LegacyRuleStrategy, _FlowerFedAdam):
+class FedAdam(LegacyRuleStrategy):
     """Legacy FedAdam (Flower's legacy τ default, 1e-9; Flower bias correction)."""
 
     def __init__(
@@ -261,13 +291,11 @@ class FedAdam(LegacyRuleStrategy, _FlowerFedAdam):
             eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
             bias_correction=bias_correction, weighting=weighting,
         )  # fmt: skip
-        super().__init__(
-            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
-        )
-        self.rule = rule
+        super().__init__(rule, **kwargs)
+        self.eta_l = eta_l
 
 
-class FedYogi(LegacyRuleStrategy, _FlowerFedYogi):
+class FedYogi(LegacyRuleStrategy):
     """Legacy FedYogi."""
 
     def __init__(
@@ -284,13 +312,11 @@ class FedYogi(LegacyRuleStrategy, _FlowerFedYogi):
         rule = FedYogiRule(
             eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, weighting=weighting
         )
-        super().__init__(
-            eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau, **kwargs
-        )
-        self.rule = rule
+        super().__init__(rule, **kwargs)
+        self.eta_l = eta_l
 
 
-class FedExP(LegacyRuleStrategy, _FlowerFedAvg):
+class FedExP(LegacyRuleStrategy):
     """Legacy FedExP / FedExPM; arguments as :class:`fedadapt.strategies.FedExP`."""
 
     def __init__(
@@ -309,12 +335,10 @@ class FedExP(LegacyRuleStrategy, _FlowerFedAvg):
             epsilon=epsilon, server_momentum=server_momentum, form=form,
             eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
         )  # fmt: skip
-        super().__init__(**kwargs)
-        self.rule = rule
-        self.average_last_two = bool(average_last_two)
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)
 
 
-class FedDuA(LegacyRuleStrategy, _FlowerFedAvg):
+class FedDuA(LegacyRuleStrategy):
     """Legacy FedDuA; arguments as :class:`fedadapt.strategies.FedDuA`."""
 
     def __init__(
@@ -333,18 +357,14 @@ class FedDuA(LegacyRuleStrategy, _FlowerFedAvg):
             variant=variant, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
             epsilon_g=epsilon_g, weighting=weighting,
         )  # fmt: skip
-        super().__init__(**kwargs)
-        self.rule = rule
-        self.average_last_two = bool(average_last_two)
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)
 
 
-class FedLAMB(LegacyRuleStrategy, _FlowerFedAvg):
+class FedLAMB(LegacyRuleStrategy):
     """Legacy server of Fed-LAMB / Fed-AMS: model mean and v̂ = max(v̂, mean v).
 
-    Packing (see :mod:`fedadapt.client.numpy_client`): the parameter list is
-    the model's arrays, followed (from round 2 on, server → client; always,
-    client → server) by one second-moment array per trainable parameter.
-    The model part has the length of ``initial_parameters``.
+    Second moments travel after the model's arrays in the parameter list
+    (see :class:`LegacyRuleStrategy`).
     """
 
     def __init__(
@@ -354,79 +374,7 @@ class FedLAMB(LegacyRuleStrategy, _FlowerFedAvg):
         weighting: str = "uniform",
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
-        rule = FedAvgRule(weighting=weighting)
-        super().__init__(**kwargs)
-        self.rule = rule
-        self.eps = eps
-        self.v_hat: Arrays | None = None
-        self._moments: dict[int, Arrays] = {}
-
-    def configure_fit(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
-        """Send the model, with v̂ appended after round 1."""
-        pairs = super().configure_fit(server_round, parameters, client_manager)
-        if self.v_hat is None:
-            return pairs
-        packed = ndarrays_to_parameters(
-            parameters_to_ndarrays(parameters)
-            + [self.v_hat[str(i)] for i in range(len(self.v_hat))]
-        )
-        return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
-
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """Split each result into model and moments, then aggregate both."""
-        size = len(self._sent or {})
-        self._moments, unpacked = {}, []
-        for proxy, res in results:
-            arrays = parameters_to_ndarrays(res.parameters)
-            model = FitRes(
-                res.status, ndarrays_to_parameters(arrays[:size]), res.num_examples,
-                res.metrics,
-            )  # fmt: skip
-            self._moments[id(model)] = _keyed(arrays[size:])
-            unpacked.append((proxy, model))
-        return super().aggregate_fit(server_round, unpacked, failures)
-
-    def check_reply(self, candidate: Candidate) -> str | None:
-        """Moments must be present, finite, >= 0 and shaped like v̂."""
-        moments = self._moments.get(id(candidate.source[1]))
-        if not moments:
-            return "no second moments after the model arrays"
-        if self.v_hat is not None and any(
-            k not in self.v_hat or self.v_hat[k].shape != v.shape
-            for k, v in moments.items()
-        ):
-            return "second moments do not match v̂'s shapes"
-        for v in moments.values():
-            if v.dtype.kind != "f" or not np.all(np.isfinite(v)) or np.any(v < 0):
-                return "second moments must be finite and >= 0"
-        return None
-
-    def after_aggregate(self, valid: list[Candidate]) -> dict[str, float | None]:
-        """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used results."""
-        self.v_hat, diagnostics = next_v_hat(
-            self.v_hat,
-            [self._moments[id(c.source[1])] for c in valid],
-            [float(c.metrics[WEIGHT_KEY]) for c in valid],
-            self.rule.weighting,
-            self.eps,
-        )
-        return diagnostics
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model-averaging state plus v̂."""
-        return {**super().state_dict(), "v_hat": self.v_hat}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        super().load_state_dict(state)
-        self.v_hat = state["v_hat"]
+        super().__init__(FedLAMBRule(eps=eps, weighting=weighting), **kwargs)
 
 
 __all__ = [

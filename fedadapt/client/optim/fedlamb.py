@@ -44,7 +44,7 @@ Round protocol. At the start of each round the client calls
 round 1 gives v̂_0 = ε·1, LAMB Algorithm 1 line 2); at the end it sends
 :meth:`FedLAMB.second_moments`, the raw v of every parameter (LAMB Algorithm
 1 line 13 and Fig. 1 both send v, not v̂). The server side is
-:func:`fedadapt.strategies._second_moments.aggregate_second_moments`.
+:func:`fedadapt.strategies.core.aggregate_second_moments`.
 """
 
 from __future__ import annotations

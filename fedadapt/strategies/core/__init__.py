@@ -17,6 +17,7 @@ from fedadapt.strategies.core.base import (
 from fedadapt.strategies.core.fedavg import FedAvgRule
 from fedadapt.strategies.core.feddua import FedDuARule
 from fedadapt.strategies.core.fedexp import FedExPRule
+from fedadapt.strategies.core.fedlamb import FedLAMBRule, aggregate_second_moments
 from fedadapt.strategies.core.fedopt import (
     FedAdagradRule,
     FedAdamRule,
@@ -31,10 +32,12 @@ __all__ = [
     "FedAvgRule",
     "FedDuARule",
     "FedExPRule",
+    "FedLAMBRule",
     "FedOptRule",
     "FedYogiRule",
     "RoundStatistics",
     "ServerRule",
+    "aggregate_second_moments",
     "client_weights",
     "is_batchnorm_buffer",
     "sq_norm",
