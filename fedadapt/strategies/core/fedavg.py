@@ -1,6 +1,9 @@
 """FedAvg / FedAvgM server rule [McMahan et al., 2017; Hsu et al., 2019].
 
-Papers: arxiv.org/abs/1602.05629 (FedAvg), arxiv.org/abs/1909.06335 (FedAvgM).
+Papers: FedAvg, arXiv:1602.05629; FedAvgM (server momentum), arXiv:1909.06335.
+The server learning rate η_g is the FedOpt form of FedAvg (Reddi et al.,
+arXiv:2003.00295, Algorithm 1 with SGD as server optimizer), as restated in
+FedDuA §2 ("Global Update (FedAvg)": w_{t+1} = w_t + η_g·Δ̄_t).
 """
 
 from __future__ import annotations
@@ -15,9 +18,17 @@ from fedadapt.strategies.core.base import Arrays, RoundStatistics, ServerRule
 class FedAvgRule(ServerRule):
     """``x_{t+1} = x_t + η_g·Δ̄_t``, or heavy-ball momentum when β > 0.
 
-    With momentum, as Flower's FedAvgM (pseudo-gradient ``p = −Δ̄``):
-    ``μ ← β·μ + p``, ``x ← x − η_g·μ`` (spec §6.3; β = 0.9 for DUA's FedAvgM,
-    A-F14). ``server_lr=1, server_momentum=0`` is plain FedAvg.
+    With momentum, heavy-ball server momentum (Hsu et al., arXiv:1909.06335)
+    written as Flower 1.41's FedAvgM (pseudo-gradient ``p = −Δ̄``):
+    ``μ ← β·μ + p``, ``x ← x − η_g·μ``, with μ starting at zero, so that the
+    arrays match Flower's. ``server_lr=1, server_momentum=0`` is plain FedAvg
+    (arXiv:1602.05629).
+
+    FedDuA (Takakura et al., "FedDuA: Doubly Adaptive Federated Learning")
+    uses FedAvgM as a baseline (§5.1) but states no β, and its Table 6 tunes
+    only η_l and η_g. We take β = 0.9 for its FedAvgM runs: the usual
+    heavy-ball value, and the β1 that FedDuA §5.1 fixes for its own
+    momentum methods (FedAdam, FedDuAdam).
 
     Parameters
     ----------

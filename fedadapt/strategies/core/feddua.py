@@ -1,8 +1,9 @@
 """FedDuA: doubly adaptive server step (FedDuAdagrad, FedDuAdam).
 
-Paper: "FedDuA: Doubly Adaptive Federated Learning" (shared/papers/feddua.txt),
-Algorithm 1 lines 9-17 and eq. (3); spec §4. Per round, with
-Δ̄ = Σω_iΔ_i and A = Σω_i‖Δ_i‖²:
+Paper: Takakura, Liew and Hasegawa, "FedDuA: Doubly Adaptive Federated
+Learning" ("DUA" below; the paper text gives no arXiv id), Algorithm 1
+lines 9-17 and eq. (3); §2 for FedAdagrad/FedAdam, whose s_t and v_t it
+reuses. Per round, with Δ̄ = Σω_iΔ_i and A = Σω_i‖Δ_i‖²:
 
     ============  ==========================  =================================
                   FedDuAdagrad                FedDuAdam
@@ -15,15 +16,32 @@ Algorithm 1 lines 9-17 and eq. (3); spec §4. Per round, with
     G_t = diag(√s_t + ε),  q_t = ‖v_t‖²_{G_t^{-1}} = Σ v²/(√s+ε)
     η_t = m_t / (q_t + ε_g),  w_{t+1} = w_t + η_t·G_t^{-1}·v_t
 
-Notes (spec §4.1-4.4, A-F1, A-F16-A-F18):
+Notes (decisions where the paper is ambiguous, with the reason):
 
-* The paper prints ``‖v‖²_{G}``; that is a typo for ``‖v‖²_{G^{-1}}`` (the
-  derivation, App. F/G.2 and 1-homogeneity of the step all need G^{-1}).
-* No bias correction, no max(1,·); the β1/2 factor in m_t is intentional.
-* Where √s_k + ε = 0 (ε = 0 and s_k = 0, hence v_k = 0) the ratio is 0, and
-  q + ε_g = 0 (all-zero updates) gives η = 0: no move, never NaN.
-* ``preconditioner="identity"`` (G ≡ I) turns FedDuAdagrad into FedExP
-  without max(1,·) and FedDuAdam into FedExPM (spec §4.4, §5.3).
+* Norm in η_t. DUA Alg. 1 line 16 and §3 (the text after eq. (3)) print
+  ``‖v‖²_{G}``, i.e. Σ v²(√s+ε) with ‖x‖_G = √(xᵀGx) (§1.1, Notation). We
+  read it as a typo for ``‖v‖²_{G^{-1}}``: with ψ_t(x) = ½xᵀG_t x the dual
+  is φ_t(θ) = ½θᵀG_t^{-1}θ, so the h_t of §3 (Thms 3.2, 3.3) is
+  h_t(η) = η·vᵀG_t^{-1}v and h_t^{-1}(m_t) = m_t/‖v_t‖²_{G^{-1}};
+  the paper's own App. F and App. G.2 (proof of Cor. G.4) write
+  ‖Δ̄‖²_{G_t^{-1}}; and only G^{-1} keeps the step 1-homogeneous (scaling
+  every Δ_i by c scales the step by c, as in FedAvg; with G it would scale
+  by 1/c). With G ≡ I both read the same, so FedExP cannot tell them apart.
+* No bias correction and no max(1,·) (DUA Alg. 1 lines 12-17 have neither;
+  §5.2 calls the method hyperparameter-free). The β1/2 factor in m_t (line
+  14) is intentional, not a typo for β1: it is the momentum lower bound of
+  Thm 3.3 (proof in App. B), so m_t is not an exponential moving average.
+* 0/0 := 0. With ε = 0 (allowed: DUA §5.2 reports that ε = 0 works)
+  G_t = diag(√s_t + ε) of line 15 has zero entries where s_k = 0; there
+  v_k = 0 too unless β2 = 0 (s_k = 0 means every Δ̄_k so far was 0). We
+  define that ratio as 0, the limit of 0/(0 + ε) as ε → 0, so the
+  coordinate does not move (also, rather than ∞, when β2 = 0 and v_k ≠ 0).
+  Likewise q + ε_g = 0 (all-zero updates, ε_g = 0) in line 16 gives η = 0:
+  no move, never NaN.
+* ``preconditioner="identity"`` (G ≡ I, s ignored) turns FedDuAdagrad into
+  FedExP without max(1,·), as DUA §2 restates FedExP, and FedDuAdam into
+  FedExPM, which DUA §5.1 uses as a baseline without defining it; see
+  :mod:`fedadapt.strategies.core.fedexp` for why we define it so.
 """
 
 from __future__ import annotations
@@ -55,17 +73,21 @@ class FedDuARule(ServerRule):
     variant : str (default: "adam")
         ``"adam"`` (FedDuAdam) or ``"adagrad"`` (FedDuAdagrad).
     beta_1, beta_2 : float (default: 0.9, 0.99)
-        Decay rates in [0, 1) (FedDuAdam only; DUA §5.1).
+        Decay rates in [0, 1) (FedDuAdam only; DUA §5.1 fixes 0.9, 0.99).
     epsilon : float (default: 1e-9)
-        ε ≥ 0 in G = diag(√s + ε) (DUA §5.1: 1e-9 for images/NLP).
+        ε ≥ 0 in G = diag(√s + ε) (DUA §5.1 and App. H.3: 1e-9).
     epsilon_g : float (default: 0.0)
-        ε_g ≥ 0 in the step-size denominator (DUA: 0 works).
+        ε_g ≥ 0 in the step-size denominator (DUA §5.2: 0 works).
     preconditioner : str (default: "diagonal")
         ``"identity"`` sets G ≡ I (FedExP / FedExPM).
     weighting : str (default: "uniform")
         The paper's uniform mean; ``"num_examples"`` weights Δ̄ and A alike.
     plain_average : Callable[[str], bool] | None (default: BatchNorm buffers)
-        Keys averaged and excluded from norms and preconditioner (spec §1.3).
+        Keys plainly averaged and excluded from Δ̄, A and the preconditioner.
+        BatchNorm buffers are running statistics, not parameters that DUA
+        Alg. 1 lines 9-17 update, so an adaptive step on them is
+        meaningless; the FedExP code (arXiv:2301.09604) likewise moves only
+        ``parameters()``.
     """
 
     needs_sq_norms = True
@@ -144,7 +166,11 @@ class FedDuARule(ServerRule):
         return new, {"server-lr": eta, "q": q, "m": self.m}
 
     def _precondition(self, v: Arrays, s: Arrays) -> Arrays:
-        """Return G^{-1}v = v/(√s + ε), with 0/0 := 0 (A-F18).
+        """Return G^{-1}v = v/(√s + ε), with 0/0 := 0 (DUA Alg. 1 line 15).
+
+        Where ε = 0 and s_k = 0 (then v_k = 0 unless β2 = 0) the ratio is
+        taken as 0, the ε → 0 limit of 0/ε, so that coordinate does not move
+        (see the module docstring).
 
         Written into arrays kept between rounds (``self._direction``).
         """

@@ -1,17 +1,32 @@
 """FedExP: extrapolated server step [Jhunjhunwala et al., ICLR 2023].
 
-Paper: arxiv.org/abs/2301.09604; spec §5. The original rule (default):
+Paper: arXiv:2301.09604 (Algorithm 1, the FedExP server step size). The
+original rule (default):
 
     η_t = max{1, Σ_i ω_i‖Δ_i‖² / (2(‖Δ̄‖² + ε))},   x_{t+1} = x_t + η_t·Δ̄
 
-``form="dua"`` is DUA §2's restatement (no max(1,·)). ``eps_form="times_S"``
-multiplies ε by |S_t| as the official code does, and ``eps_decay`` decays ε
-per update (the code uses 0.998²); both are off by default (A-E2).
+``form="dua"`` is the restatement in FedDuA §2 (Takakura et al., "FedDuA:
+Doubly Adaptive Federated Learning"; "DUA" below), which drops max(1,·).
 
-``server_momentum = β > 0`` gives FedExPM, which DUA uses but never defines;
-as decided in spec §5.3 it is FedDuAdam with G ≡ I (no max(1,·)):
+ε: the paper adds ε to ‖Δ̄‖²; the authors' official code
+(github.com/Divyansh03/FedExP, ``main.py``) instead adds |S_t|·ε and decays
+ε by 0.998² per round, alongside the 0.998 decay of the client learning
+rate. We follow the paper's formula by default (``eps_form="paper"``,
+``eps_decay=1``), since the algorithm is defined by the paper; the code's
+behaviours are options (``eps_form="times_S"``, ``eps_decay=0.998**2``) to
+reproduce the code's numbers (its ε = 1e-3 with |S_t| = 20 equals
+ε = 0.02 here).
+
+``server_momentum = β > 0`` gives FedExPM. DUA uses it as a baseline
+(§5.1, Table 2, Table 6) but never defines it. We define it as FedDuAdam
+(DUA Algorithm 1 line 14) with G ≡ I, and so without max(1,·):
 ``v ← βv + (1−β)Δ̄``, ``m ← (β/2)m + (1−β)A/2``, ``η = m/(‖v‖² + ε)``,
-``x ← x + η·v``. It reuses :class:`FedDuARule` rather than repeating it.
+``x ← x + η·v``. Reason: it is the G = I case of DUA's own momentum rule,
+whose step-size bound (DUA Thm 3.3) has no max(1,·); and with ε = 0 it
+gives the same step as the momentum variant in the FedExP code (heavy-ball
+sums v = Δ̄ + 0.9v, m = A/2 + 0.45m, no max), because η·v does not change
+when v and m are rescaled together. It reuses :class:`FedDuARule` rather
+than repeating it.
 """
 
 from __future__ import annotations
