@@ -1,7 +1,8 @@
 """Framework-free server update rules: the shared aggregation step.
 
 Every rule sees one round through the same two numbers a secure-aggregation
-protocol could reveal (spec §1.3-1.4):
+protocol could reveal (FedDuA, Takakura et al., Algorithm 1 lines 9 and 12;
+FedExP, arXiv:2301.09604, Algorithm 1):
 
     Δ̄_t = Σ_i ω_i Δ_i ,   A_t = Σ_i ω_i ‖Δ_i‖² ,   Δ_i = x_i − x_t
 
@@ -12,8 +13,9 @@ with ω_i uniform over the participants or proportional to ``num-examples``.
 
 Which arrays are adaptive: floating-point arrays, minus the keys selected by
 ``plain_average`` (by default nothing; FedExP/FedDuA exclude BatchNorm
-buffers, spec §1.3). Plain arrays are averaged (integers rounded back to
-their dtype) and kept out of norms and preconditioners.
+buffers, which are running statistics rather than trained parameters).
+Plain arrays are averaged (integers rounded back to their dtype) and kept
+out of norms and preconditioners.
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ class RoundStatistics:
 
 
 def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
-    """Return ω: uniform ``1/|S|`` or ``n_i / Σ n_j`` (spec §1.3)."""
+    """Return ω: uniform ``1/|S|`` or ``n_i / Σ n_j``.
+
+    The papers average uniformly (Δ-SGD arXiv:2306.11201 Alg. 1 line 13,
+    FedDuA Alg. 1 lines 9 and 12, Fed-LAMB arXiv:2110.00532 Alg. 1 line 15);
+    ``n_i``-weighting is Flower's default and the FedExP code's.
+    """
     n = np.asarray(num_examples, dtype=np.float64)
     if n.size == 0:
         raise ValueError("no client results to aggregate")
