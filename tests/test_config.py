@@ -106,7 +106,7 @@ def test_every_strategy_builds_from_run_config(cfg, name, cls, public, api):
     """The factory builds the rule the public class builds with the same
     hyperparameters (run-config defaults), inside either API's adapter."""
     from fedadapt import strategies
-    from fedadapt.server.policy import RunStrategy
+    from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
     from fedadapt.strategies import legacy
 
     optimizer = "fed-lamb" if name == "fed-lamb" else "sgd"
@@ -116,7 +116,7 @@ def test_every_strategy_builds_from_run_config(cfg, name, cls, public, api):
 
         init = ndarrays_to_parameters([])
         strategy = build_strategy(config, api="legacy", initial_parameters=init)
-        assert type(strategy) is legacy.LegacyRuleStrategy
+        assert type(strategy) is LegacyRunStrategy
         assert strategy.min_fit_clients == 4
         assert strategy.num_fit_clients(10) == (4, 4)
         expected = getattr(legacy, cls)(**public)

@@ -1,5 +1,8 @@
 """Seeded client sampling (server/policy.py): reruns train the same partitions.
 
+Both APIs: RunStrategy (Message API) and LegacyRunStrategy (legacy API), which
+must also sample the same partitions as each other for the same seed.
+
 Flower samples with the module-level RNG over node ids that are random per
 run; with ``sampling_seed`` and ``node_keys`` (node id -> partition-id) the
 sample must depend only on the seed, the phase, the global round and the
@@ -16,11 +19,21 @@ from unittest.mock import Mock
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.common import (
+    Code,
+    FitRes,
+    GetPropertiesRes,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
 from flwr.serverapp import Grid
 
-from fedadapt.server.policy import RunStrategy
+from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
 from fedadapt.strategies.core import FedAvgRule
-from tests.helpers import make_reply, run_in_process
+from tests.helpers import make_reply, run_in_process, run_legacy_in_process
 
 NUM_NODES, PER_ROUND = 10, 3
 
@@ -220,3 +233,209 @@ def test_partition_query_keeps_only_integer_answers_and_bounds_its_wait():
     assert sent.kwargs["timeout"] == 7.0
     assert sorted(m.metadata.dst_node_id for m in sent.args[0]) == list(answers)
     assert {m.metadata.message_type for m in sent.args[0]} == {"query"}
+
+
+# --- the legacy API (LegacyRunStrategy) -------------------------------------------
+
+
+def _legacy_client(cid: str, answer):
+    """A ClientProxy whose get_properties returns ``answer`` (raises if an
+    exception), counting the calls."""
+    proxy = Mock(spec=ClientProxy)
+    proxy.cid = cid
+    if isinstance(answer, Exception):
+        proxy.get_properties.side_effect = answer
+    else:
+        proxy.get_properties.return_value = GetPropertiesRes(
+            Status(Code.OK, ""), answer
+        )
+    return proxy
+
+
+def _a_legacy_run(run_seed: int, sampling_seed: int | None, per_eval: int = 0):
+    """As _a_run for the legacy API: a real SimpleClientManager holding
+    clients with fresh random cids, registered in an arbitrary order."""
+    rng = random.Random(run_seed)
+    cids = [str(rng.getrandbits(63)) for _ in range(NUM_NODES)]
+    partitions = rng.sample(range(NUM_NODES), NUM_NODES)
+    manager = SimpleClientManager()
+    for cid, pid in rng.sample(list(zip(cids, partitions, strict=True)), NUM_NODES):
+        manager.register(_legacy_client(cid, {"partition-id": pid}))
+    strategy = LegacyRunStrategy(
+        FedAvgRule(),
+        sampling_seed=sampling_seed,
+        fraction_fit=0.0,
+        min_fit_clients=PER_ROUND,
+        min_available_clients=PER_ROUND,
+        fraction_evaluate=1e-9 if per_eval else 0.0,
+        min_evaluate_clients=per_eval,
+    )
+    return strategy, manager
+
+
+LEGACY_PARAMETERS = ndarrays_to_parameters([np.zeros(3, np.float32)])
+
+
+def _legacy_sampled(strategy, manager, rounds, phase="train"):
+    """Partition-ids of the clients each legacy round is sent to."""
+    truth = {
+        c.cid: c.get_properties.return_value.properties["partition-id"]
+        for c in manager.all().values()
+    }
+    configure = (
+        strategy.configure_fit if phase == "train" else strategy.configure_evaluate
+    )
+    return [
+        sorted(
+            truth[proxy.cid] for proxy, _ in configure(r, LEGACY_PARAMETERS, manager)
+        )
+        for r in rounds
+    ]
+
+
+def test_legacy_samples_the_partitions_the_message_api_samples():
+    """Same seed, same rounds: the legacy app trains (and evaluates) exactly
+    the partitions the Message-API app does, whatever the cids and the
+    registration order — Flower's Message-API sampler is the oracle."""
+    message = _sampled_partitions(*_a_run(run_seed=1, sampling_seed=7), range(1, 31))
+    for run_seed in (2, 3):
+        legacy = _legacy_sampled(*_a_legacy_run(run_seed, 7), range(1, 31))
+        assert legacy == message
+    message_eval = _sampled_partitions(
+        *_a_run(run_seed=1, sampling_seed=4, per_eval=5), range(1, 11), "evaluate"
+    )
+    legacy_eval = _legacy_sampled(
+        *_a_legacy_run(5, 4, per_eval=5), range(1, 11), "evaluate"
+    )
+    assert legacy_eval == message_eval
+    assert len({tuple(s) for s in message}) > 10  # rounds differ from each other
+
+
+def test_legacy_asks_each_client_once_and_records_the_sample():
+    strategy, manager = _a_legacy_run(run_seed=1, sampling_seed=0)
+    samples = _legacy_sampled(strategy, manager, range(1, 6))
+    for client in manager.all().values():
+        assert client.get_properties.call_count == 1
+    assert [strategy.round_reports[r]["sampled"]["train"] for r in range(1, 6)] == (
+        samples
+    )
+
+
+def test_legacy_unseeded_sampling_is_flowers_and_asks_nobody():
+    random.seed(0)
+    strategy, manager = _a_legacy_run(run_seed=1, sampling_seed=None)
+    first = _legacy_sampled(strategy, manager, range(1, 11))
+    random.seed(1)
+    second = _legacy_sampled(
+        *_a_legacy_run(run_seed=1, sampling_seed=None), range(1, 11)
+    )
+    assert first != second
+    assert not any(c.get_properties.called for c in manager.all().values())
+    assert all("sampled" not in r for r in strategy.round_reports.values())
+
+
+def test_legacy_every_client_sampled_asks_nobody():
+    """Training every client is not a sample: no query, as the Message API."""
+    strategy, manager = _a_legacy_run(run_seed=1, sampling_seed=0)
+    strategy.min_fit_clients = NUM_NODES
+    pairs = strategy.configure_fit(1, LEGACY_PARAMETERS, manager)
+    assert len(pairs) == NUM_NODES
+    assert not any(c.get_properties.called for c in manager.all().values())
+
+
+def test_legacy_global_rng_is_left_as_it_was():
+    random.seed(123)
+    expected = random.random()
+    random.seed(123)
+    _legacy_sampled(*_a_legacy_run(run_seed=1, sampling_seed=5), [1, 2, 3])
+    assert random.random() == expected
+
+
+def test_legacy_bad_partition_answers_are_left_out_and_sampled_last():
+    """A client that fails, or answers without an integer partition-id
+    (missing, float, bool), is not trusted: it sorts after the others and
+    still trains; nothing crashes."""
+    answers = {
+        "a": {"partition-id": 2},
+        "b": RuntimeError("ClientApp failed"),
+        "c": {"num-partitions": 6},
+        "d": {"partition-id": 1.5},
+        "e": {"partition-id": True},
+        "f": {"partition-id": 0},
+    }
+    manager = SimpleClientManager()
+    for cid, answer in answers.items():
+        manager.register(_legacy_client(cid, answer))
+    strategy = LegacyRunStrategy(
+        FedAvgRule(), sampling_seed=0, fraction_fit=0.0, min_fit_clients=5
+    )
+    pairs = strategy.configure_fit(1, LEGACY_PARAMETERS, manager)
+    assert len(pairs) == 5
+    assert strategy.partitions == {"a": 2, "f": 0}
+    order = sorted(manager.all().values(), key=strategy.client_order)
+    assert [c.cid for c in order] == ["f", "a", "b", "c", "d", "e"]
+
+
+def test_legacy_aggregate_does_not_depend_on_reply_arrival_order():
+    """As the Message-API test above: replies summed in partition order."""
+    values = {"11": 1e16, "22": 1.0, "33": -1e16, "44": 3.0}
+    keys = {"11": 2, "22": 0, "33": 3, "44": 1}
+    results = []
+    for order in (
+        ["11", "22", "33", "44"],
+        ["11", "33", "22", "44"],
+        ["44", "22", "33", "11"],
+    ):
+        strategy = LegacyRunStrategy(FedAvgRule(), fraction_fit=1.0)
+        strategy.partitions = dict(keys)
+        manager = SimpleClientManager()
+        proxies = {
+            cid: _legacy_client(cid, {"partition-id": keys[cid]}) for cid in values
+        }
+        for proxy in proxies.values():
+            manager.register(proxy)
+        strategy.configure_fit(1, LEGACY_PARAMETERS, manager)
+        replies = [
+            (
+                proxies[cid],
+                FitRes(
+                    Status(Code.OK, ""),
+                    ndarrays_to_parameters([np.full(3, values[cid], np.float32)]),
+                    10,
+                    {},
+                ),
+            )
+            for cid in order
+        ]
+        new, _ = strategy.aggregate_fit(1, replies, [])
+        results.append(parameters_to_ndarrays(new)[0])
+    assert np.array_equal(results[0], results[1]), results
+    assert np.array_equal(results[0], results[2]), results
+
+
+@pytest.mark.e2e
+def test_legacy_simulation_reruns_train_the_same_partitions(tmp_path):
+    """Two legacy Flower simulations (NumPyClients answering get_properties)
+    with the same seed sample the same partitions and end with the same model."""
+    runs = {}
+    for name in ("a", "b"):
+        run_legacy_in_process(
+            {
+                "output-dir": str(tmp_path),
+                "run-name": name,
+                "num-server-rounds": 3,
+                "clients-per-round": 2,
+                "clients-per-eval": 2,
+                "local-steps": 3,
+            },
+            num_supernodes=6,
+        )
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    a, b = runs["a"]["rounds"], runs["b"]["rounds"]
+    assert runs["a"]["status"] == "completed"
+    assert [r["sampled"] for r in a] == [r["sampled"] for r in b]
+    for entry in a:
+        for phase in ("train", "evaluate"):
+            sample = entry["sampled"][phase]
+            assert len(sample) == 2 and set(sample) <= set(range(6)), entry
+    assert [r["eval"]["loss"] for r in a] == [r["eval"]["loss"] for r in b]

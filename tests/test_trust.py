@@ -385,7 +385,7 @@ def test_legacy_app_names_the_arrays(tmp_path):
 
     cfg = {"output-dir": str(tmp_path), "run-name": "names", "strategy": "fedexp"}
     context = Context(1, 0, {}, RecordDict(), cfg)
-    strategy = legacy_app.server_fn(context).strategy
+    strategy = legacy_app.server_fn(context).server.strategy
     assert strategy.array_names == list(
         legacy_app.initial_state(
             legacy_app.TASKS.get("digits-mlp"), legacy_app.validate_run_config(cfg)
@@ -421,7 +421,7 @@ def test_legacy_app_records_the_error_that_ended_the_run(tmp_path):
 
     cfg = {"output-dir": str(tmp_path), "run-name": "stopped", "strategy": "fedexp"}
     context = Context(7, 0, {}, RecordDict(), cfg)
-    strategy = legacy_app.server_fn(context).strategy  # registers the run
+    strategy = legacy_app.server_fn(context).server.strategy  # registers the run
     app = legacy_app.make_app(legacy_app.server_fn)
     with pytest.raises(FederationFailedError), app._lifespan(context):
         strategy.max_failed_rounds = 1

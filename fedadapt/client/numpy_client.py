@@ -45,6 +45,13 @@ class FedAdaptClient(NumPyClient):
         self.partition_id, self.num_partitions = partition_of(node_config)
         self.keys, self.names = model_layout(self.cfg)
 
+    def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
+        """Tell the server which partition this node holds (seeded sampling)."""
+        return {
+            "partition-id": self.partition_id,
+            "num-partitions": self.num_partitions,
+        }
+
     def fit(
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:

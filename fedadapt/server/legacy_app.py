@@ -13,9 +13,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flwr.common import Context, NDArrays, Scalar, ndarrays_to_parameters
-from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+from flwr.server import (
+    History,
+    Server,
+    ServerApp,
+    ServerAppComponents,
+    ServerConfig,
+    SimpleClientManager,
+)
+from flwr.server.client_manager import ClientManager
+from flwr.server.strategy import Strategy
 
 from fedadapt.config import ConfigError, validate_run_config
+from fedadapt.server.policy import QUERY_TIMEOUT_S
 from fedadapt.server.results import RunRecorder, run_directory
 from fedadapt.server.run import (
     RoundHook,
@@ -65,8 +75,6 @@ def server_fn(context: Context) -> ServerAppComponents:
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]
     ) -> tuple[float, dict[str, Scalar]] | None:
         scores = hook(server_round, dict(zip(keys, arrays[: len(keys)], strict=True)))
-        if server_round == cfg["num-server-rounds"]:
-            recorder.finish("completed")
         return None if scores is None else (scores["loss"], dict(scores))
 
     def fit_config(server_round: int) -> dict[str, Any]:
@@ -75,6 +83,8 @@ def server_fn(context: Context) -> ServerAppComponents:
     strategy = build_strategy(
         cfg,
         api="legacy",
+        sampling_seed=cfg["seed"] if cfg["seeded-sampling"] else None,
+        query_timeout=min(QUERY_TIMEOUT_S, cfg["round-timeout"]),
         initial_parameters=ndarrays_to_parameters(list(state.values())),
         array_names=keys,
         evaluate_fn=evaluate_fn,
@@ -87,15 +97,45 @@ def server_fn(context: Context) -> ServerAppComponents:
     config = ServerConfig(
         num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
     )
-    return ServerAppComponents(strategy=strategy, config=config)
+    server = RecordingServer(
+        client_manager=SimpleClientManager(), strategy=strategy, recorder=recorder
+    )
+    return ServerAppComponents(server=server, config=config)
+
+
+class RecordingServer(Server):
+    """Flower's legacy ``Server`` that marks the run completed when its loop ends.
+
+    Flower's legacy round is fit, central evaluation (where :class:`RoundHook`
+    records the round), then federated evaluation; results.json is finished
+    only after the last round's federated evaluation returned, so a loop that
+    raises there is not reported as completed, and what that evaluation adds
+    to the round's report (its seeded sample) is in the final file.
+    """
+
+    def __init__(
+        self,
+        *,
+        client_manager: ClientManager,
+        strategy: Strategy,
+        recorder: RunRecorder,
+    ) -> None:
+        super().__init__(client_manager=client_manager, strategy=strategy)
+        self.recorder = recorder
+
+    def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
+        """Run Flower's loop, then mark results.json completed."""
+        result = super().fit(num_rounds, timeout)
+        self.recorder.finish("completed")
+        return result
 
 
 def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
 
     Flower's legacy loop gives no hook on failure, so a lifespan checks after
-    the run: results.json still ``running`` (the last round's evaluate_fn
-    never marked it ``completed``) means the loop raised or was stopped, and
+    the run: results.json still ``running`` (:class:`RecordingServer` never
+    marked it ``completed``) means the loop raised or was stopped, and
     the run is marked ``failed`` as the Message-API ServerApp does, with the
     strategy's ``failure`` (after ``max-failed-rounds``) as the error.
     """

@@ -2,7 +2,8 @@
 
 :class:`RunStrategy` is :class:`fedadapt.strategies.RuleStrategy` (Flower's
 FedAvg with a fedadapt rule) plus what only a run needs, kept out of the
-strategies a plug-in user imports:
+strategies a plug-in user imports (:class:`LegacyRunStrategy` is the same
+for the legacy API, with reproducible sampling only):
 
 - **reproducible sampling** (``sampling_seed``, ``node_keys``): the same
   clients train in the same rounds across runs and resumes;
@@ -17,19 +18,76 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from logging import WARNING
-from typing import Any, Unpack, cast
+from logging import INFO, WARNING
+from typing import Any, TypeVar, Unpack, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    GetPropertiesIns,
+    Parameters,
+    Scalar,
+)
 from flwr.common.logger import log
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.criterion import Criterion
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedadapt.strategies import RuleStrategy
 from fedadapt.strategies._message_api import FedAvgKwargs
 from fedadapt.strategies.core import ServerRule
+from fedadapt.strategies.legacy import LegacyFedAvgKwargs, LegacyRuleStrategy
+
+K = TypeVar("K", bound=Hashable)
+
+
+@contextmanager
+def seeded_draw(seed: int, phase: str, global_round: int) -> Iterator[None]:
+    """Run the block under ``random.seed("fedadapt/<seed>/<phase>/<round>")``.
+
+    Flower's samplers (both APIs) draw with ``random.sample`` from the
+    module-level RNG; seeding it here makes the draw a function of the seed,
+    the phase (``train`` / ``evaluate``) and the global round. The RNG's
+    previous state is restored afterwards, so nobody else's random numbers
+    change.
+    """
+    saved = random.getstate()
+    random.seed(f"fedadapt/{seed}/{phase}/{global_round}")
+    try:
+        yield
+    finally:
+        random.setstate(saved)
+
+
+def partition_ids(answers: Mapping[K, Mapping[str, Any] | None]) -> dict[K, int]:
+    """Keep the nodes that answered with an integer ``partition-id``.
+
+    ``answers`` maps a node (id or cid) to what it reported, None for no
+    answer or an error. The others are logged, never trusted: they still
+    train, but are sampled after the nodes with a partition-id, not
+    reproducibly. Two nodes with one partition-id are logged too.
+    """
+    keys: dict[K, int] = {}
+    for node, answer in answers.items():
+        pid = None if answer is None else answer.get("partition-id")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            keys[node] = pid
+    if len(keys) < len(answers):
+        log(WARNING, "fedadapt: %d of %d nodes did not report their "
+            "partition-id; they are sampled after the others, not reproducibly",
+            len(answers) - len(keys), len(answers))  # fmt: skip
+    if len(set(keys.values())) < len(keys):
+        log(WARNING, "fedadapt: several nodes report the same "
+            "partition-id; check each SuperNode's --node-config")  # fmt: skip
+    return keys
 
 
 class _NodeSnapshot:
@@ -198,11 +256,9 @@ class RunStrategy(RuleStrategy):
         two runs with the same seed train different clients. With
         ``sampling_seed`` set, the nodes are listed in a stable order (by
         ``node_keys``, i.e. partition-id) and the draw runs under
-        ``random.seed("fedadapt/<seed>/<phase>/<global round>")``; the RNG's
-        previous state is restored afterwards, so nobody else's random
-        numbers change. The sample then depends only on the seed, the round,
-        the phase and which partitions are connected, also after a resume
-        from a checkpoint.
+        :func:`seeded_draw`. The sample then depends only on the seed, the
+        round, the phase and which partitions are connected, also after a
+        resume from a checkpoint.
         """
         with self._connected_nodes_only(grid, server_round, minimum) as connected:
             if self.sampling_seed is None:
@@ -215,12 +271,8 @@ class RunStrategy(RuleStrategy):
                 return
             phase = "train" if minimum == "min_train_nodes" else "evaluate"
             global_round = server_round + self.round_offset
-            saved = random.getstate()
-            random.seed(f"fedadapt/{self.sampling_seed}/{phase}/{global_round}")
-            try:
+            with seeded_draw(self.sampling_seed, phase, global_round):
                 yield _snapshot(connected, nodes)
-            finally:
-                random.setstate(saved)
 
     @contextmanager
     def _connected_nodes_only(
@@ -273,3 +325,190 @@ class RunStrategy(RuleStrategy):
         finally:
             self.min_available_nodes = saved[0]
             setattr(self, minimum, saved[1])
+
+
+# --- the legacy API ---------------------------------------------------------------
+
+#: Seconds the partition-id query waits for answers (capped by round-timeout):
+#: a node that hangs must not hold the run for an hour.
+QUERY_TIMEOUT_S = 60.0
+
+
+class _SeededPool(ClientManager):
+    """A view of Flower's client manager whose :meth:`sample` is reproducible.
+
+    Everything but sampling goes to the real manager. :meth:`sample` is
+    Flower's ``SimpleClientManager.sample`` with the clients listed by
+    partition-id (asked once per client) instead of registration order, and
+    the draw under :func:`seeded_draw` — the same list order and the same
+    ``random.sample`` call as the Message API's seeded sampling, so both
+    APIs train the same partitions for the same seed.
+    """
+
+    def __init__(
+        self, manager: ClientManager, owner: LegacyRunStrategy, phase: str, rnd: int
+    ) -> None:
+        self._manager, self._owner = manager, owner
+        self._phase, self._round = phase, rnd
+
+    def num_available(self) -> int:
+        """As the real manager."""
+        return self._manager.num_available()
+
+    def register(self, client: ClientProxy) -> bool:
+        """As the real manager."""
+        return self._manager.register(client)
+
+    def unregister(self, client: ClientProxy) -> None:
+        """As the real manager."""
+        self._manager.unregister(client)
+
+    def all(self) -> dict[str, ClientProxy]:
+        """As the real manager."""
+        return self._manager.all()
+
+    def wait_for(self, num_clients: int, timeout: int = 86400) -> bool:
+        """As the real manager."""
+        return self._manager.wait_for(num_clients, timeout)
+
+    def sample(
+        self,
+        num_clients: int,
+        min_num_clients: int | None = None,
+        criterion: Criterion | None = None,
+    ) -> list[ClientProxy]:
+        """Sample ``num_clients`` reproducibly (Flower's waiting and limits)."""
+        self.wait_for(num_clients if min_num_clients is None else min_num_clients)
+        clients = list(self.all().values())
+        if criterion is not None:
+            clients = [c for c in clients if criterion.select(c)]
+        if num_clients > len(clients):
+            log(INFO, "Sampling failed: number of available clients (%s) is less "
+                "than number of requested clients (%s).",
+                len(clients), num_clients)  # fmt: skip
+            return []
+        if num_clients < len(clients):  # a real sample: order by partition-id
+            self._owner.learn_partitions(clients, self._round)
+        clients.sort(key=self._owner.client_order)
+        assert self._owner.sampling_seed is not None
+        with seeded_draw(self._owner.sampling_seed, self._phase, self._round):
+            return random.sample(clients, num_clients)
+
+
+class LegacyRunStrategy(LegacyRuleStrategy):
+    """A :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy` with seeded sampling.
+
+    The legacy ServerApp's counterpart of :class:`RunStrategy` (without node
+    grace and resume, which the legacy loop does not support): with a
+    ``sampling_seed`` each round's sample depends only on the seed, the
+    phase, the round and the connected partitions — the same partitions as
+    the Message API for the same seed. Clients are asked their
+    ``partition-id`` once (``get_properties``; see
+    :class:`fedadapt.client.numpy_client.FedAdaptClient`), the first time a
+    round really samples; replies are aggregated in partition order, so the
+    float sums do not depend on arrival order.
+
+    Parameters
+    ----------
+    rule : ServerRule
+        The update rule.
+    sampling_seed : int | None (default: None)
+        The seed of the draws; None: Flower's unseeded sampling.
+    query_timeout : float (default: QUERY_TIMEOUT_S)
+        Seconds to wait for the clients' partition-ids.
+    average_last_two : bool (default: False)
+        As :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`.
+    **kwargs
+        As :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`.
+    """
+
+    def __init__(
+        self,
+        rule: ServerRule,
+        *,
+        sampling_seed: int | None = None,
+        query_timeout: float = QUERY_TIMEOUT_S,
+        average_last_two: bool = False,
+        **kwargs: Unpack[LegacyFedAvgKwargs],
+    ) -> None:
+        super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        self.sampling_seed = sampling_seed
+        self.query_timeout = query_timeout
+        self.partitions: dict[str, int] = {}  # cid -> partition-id
+        self._asked: set[str] = set()
+
+    def client_order(self, client: ClientProxy) -> tuple[int, int | str]:
+        """Sort key of a client: its partition-id first, unknown clients last."""
+        pid = self.partitions.get(client.cid)
+        return (0, pid) if pid is not None else (1, client.cid)
+
+    def learn_partitions(self, clients: list[ClientProxy], server_round: int) -> None:
+        """Ask the clients not asked before their partition-id, all at once."""
+        new = [c for c in clients if c.cid not in self._asked]
+        if not new:
+            return
+
+        def ask(client: ClientProxy) -> Mapping[str, Any] | None:
+            try:
+                ins = GetPropertiesIns(config={})
+                res = client.get_properties(ins, self.query_timeout, server_round)
+            except Exception:  # noqa: BLE001 - a client that cannot answer still trains
+                return None
+            return res.properties
+
+        with ThreadPoolExecutor(max_workers=min(32, len(new))) as pool:
+            answers = dict(zip([c.cid for c in new], pool.map(ask, new), strict=True))
+        self._asked.update(answers)
+        self.partitions.update(partition_ids(answers))
+
+    def _pool(self, manager: ClientManager, phase: str, rnd: int) -> ClientManager:
+        return manager if self.sampling_seed is None else _SeededPool(
+            manager, self, phase, rnd
+        )  # fmt: skip
+
+    def _record_sample(self, server_round: int, phase: str, clients: list) -> None:
+        """Record which partitions (cids where unknown) were sampled."""
+        if not self.partitions:
+            return
+        sampled = [self.partitions.get(c.cid, c.cid) for c, _ in clients]
+        sampled.sort(key=lambda v: (isinstance(v, str), v))
+        entry = self.round_reports.setdefault(server_round, {})
+        entry.setdefault("sampled", {})[phase] = sampled
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Sample (seeded) and configure the round's training."""
+        pool = self._pool(client_manager, "train", server_round)
+        pairs = super().configure_fit(server_round, parameters, pool)
+        self._record_sample(server_round, "train", pairs)
+        return pairs
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """Sample (seeded) and configure the round's federated evaluation."""
+        pool = self._pool(client_manager, "evaluate", server_round)
+        pairs = super().configure_evaluate(server_round, parameters, pool)
+        self._record_sample(server_round, "evaluate", pairs)
+        return pairs
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Aggregate the replies in partition order."""
+        ordered = sorted(results, key=lambda pair: self.client_order(pair[0]))
+        return super().aggregate_fit(server_round, ordered, failures)
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """Aggregate the evaluation replies in partition order."""
+        ordered = sorted(results, key=lambda pair: self.client_order(pair[0]))
+        return super().aggregate_evaluate(server_round, ordered, failures)

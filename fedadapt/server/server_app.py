@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from flwr.app import (
@@ -27,6 +28,7 @@ from flwr.superlink.grid import InMemoryGrid
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
+from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
 from fedadapt.server.results import RunRecorder, run_directory
 from fedadapt.server.run import (
     RoundHook,
@@ -46,11 +48,6 @@ app = ServerApp()
 #: then its messages wait, and then come back as NODE_UNAVAILABLE errors,
 #: counted as failed replies in results.json.
 NODE_GRACE_S = 10.0
-
-#: Seconds the partition-id query at start waits for replies (capped by
-#: round-timeout): a node that hangs must not hold the run for an hour.
-QUERY_TIMEOUT_S = 60.0
-
 
 #: Seconds between two looks at the connected nodes while waiting for them.
 NODE_POLL_S = 0.2
@@ -99,29 +96,20 @@ def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
     """Ask every connected node its ``partition-id`` (one ``query`` message each).
 
     Returns node id -> partition-id for the nodes that answered with an
-    integer ``partition-id``; the others are logged (a node that cannot
-    answer still trains; it is only sampled in no reproducible order).
+    integer ``partition-id`` (:func:`~fedadapt.server.policy.partition_ids`;
+    a node that cannot answer still trains, in no reproducible order).
     """
     node_ids = list(grid.get_node_ids())
     messages = [
         Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
         for node in node_ids
     ]
-    keys: dict[int, int] = {}
+    answers: dict[int, Mapping[str, Any] | None] = dict.fromkeys(node_ids)
     for reply in grid.send_and_receive(messages, timeout=timeout):
-        if reply.has_error() or len(reply.content.metric_records) != 1:
-            continue
-        pid = next(iter(reply.content.metric_records.values())).get("partition-id")
-        if isinstance(pid, int):  # MetricRecord values: int, float or lists
-            keys[reply.metadata.src_node_id] = pid
-    if len(keys) < len(node_ids):
-        log(logging.WARNING, "fedadapt: %d of %d nodes did not report their "
-            "partition-id; they are sampled after the others, not reproducibly",
-            len(node_ids) - len(keys), len(node_ids))  # fmt: skip
-    if len(set(keys.values())) < len(keys):
-        log(logging.WARNING, "fedadapt: several nodes report the same "
-            "partition-id; check each SuperNode's --node-config")  # fmt: skip
-    return keys
+        if not reply.has_error() and len(reply.content.metric_records) == 1:
+            record = next(iter(reply.content.metric_records.values()))
+            answers[reply.metadata.src_node_id] = dict(record)
+    return partition_ids(answers)
 
 
 def _numpy(arrays: ArrayRecord) -> dict[str, Any]:

@@ -4,7 +4,7 @@ A registry entry maps the run config to ``(rule, options)``: the
 framework-free :class:`~fedadapt.strategies.core.ServerRule` and the
 adapter's options (``average_last_two``). :func:`build_strategy` puts the
 rule into the Message API's :class:`~fedadapt.server.policy.RunStrategy` or
-the legacy :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`, with the
+the legacy :class:`~fedadapt.server.policy.LegacyRunStrategy`, with the
 sampling arguments of that API, so both ServerApps sample
 ``clients-per-round`` clients (0: every connected one) with the same rule.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from fedadapt.config import ConfigError
 from fedadapt.registry import Registry
-from fedadapt.server.policy import RunStrategy
+from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
 from fedadapt.strategies.core import (
     FedAdagradRule,
     FedAdamRule,
@@ -27,7 +27,6 @@ from fedadapt.strategies.core import (
     FedYogiRule,
     ServerRule,
 )
-from fedadapt.strategies.legacy import LegacyRuleStrategy
 
 StrategySpec = tuple[ServerRule, dict[str, Any]]
 StrategyFactory = Callable[[Mapping[str, Any]], StrategySpec]
@@ -116,12 +115,13 @@ def build_strategy(
 
     ``num_nodes`` (connected nodes) is needed by the Message API's sampling;
     ``extra`` goes to the constructor (e.g. legacy ``initial_parameters``,
-    ``evaluate_fn``, ``on_fit_config_fn``; :class:`RunStrategy` policies).
+    ``evaluate_fn``, ``on_fit_config_fn``; the policies of :class:`RunStrategy`
+    or :class:`LegacyRunStrategy`).
     """
     rule, options = build_rule(cfg)
     kwargs = {**options, **trust_kwargs(cfg), **extra}
     if api == "legacy":
-        return LegacyRuleStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
+        return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"
     return RunStrategy(rule, **sampling_kwargs(cfg, num_nodes), **kwargs)
 
