@@ -1,8 +1,10 @@
 """FedAdagrad, FedAdam and FedYogi server rules [Reddi et al., 2021].
 
-Paper: arxiv.org/abs/2003.00295 (Algorithm 2). Spec §6.1 (rules) and §6.3
-(Flower 1.41's conventions, the defaults here so that our classes are drop-in
-replacements for ``flwr.serverapp.strategy.FedAdam`` & co.):
+Paper: arxiv.org/abs/2003.00295 (Algorithm 2; FedAdagrad and FedAdam as
+restated in FedDuA §2) for the rules; the defaults follow Flower 1.41's
+``flwr.serverapp.strategy.FedAdam`` & co. (m and v from zero, num-examples
+weighting, FedAdam's bias correction) so that our classes are drop-in
+replacements:
 
     m_t = β1·m_{t−1} + (1−β1)·Δ̄_t                 (m_{−1} = 0)
     Adagrad: v_t = v_{t−1} + Δ̄_t²
@@ -50,7 +52,8 @@ class FedOptRule(ServerRule):
     weighting : str (default: "num_examples")
         As Flower; ``"uniform"`` for the papers.
     plain_average : Callable[[str], bool] | None (default: None)
-        Flower puts every array through the rule (A-W4); so do we by default.
+        Flower 1.41's FedOpt strategies put every array, buffers included,
+        through the rule; so do we by default.
     """
 
     def __init__(
