@@ -147,7 +147,7 @@ def _run_logreg(X, y, batches, x0, steps, dtype=torch.float64, device="cpu", **k
     return opt, np.array(xs)
 
 
-# ------------------------------------------------------------- U3 traces
+# ------------------------------------ reference traces (Alg. 1 lines 8-10)
 
 
 @pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
@@ -212,7 +212,7 @@ def test_compat_preset_explicit_arguments_win():
     assert DeltaSGD([p]).defaults["step_eps"] == 0.0
 
 
-# ---------------------------------------------------------- U1 quadratic
+# --------------------------------- quadratic: step bounds of Alg. 1 line 9
 
 
 def _quadratic_run(A, x0, steps, mode="same_batch", **kw):
@@ -255,7 +255,7 @@ def test_u1_quadratic_bounds(gamma):
     )
 
 
-# --------------------------------------------------------------- U4 reset
+# --------------------------------------------- round reset (Alg. 1 line 6)
 
 
 def test_u4_reset_restarts_round():
@@ -288,7 +288,7 @@ def test_u4_reset_restarts_round():
         opt.reset(lr=0.0)
 
 
-# ----------------------------------------------------------- U5 degenerate
+# ---------------------------- zero denominators (our guard: growth branch)
 
 
 @pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
@@ -378,7 +378,7 @@ def test_u5_inf_gradient_without_closure_raises():
         opt.step()
 
 
-# ---------------------------------------------------------- U6 global norm
+# -------------------------- global norms (one η per client, Alg. 1 line 9)
 
 
 @pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
@@ -462,7 +462,7 @@ def test_param_groups_keep_separate_eta():
     assert joint.param_groups[1]["eta0"] == 0.05
 
 
-# ------------------------------------------------- U7 same-batch side effects
+# ------------------------ same-batch side effects (§3 remarks: same batch)
 
 
 def _bn_model():

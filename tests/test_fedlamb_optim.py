@@ -2,7 +2,7 @@
 
 The oracle is a float64 NumPy transcription of the client step written below
 (``_Reference``, Algorithm 1 as read in ``fedadapt.client.optim.fedlamb``),
-never the code under test; U9 also uses torch's Adam.
+never the code under test; the round-one Fed-AMS check also uses torch's Adam.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def _large_grads(model, x, y):
 
 
 def test_u9_round_one_equals_torch_adam_amsgrad():
-    """U9: round 1, one client, bias_correction_v=True vs Adam(amsgrad=True).
+    """Fed-AMS, round 1, one client, bias_correction_v=True vs Adam(amsgrad=True).
 
     With v̂_0 = 0 the two are the same arithmetic (equal to float rounding).
     With v̂_0 = ε·1 (LAMB Alg. 1 line 2) the first denominators differ by a
@@ -257,7 +257,11 @@ def _force_unit_ratio(w_norm, u_norm, phi_bounds):
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_u8_unit_ratio_and_zero_lambda_is_fedams(monkeypatch, foreach):
-    """U8: r_ℓ ≡ 1 with λ = 0 makes Fed-LAMB identical to Fed-AMS."""
+    """r_ℓ ≡ 1 with λ = 0 makes Fed-LAMB identical to Fed-AMS.
+
+    LAMB Alg. 1 line 12 then reduces to the plain AMSGrad step θ ← θ − α·p,
+    our reading of the Local AMSGrad baseline (LAMB §1, §4), never written out.
+    """
     monkeypatch.setattr(fedlamb, "_trust_ratios", _force_unit_ratio)
     init, a, c, noise = _problem(3)
     p1 = [torch.tensor(t, requires_grad=True) for t in init]
@@ -274,7 +278,7 @@ def test_u8_unit_ratio_and_zero_lambda_is_fedams(monkeypatch, foreach):
 @pytest.mark.parametrize("phi_bounds", [None, (1.2, 2.0)])
 @pytest.mark.parametrize("foreach", [False, True])
 def test_u10_step_length(phi_bounds, foreach):
-    """U10 (LAMB Alg. 1 line 12): λ = 0 gives ‖Δθ^ℓ‖ = α·φ(‖θ^ℓ‖)."""
+    """LAMB Alg. 1 line 12: λ = 0 gives ‖Δθ^ℓ‖ = α·φ(‖θ^ℓ‖)."""
     init, a, c, noise = _problem(4, zero_bias=False)
     params = [torch.tensor(t, requires_grad=True) for t in init]
     lr = 0.03
@@ -298,8 +302,12 @@ def test_u10_step_length(phi_bounds, foreach):
 @pytest.mark.parametrize("cls", [FedLAMB, FedAMS])
 @pytest.mark.parametrize("foreach", [False, True])
 def test_u11_zero_tensors_move_without_nan(cls, foreach):
-    """U11, zero-norm guard: a zero-initialised bias moves; a zero tensor with zero grad
-    stays put; nothing becomes NaN."""
+    """Zero-norm guard: a zero-initialised bias moves; nothing becomes NaN.
+
+    Our choice: LAMB Alg. 1 line 12 with φ = identity (LAMB §4) would never move
+    a zero tensor, so the trust ratio is 1 there. A zero tensor with zero grad
+    stays put.
+    """
     weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(3, dtype=torch.float64, requires_grad=True)
     idle = torch.zeros(2, dtype=torch.float64, requires_grad=True)
@@ -318,7 +326,10 @@ def test_u11_zero_tensors_move_without_nan(cls, foreach):
 
 @pytest.mark.parametrize("cls", [FedLAMB, FedAMS])
 def test_u11_loss_scale_invariance(cls):
-    """U11: ε = 0, λ = 0: scaling the loss by c > 0 leaves the trajectory."""
+    """ε = 0, λ = 0: scaling the loss by c > 0 leaves the trajectory.
+
+    The ratio p = m/(√v̂ + ε) of LAMB Alg. 1 is scale-free when ε = 0.
+    """
     init, a, c, noise = _problem(5)
     runs = []
     for scale in (1.0, 0.01, 100.0):
@@ -397,7 +408,11 @@ def test_state_dict_lockstep_replay(cls):
 
 
 def test_round_protocol_state():
-    """U12 client side: round r+1 starts from v = v̂_loc = v̂_r, m = 0, t = 0."""
+    """Client side: round r+1 starts from v = v̂_loc = v̂_r, m = 0, t = 0.
+
+    LAMB Alg. 1 line 6 starts v at the server's v̂; the local max v̂_loc and the
+    reset of m and t are our reading (the paper does not say how m starts).
+    """
     params = [torch.randn(3, 2, requires_grad=True), torch.randn(4, requires_grad=True)]
     opt = FedLAMB(params, eps=1e-6)
     # Nothing loaded yet: v̂_0 = ε·1 (LAMB Alg. 1 line 2).
@@ -438,7 +453,7 @@ def test_round_protocol_state():
 
 
 def test_fresh_optimizer_round_with_server_vhat_from_aggregator():
-    """U12 end to end: server v̂ (NumPy) feeds the next round's clients."""
+    """LAMB Alg. 1 lines 13-16 end to end: server v̂ (NumPy) feeds the next round."""
     from fedadapt.strategies.core import aggregate_second_moments
 
     model = torch.nn.Linear(3, 2)

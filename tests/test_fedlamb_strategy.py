@@ -1,4 +1,8 @@
-"""Fed-LAMB / Fed-AMS server strategy: v̂ = max(v̂, mean v) over rounds (spec §3.3)."""
+"""Fed-LAMB / Fed-AMS server strategy: v̂ = max(v̂, mean v) over rounds.
+
+Fed-LAMB (arXiv:2110.00532) Alg. 1 lines 13-16: devices send θ and v, the
+server averages both and keeps the running maximum v̂.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
             for i, (t, v) in enumerate(zip(thetas, vs, strict=True))
         ]
         new, _ = strategy.aggregate_train(server_round, replies)
-        # uniform means (A-L6), not num-examples weighted
+        # uniform means over the participants (LAMB Alg. 1 lines 15-16 write
+        # 1/n), not num-examples weighted
         np.testing.assert_allclose(new["w"].numpy(), np.mean(thetas, axis=0), rtol=1e-5)
         expected_v_hat = np.maximum(expected_v_hat, np.mean(vs, axis=0))
         np.testing.assert_allclose(strategy.rule.v_hat["w"], expected_v_hat, rtol=1e-6)

@@ -67,7 +67,7 @@ def _run(strategy, x0, rounds, seed):
     ],
 )
 def test_legacy_drop_in_equivalence(name, kwargs):
-    """U22 (legacy, τ = 1e-9 for FedAdam/FedAdagrad): same arrays as Flower's."""
+    """Legacy drop-in (τ = 1e-9 for FedAdam/FedAdagrad): same arrays as Flower's."""
     rng = np.random.default_rng(0)
     x0 = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
     kwargs = {**kwargs, "initial_parameters": ndarrays_to_parameters(x0)}

@@ -1,7 +1,9 @@
 """Server update rules (fedadapt.strategies.core) against NumPy oracles.
 
-Every expected value is computed here in float64 from the spec's formulas,
-never by the code under test. Spec section / test id in each docstring.
+Every expected value is computed here in float64 from the papers' formulas
+(Reddi et al., arXiv:2003.00295, Algorithm 2; FedExP, arXiv:2301.09604; FedDuA
+Algorithm 1) or from Flower 1.41's rules where we copy Flower, never by the code
+under test. Each docstring names the paper location (or the choice) it checks.
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ def _stats(deltas, n, weighting):
     return mean, a
 
 
-# --- FedOpt (spec §6.1, §6.3) ------------------------------------------------
+# --- FedOpt (Reddi et al. Algorithm 2; Flower 1.41's FedAdam and FedAvgM) -----
 
 
 @pytest.mark.parametrize("variant", ["adagrad", "adam", "yogi"])
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
 def test_fedopt_matches_reddi_algorithm_2(variant, weighting):
-    """Spec §6.1 with bias_correction none, m and v from zero."""
+    """Reddi et al. (arXiv:2003.00295) Alg. 2, bias_correction none, m, v from 0."""
     x0, rounds = _rounds()
     eta, b1, b2, tau = 0.05, 0.9, 0.99, 1e-3
     rule = {
@@ -103,7 +105,7 @@ def test_fedopt_matches_reddi_algorithm_2(variant, weighting):
 
 @pytest.mark.parametrize("correction", ["flower", "torch"])
 def test_fedadam_bias_corrections(correction):
-    """Flower: η√(1−β2^{t+1})/(1−β1^{t+1}) (spec §6.3); torch: Adam's m̂/(√v̂+τ)."""
+    """Flower: η√(1−β2^{t+1})/(1−β1^{t+1}) (Flower 1.41); torch: Adam's m̂/(√v̂+τ)."""
     x0, rounds = _rounds(num_rounds=5)
     eta, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
     rule = FedAdamRule(
@@ -125,7 +127,7 @@ def test_fedadam_bias_corrections(correction):
 
 
 def test_fedavg_and_fedavgm():
-    """FedAvg = weighted mean; FedAvgM = Flower's heavy ball (spec §6.3)."""
+    """FedAvg = weighted mean; FedAvgM = Flower 1.41's heavy ball."""
     x0, rounds = _rounds(num_rounds=4)
     xs, _ = _run(FedAvgRule(), x0, rounds)
     x = _flat(x0)
@@ -141,11 +143,14 @@ def test_fedavg_and_fedavgm():
         np.testing.assert_allclose(_flat(got), x, rtol=1e-12)
 
 
-# --- FedExP (spec §5, U18) ----------------------------------------------------
+# --- FedExP (arXiv:2301.09604; restated without max(1,·) in FedDuA §2) --------
 
 
 def test_fedexp_identical_updates():
-    """U18: identical Δ_i give raw ratio ½: η = 1 (original), ½ (DUA form, ε=0)."""
+    """Identical Δ_i give raw ratio ½: η = 1 (original), ½ (DUA form, ε=0).
+
+    FedExP (arXiv:2301.09604) clips at max(1,·); FedDuA §2 restates it without.
+    """
     x0 = {k: np.zeros(s) for k, s in SHAPES.items()}
     d = {k: np.full(s, 0.3) for k, s in SHAPES.items()}
     clients = [{k: x0[k] + d[k] for k in SHAPES}] * 4
@@ -182,7 +187,7 @@ def test_fedexp_closed_form_on_hand_made_updates():
 
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
 def test_fedexp_never_below_fedavg_and_jensen(weighting):
-    """U18: with max(1,·) η ≥ 1; A ≥ ‖Δ̄‖² for uniform and weighted ω."""
+    """FedExP's max(1,·) gives η ≥ 1; A ≥ ‖Δ̄‖² (Jensen) for uniform and weighted ω."""
     x0, rounds = _rounds(num_rounds=20, seed=3)
     _, diags = _run(FedExPRule(epsilon=0.0, weighting=weighting), x0, rounds)
     for d in diags:
@@ -190,11 +195,14 @@ def test_fedexp_never_below_fedavg_and_jensen(weighting):
         assert d["mean-client-sq-norm"] >= d["mean-update-sq-norm"]
 
 
-# --- FedDuA (spec §4, U13-U17) --------------------------------------------------
+# --- FedDuA (DUA Algorithm 1 lines 9-17, eq. (3)) -----------------------------
 
 
 def _feddua_reference(x0, rounds, variant, b1, b2, eps, eps_g, identity=False):
-    """DUA Alg. 1 in float64 NumPy, written from spec §4.1/§4.4."""
+    """DUA Alg. 1 lines 9-17 in float64 NumPy, line 16's norm read as ‖v‖²_{G⁻¹}.
+
+    Uniform weights as lines 9, 12 and 14; why G⁻¹: docs/algorithms.md.
+    """
     x, s, v, m = _flat(x0), 0.0, 0.0, 0.0
     out = []
     for deltas, n in rounds:
@@ -215,7 +223,7 @@ def _feddua_reference(x0, rounds, variant, b1, b2, eps, eps_g, identity=False):
 
 @pytest.mark.parametrize("variant", ["adagrad", "adam"])
 def test_feddua_multi_round_oracle(variant):
-    """U16: 10 rounds, partial participation, β=(0.9,0.99), ε=1e-3, ε_g=1e-2."""
+    """DUA Alg. 1, 10 rounds: partial participation, β=(0.9,0.99), ε=1e-3, ε_g=1e-2."""
     x0, rounds = _rounds(num_rounds=10)
     rule = FedDuARule(variant=variant, epsilon=1e-3, epsilon_g=1e-2)
     xs, diags = _run(rule, x0, rounds)
@@ -228,7 +236,10 @@ def test_feddua_multi_round_oracle(variant):
 
 @pytest.mark.parametrize("variant", ["adagrad", "adam"])
 def test_feddua_round_zero_is_a_scaled_sign_step(variant):
-    """U15: ε = ε_g = 0 ⇒ w_1 − w_0 = (A/(2‖Δ̄‖₁))·sign(Δ̄) for both variants."""
+    """DUA Alg. 1 round 0 with ε = ε_g = 0: w_1 − w_0 = (A/(2‖Δ̄‖₁))·sign(Δ̄).
+
+    The (1−β) factors of line 14 cancel, so both variants take this step.
+    """
     x0, rounds = _rounds(num_rounds=1, seed=5)
     (new,), _ = _run(FedDuARule(variant=variant, epsilon=0.0), x0, rounds)
     d, a = _stats(*rounds[0], "uniform")
@@ -239,7 +250,10 @@ def test_feddua_round_zero_is_a_scaled_sign_step(variant):
 @pytest.mark.parametrize("variant", ["adagrad", "adam"])
 @pytest.mark.parametrize("c", [0.1, 10.0])
 def test_feddua_step_is_one_homogeneous(variant, c):
-    """U13: scaling every Δ_i by c scales the step by c (catches the G vs G⁻¹ typo)."""
+    """Scaling every Δ_i by c scales the step by c (catches the G vs G⁻¹ typo).
+
+    DUA Alg. 1 line 16 prints ‖v‖²_G; App. F and App. G.2 use ‖·‖²_{G⁻¹}.
+    """
     x0, rounds = _rounds(num_rounds=3, seed=7)
     scaled = [([{k: c * d[k] for k in d} for d in ds], n) for ds, n in rounds]
     base, _ = _run(FedDuARule(variant=variant, epsilon=0.0), x0, rounds)
@@ -250,7 +264,11 @@ def test_feddua_step_is_one_homogeneous(variant, c):
 
 
 def test_identity_preconditioner_gives_fedexp_and_fedexpm():
-    """U14: FedDuAdagrad(G=I) = FedExP without max; FedDuAdam(G=I) = FedExPM."""
+    """FedDuAdagrad(G=I) = FedExP without max; FedDuAdam(G=I) = FedExPM.
+
+    FedExP without max(1,·) is FedDuA §2's restatement; FedExPM, a FedDuA §5.1
+    baseline that the paper never defines, is FedDuAdam with G = I by our choice.
+    """
     x0, rounds = _rounds(num_rounds=6, seed=11)
     dua_i, _ = _run(FedDuARule(variant="adagrad", preconditioner="identity",
                                epsilon_g=1e-3), x0, rounds)  # fmt: skip
@@ -276,7 +294,10 @@ def test_identity_preconditioner_gives_fedexp_and_fedexpm():
              epsilon=0.0), lambda: FedExPRule(epsilon=0.0, form="dua")]
 )  # fmt: skip
 def test_all_zero_updates_do_not_move_or_nan(rule):
-    """U17: Δ_i = 0 ⇒ η = 0, no move, no NaN; ε = 0 with s_k = 0 ⇒ ratio 0."""
+    """Δ_i = 0 ⇒ η = 0, no move, no NaN; ε = 0 with s_k = 0 ⇒ ratio 0.
+
+    Our guards where DUA Alg. 1 lines 15-16 would divide 0 by 0.
+    """
     x0 = {k: np.ones(s) for k, s in SHAPES.items()}
     new, diag = rule().step(x0, [x0, x0], [1, 1])
     assert diag["server-lr"] == 0.0
@@ -317,7 +338,10 @@ def test_reported_norms_equal_computed_norms(name):
 
 @pytest.mark.parametrize("name", ["fedexp", "fedexpm", "fedduadam", "fedduadagrad"])
 def test_sums_alone_suffice_secure_aggregation(name):
-    """U20: apply() from Σω_iΔ_i and Σω_i s_i equals the per-client computation."""
+    """Secure aggregation: apply() from Σω_iΔ_i and Σω_i s_i only.
+
+    It equals the per-client computation.
+    """
     from fedadapt.strategies.core import RoundStatistics
 
     x0, rounds = _rounds(num_rounds=4)
@@ -343,7 +367,10 @@ def test_state_dict_resume_is_exact(name):
 
 
 def test_plain_arrays_are_averaged_and_keep_their_dtype():
-    """BN buffers and integer arrays: averaged, out of the adaptive rule (spec §1.3)."""
+    """BN buffers and integer arrays: averaged, out of the adaptive rule.
+
+    Our choice; see docs/algorithms.md.
+    """
     x0 = {
         "conv.weight": np.zeros(3, np.float32),
         "bn.running_mean": np.zeros(2, np.float32),

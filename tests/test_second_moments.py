@@ -1,4 +1,4 @@
-"""Server aggregation of Fed-LAMB / Fed-AMS second moments (spec §3.3, U12).
+"""Server aggregation of Fed-LAMB / Fed-AMS second moments (arXiv:2110.00532).
 
 Expected values are written out by hand or computed with plain NumPy in the
 test (LAMB Alg. 1 lines 13–16: v̂_r = max(v̂_{r−1}, Σ ω_i v_i)).
@@ -35,7 +35,8 @@ def test_hand_computed_max_of_prev_and_uniform_mean():
 
 
 def test_uniform_mean_of_participants():
-    # Spec §3.3 / A-L6: uniform ω over the participants (here 3 of them).
+    # LAMB Alg. 1 lines 15-16 average uniformly (1/n) over all n devices; our
+    # choice: uniform ω over the participants D^r of line 4 (here 3 of them).
     rng = np.random.default_rng(0)
     clients = _clients(rng, 3, SHAPES)
     prev = {k: np.zeros(s) for k, s in SHAPES.items()}
@@ -61,7 +62,8 @@ def test_round_one_uses_eps_floor():
 
 
 def test_monotone_over_rounds_and_equals_formula():
-    # U12: v̂ never decreases; each round equals max(v̂_{r−1}, mean v_i).
+    # LAMB Alg. 1 line 16: v̂ never decreases; each round equals
+    # max(v̂_{r−1}, mean v_i).
     rng = np.random.default_rng(1)
     v_hat = None
     expected = {k: np.full(s, 1e-8) for k, s in SHAPES.items()}

@@ -1,5 +1,5 @@
-"""Message-API strategies: drop-in equivalence with Flower 1.41, evaluation model,
-rejections, reports (issue #4, spec U19/U21/U22)."""
+"""Message-API strategies: drop-in equivalence with Flower 1.41, evaluation model
+(FedDuA §5.1), rejections, reports (issue #4)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def _equivalence(ours_cls, flower_cls, kwargs, rounds=5, seed=0):
     ],
 )
 def test_drop_in_equivalence_with_flower(name, kwargs):
-    """U22: same arguments → same global arrays as flwr.serverapp.strategy.*."""
+    """Drop-in: same arguments → same global arrays as flwr.serverapp.strategy.*."""
     _equivalence(getattr(ours, name), getattr(flwr_strategy, name), kwargs)
 
 
@@ -123,7 +123,10 @@ def test_strategies_keep_flowers_sampling_and_config():
 
 
 def test_feddua_evaluates_the_average_of_the_last_two_iterates():
-    """U19: evaluation model = (w_t + w_{t+1})/2, training continues from w_{t+1}."""
+    """FedDuA §5.1 (last-two-iterate averaging "as in" FedExP, arXiv:2301.09604).
+
+    Evaluation model = (w_t + w_{t+1})/2; training continues from w_{t+1}.
+    """
     x0 = {"w": np.zeros(3, np.float32)}
     strategy = ours.FedDuA(epsilon=0.0)
     sent = _record(x0)
@@ -136,7 +139,8 @@ def test_feddua_evaluates_the_average_of_the_last_two_iterates():
     evaluated = _numpy(strategy.evaluation_arrays(new))["w"]
     np.testing.assert_allclose(evaluated, _numpy(new)["w"] / 2, rtol=1e-6)
     assert strategy.evaluation_arrays(sent) is sent  # other arrays pass through
-    # uniform weighting (paper): Δ̄ = (2, 1, 0.5); U15 step = A/(2‖Δ̄‖₁)·sign(Δ̄)
+    # uniform weighting (paper): Δ̄ = (2, 1, 0.5); round-0 step of DUA Alg. 1
+    # lines 12, 15-17 with ε = ε_g = 0: A/(2‖Δ̄‖₁)·sign(Δ̄)
     a = (1 + 4 + 0.25 + 9 + 0 + 0.25) / 2
     np.testing.assert_allclose(_numpy(new)["w"], a / (2 * 3.5) * np.ones(3), rtol=1e-6)
     off = ours.FedDuA(average_last_two=False)
@@ -182,7 +186,7 @@ def test_round_without_valid_replies_keeps_the_model_and_says_so(caplog):
 
 
 def test_reported_norm_path_equals_recomputed_path():
-    """U21 / issue #4: trusted update-sq-norm (secure aggregation) == recomputing."""
+    """Issue #4: trusted update-sq-norm (secure aggregation) == recomputing."""
     rng = np.random.default_rng(1)
     x0 = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
     clients = [

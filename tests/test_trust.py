@@ -3,7 +3,8 @@
 Oracles are written out here, one round from a fresh state, in float64:
 FedExP (arXiv 2301.09604, η = max(1, A / (2(‖Δ̄‖² + ε)))), FedDuAdagrad /
 FedDuAdam (DUA Alg. 1 lines 12-17, first round: v, s, m from zero) and
-FedExPM (FedDuAdam with G = I, spec §5.3). Clipping is done by hand.
+FedExPM (FedDuAdam with G = I: our definition of the FedDuA §5.1 baseline,
+which the paper does not define). Clipping is done by hand.
 """
 
 from __future__ import annotations
