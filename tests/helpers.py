@@ -50,9 +50,10 @@ def run_in_process(
     """Run Message-API apps with flwr's in-process ``run_simulation``.
 
     ``run_simulation`` ignores pyproject.toml (empty run config), and the
-    ClientApp's context may not be mutated, so both apps are wrapped and fed
-    ``overrides`` as the run config (flower-notes §4A). The apps default to
-    fedadapt's own; pass another app's functions to run it the same way.
+    ClientApp's context may not be mutated (flwr 1.41 raises ``ValueError``),
+    so both apps are wrapped and fed ``overrides`` as the run config. The apps
+    default to fedadapt's own; pass another app's functions to run it the same
+    way.
     """
     from flwr.app import Context
     from flwr.clientapp import ClientApp

@@ -1,8 +1,11 @@
 """Models of the tasks: shapes, gradients, parameter counts and init.
 
-Parameter counts are spec §10.1 U24 (CNNMnist, LAMB MLP, FEMNIST CNN, LSTM,
-ResNet-18); the ResNet-50, ResNet-9, LSTM and FEMNIST counts are also re-derived
-layer by layer here, independently of the code under test.
+Expected parameter counts: the FEMNIST CNN and the LSTM are the sums of
+FedDuA App. H.2 Tables 5 and 4; the LAMB MLP follows from Fed-LAMB
+(arXiv:2110.00532) §4 (784→200→10); CNNMnist and the CIFAR ResNet-18 are the
+models of the Δ-SGD authors' code (``cnn.py``, ``resnet.py``). The ResNet-18,
+ResNet-50, ResNet-9, LSTM and FEMNIST counts are also re-derived layer by layer
+here, independently of the code under test.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def test_forward_backward(name):
     ids=["cnn", "lamb_mlp", "femnist", "lstm", "r18_bn", "r18_gn", "r18_notrack"],
 )
 def test_parameter_counts_u24(factory, expected):
-    """Spec §10.1 U24 counts (trainable parameters)."""
+    """Trainable parameter counts (sources in the module docstring)."""
     model = factory()
     assert count_parameters(model) == expected
     assert sum(p.numel() for p in model.parameters()) == expected
@@ -164,7 +167,7 @@ def _resnet_cifar_count(bottleneck: bool, blocks, num_classes: int) -> int:
 
 
 def test_resnet_counts_by_formula():
-    """R-18 formula matches U24; R-50 (CIFAR-100) derived independently."""
+    """R-18 formula gives 11,173,962; R-50 (CIFAR-100) derived independently."""
     assert _resnet_cifar_count(False, (2, 2, 2, 2), 10) == 11_173_962
     expected50 = _resnet_cifar_count(True, (3, 4, 6, 3), 100)
     assert expected50 == 23_705_252
@@ -179,7 +182,10 @@ def test_resnet_counts_by_formula():
 
 
 def test_resnet9_count_by_formula():
-    """[O] DAWNBench ResNet-9 (A-L14): 3x3 convs without bias, norms, linear."""
+    """DAWNBench ResNet-9, our choice: Fed-LAMB §4 leaves its ResNet-9 unspecified.
+
+    3x3 convs without bias, norms, linear.
+    """
     convs = [(3, 64), (64, 128), (128, 128), (128, 128), (128, 256), (256, 512)]
     convs += [(512, 512), (512, 512)]
     expected = sum(_conv(a, b, 3) + 2 * b for a, b in convs) + 512 * 10
@@ -187,7 +193,10 @@ def test_resnet9_count_by_formula():
 
 
 def test_track_running_stats_false_only_in_basic_blocks():
-    """A-D22: the BasicBlocks' bn1/bn2 keep no running buffers (code layout)."""
+    """Δ-SGD authors' code (``resnet.py``): BasicBlock bn1/bn2 keep no buffers.
+
+    The Δ-SGD paper does not say; we follow the code's layout.
+    """
     model = resnet18_cifar(track_running_stats=False)
     blocks = [m for m in model.modules() if isinstance(m, BasicBlock)]
     assert len(blocks) == 8
@@ -220,7 +229,7 @@ def test_track_running_stats_false_only_in_basic_blocks():
 
 
 def test_group_norm_has_no_batchnorm_and_two_groups():
-    """A-F8: FedExP's ResNet-18 uses GroupNorm(2, C) everywhere."""
+    """FedExP code's ResNet-18 (FedDuA §5.1 names no norm): GroupNorm(2, C)."""
     model = resnet18_cifar(norm="group")
     assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     gns = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
@@ -247,7 +256,7 @@ def test_pool_kernel_option():
 
 
 def test_cnn_logits_equivalent_to_code_log_softmax():
-    """§7.1: CE on logits = CE on the code's log_softmax output."""
+    """Δ-SGD code's CNN ends in log_softmax: CE on logits = CE on its output."""
     torch.manual_seed(0)
     model = CNNMnist().eval()
     x, y = torch.randn(IMG_MNIST), torch.tensor([3, 7])
@@ -259,7 +268,11 @@ def test_cnn_logits_equivalent_to_code_log_softmax():
 
 
 def test_lstm_options():
-    """A-F7: last position by default; all positions with last_only=False."""
+    """FedDuA App. H.2 Table 4 LSTM: two layers of 256 units, vocabulary 79.
+
+    The paper does not say which positions predict; our choice is the last by
+    default, all positions with last_only=False.
+    """
     torch.manual_seed(0)
     model = ShakespeareLSTM().eval()
     x = _tokens()
@@ -274,7 +287,10 @@ def test_lstm_options():
 
 
 def test_linear_regression_matches_spec_loss():
-    """C1: bias-free, w_0 = 0, 0.5·MSE = (1/(2n))‖Xw − y‖², gradient X^T r / n."""
+    """FedDuA §5.1 / App. H.2 linear model, with our reading of the loss.
+
+    Bias-free, w_0 = 0, 0.5·MSE = (1/(2n))‖Xw − y‖², gradient X^T r / n.
+    """
     model = LinearRegression(5)
     assert [n for n, _ in model.named_parameters()] == ["linear.weight"]
     assert torch.count_nonzero(model.linear.weight) == 0

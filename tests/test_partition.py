@@ -1,4 +1,9 @@
-"""Partition statistics: coverage, determinism, skew, class counts (spec U23)."""
+"""Partition statistics: coverage, determinism, skew, class counts.
+
+The Δ-SGD sampler follows the authors' code (``sampling.py``) of the Dirichlet
+split that Δ-SGD (arXiv:2306.11201) §4 and App. B.2 describe; the equal-size
+sampler is the FedExP code's, our reading of FedDuA §5.1's unstated split.
+"""
 
 from __future__ import annotations
 
@@ -88,7 +93,7 @@ def test_iid_is_an_exact_near_equal_cover():
 
 
 def test_equal_dirichlet_gives_equal_disjoint_clients_with_skew():
-    """FedExP's equal-size sampler (U23): exactly N/n per client, disjoint."""
+    """FedExP code's equal-size sampler: exactly N/n per client, disjoint."""
     parts = equal_dirichlet_partition(LABELS, 10, 0.3, seed=0)
     _assert_exact_cover(parts, len(LABELS))
     assert {len(p) for p in parts} == {200}
@@ -107,7 +112,7 @@ def test_shards_give_exactly_k_classes(k):
 
 
 def test_delta_sgd_sampler_matches_the_papers_code():
-    """U23: class counts round(n·q), remainder to the last class, with replacement."""
+    """Δ-SGD code: counts round(n·q), remainder to the last class, with replacement."""
     alpha, n, seed = 0.5, 500, 7
     parts = delta_sgd_partition(LABELS, 4, alpha, n, seed)
     rng = np.random.default_rng(seed)  # step-by-step reference of sampling.py
