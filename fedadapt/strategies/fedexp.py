@@ -25,8 +25,9 @@ class FedExP(RuleStrategy):
     epsilon : float (default: 1e-3)
         ε ≥ 0 in η = max(1, A / (2(‖Δ̄‖² + ε))).
     server_momentum : float (default: 0.0)
-        β in [0, 1); > 0 gives FedExPM, FedDuA's momentum baseline (FedDuA
-        §2: FedDuAdam with G ≡ I, no max(1,·)).
+        β in [0, 1); > 0 gives FedExPM, the momentum baseline of FedDuA §5.1,
+        which names it without defining it; ours is FedDuAdam (Alg. 1) with
+        G ≡ I and no max(1,·).
     form : str (default: "original")
         ``"original"`` (with max(1,·)) or ``"dua"`` (FedDuA §2, without).
     eps_form : str (default: "paper")
