@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -15,6 +16,7 @@ from fedadapt.experiments import (
     load_suite,
     main,
     parse_settings,
+    select,
     summarise,
     write_report,
 )
@@ -148,6 +150,59 @@ def test_claim_that_fails_is_reported(tmp_path):
         _fake_results(out / "tiny" / cell.run_name, [1.0, 0.3])
     summary = summarise(suite, out)
     assert summary["claims"][0]["status"] == "fails"
+
+
+def test_select_keeps_only_the_chosen_cells_under_their_own_names(tmp_path):
+    """--methods / --seeds pick a subset whose cells are the full suite's
+    cells (same names and overrides), so a later full run skips them."""
+    suite = load_suite(_write(tmp_path))
+    full = {c.run_name: c for c in suite.cells(tmp_path)}
+    part = select(suite, methods=["sgd"], seeds=[1])
+    cells = part.cells(tmp_path)
+    assert sorted(c.run_name for c in cells) == [
+        "sgd__client-lr-0.05__seed1", "sgd__client-lr-0.1__seed1",
+    ]  # fmt: skip
+    assert all(full[c.run_name] == c for c in cells)
+    assert [c.seed for c in select(suite, seeds=[7]).cells(tmp_path)] == [7] * 3
+    assert select(suite) == suite
+    assert suite.seeds == [0, 1] and len(suite.methods) == 2  # not modified
+
+
+def test_a_claim_on_an_unselected_method_is_missing_not_failed(tmp_path):
+    suite = load_suite(_write(tmp_path))
+    out = tmp_path / "out"
+    for cell in suite.cells(out / "tiny"):
+        _fake_results(out / "tiny" / cell.run_name, [1.0, 0.3])
+    assert summarise(suite, out)["claims"][0]["status"] == "holds"
+    part = select(suite, methods=["adam"])
+    assert summarise(part, out)["claims"][0]["status"] == "missing"
+    assert list(summarise(part, out)["methods"]) == ["adam"]
+
+
+@pytest.mark.parametrize(
+    "flags, pattern",
+    [
+        (["--methods", "sgd,lamb"], "--methods.*'lamb'"),
+        (["--methods", ","], "--methods.*at least one"),
+        (["--seeds", ","], "--seeds.*at least one"),
+    ],
+)
+def test_bad_selection_fails_naming_the_flag(tmp_path, capsys, flags, pattern):
+    assert main(["validate", str(_write(tmp_path)), *flags]) == 2
+    assert re.search(pattern, capsys.readouterr().err)
+
+
+def test_seeds_must_be_integers(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["validate", str(_write(tmp_path)), "--seeds", "0,x"])
+    assert stop.value.code == 2
+    assert "expected integers" in capsys.readouterr().err
+
+
+def test_validate_counts_the_selected_cells(tmp_path, capsys):
+    args = ["validate", str(_write(tmp_path)), "--methods", "sgd", "--seeds", "0"]
+    assert main(args) == 0
+    assert "tiny: 2 cells, valid" in capsys.readouterr().out
 
 
 def test_only_completed_cells_count_as_done(tmp_path):
