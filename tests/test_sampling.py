@@ -181,13 +181,15 @@ def test_aggregate_does_not_depend_on_reply_arrival_order():
 
 
 @pytest.mark.e2e
-def test_simulation_reruns_train_the_same_partitions(tmp_path):
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_simulation_reruns_train_the_same_partitions(tmp_path, api):
     """Two Flower simulations with the same seed (fresh random node ids each)
     sample the same partitions and end with the same model; results.json
-    records the partitions."""
+    records the partitions. Legacy: NumPyClients answer get_properties."""
+    run = run_in_process if api == "message" else run_legacy_in_process
     runs = {}
     for name in ("a", "b"):
-        run_in_process(
+        run(
             {
                 "output-dir": str(tmp_path),
                 "run-name": name,
@@ -200,6 +202,7 @@ def test_simulation_reruns_train_the_same_partitions(tmp_path):
         )
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     a, b = runs["a"]["rounds"], runs["b"]["rounds"]
+    assert runs["a"]["status"] == runs["b"]["status"] == "completed"
     assert [r["sampled"] for r in a] == [r["sampled"] for r in b]
     for entry in a:
         for phase in ("train", "evaluate"):
@@ -411,31 +414,3 @@ def test_legacy_aggregate_does_not_depend_on_reply_arrival_order():
         results.append(parameters_to_ndarrays(new)[0])
     assert np.array_equal(results[0], results[1]), results
     assert np.array_equal(results[0], results[2]), results
-
-
-@pytest.mark.e2e
-def test_legacy_simulation_reruns_train_the_same_partitions(tmp_path):
-    """Two legacy Flower simulations (NumPyClients answering get_properties)
-    with the same seed sample the same partitions and end with the same model."""
-    runs = {}
-    for name in ("a", "b"):
-        run_legacy_in_process(
-            {
-                "output-dir": str(tmp_path),
-                "run-name": name,
-                "num-server-rounds": 3,
-                "clients-per-round": 2,
-                "clients-per-eval": 2,
-                "local-steps": 3,
-            },
-            num_supernodes=6,
-        )
-        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
-    a, b = runs["a"]["rounds"], runs["b"]["rounds"]
-    assert runs["a"]["status"] == "completed"
-    assert [r["sampled"] for r in a] == [r["sampled"] for r in b]
-    for entry in a:
-        for phase in ("train", "evaluate"):
-            sample = entry["sampled"][phase]
-            assert len(sample) == 2 and set(sample) <= set(range(6)), entry
-    assert [r["eval"]["loss"] for r in a] == [r["eval"]["loss"] for r in b]
