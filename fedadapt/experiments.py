@@ -217,7 +217,8 @@ def select(
     is days of CPU time, so one can run (and report) the cells that matter
     first; cells keep their names and folders, so a later run of the whole
     suite skips them. A claim whose methods are not all selected reports
-    "missing". Raises SuiteError naming an unknown method or an empty list.
+    "missing". Raises SuiteError naming an unknown method, an empty list or a
+    repeated seed, ConfigError for a seed the run config refuses.
     """
     chosen = dict(suite.methods)
     if methods is not None:
@@ -229,9 +230,17 @@ def select(
         chosen = {m: spec for m, spec in suite.methods.items() if m in methods}
     if seeds is not None:
         _require(bool(seeds), "--seeds", "expected at least one seed")
-    return dataclasses.replace(
+        _require(len(set(seeds)) == len(seeds), "--seeds",
+                 f"a seed given twice would run a cell twice: {seeds}")  # fmt: skip
+    part = dataclasses.replace(
         suite, methods=chosen, seeds=list(suite.seeds if seeds is None else seeds)
     )
+    for cell in part.cells(Path("/validate")):  # e.g. a negative seed
+        try:
+            validate_run_config(cell.overrides)
+        except ConfigError as error:
+            raise ConfigError(error.key, f"{error} (--seeds)") from None
+    return part
 
 
 def _csv(text: str) -> list[str]:

@@ -185,6 +185,8 @@ def test_a_claim_on_an_unselected_method_is_missing_not_failed(tmp_path):
         (["--methods", "sgd,lamb"], "--methods.*'lamb'"),
         (["--methods", ","], "--methods.*at least one"),
         (["--seeds", ","], "--seeds.*at least one"),
+        (["--seeds", "1,1"], "--seeds.*given twice"),
+        (["--seeds", "0,-1"], "'seed'.*>= 0"),
     ],
 )
 def test_bad_selection_fails_naming_the_flag(tmp_path, capsys, flags, pattern):
