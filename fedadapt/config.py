@@ -325,9 +325,13 @@ def render_task_confs() -> dict[str, str]:
 def sync_files(root: Path, write: bool) -> list[str]:
     """Regenerate (or, with ``write=False``, check) the generated files.
 
-    pyproject.toml's run-config table, README.md's configuration table and
-    ``conf/tasks/*.toml``. Returns the files that were (or would be) changed.
+    pyproject.toml's run-config table, README.md's configuration table,
+    ``conf/tasks/*.toml`` and ``docs/strategies-reference.md``
+    (:mod:`fedadapt.reference`). Returns the files that were (or would be)
+    changed.
     """
+    from fedadapt import reference
+
     targets = {
         "pyproject.toml": (_TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
         "README.md": (_MD_BEGIN, _MD_END, render_markdown_table()),
@@ -341,7 +345,8 @@ def sync_files(root: Path, write: bool) -> list[str]:
             changed.append(name)
             if write:
                 path.write_text(new, encoding="utf-8")
-    for name, content in render_task_confs().items():
+    generated = {**render_task_confs(), reference.PATH: reference.render()}
+    for name, content in generated.items():
         path = root / name
         if not path.exists() or path.read_text(encoding="utf-8") != content:
             changed.append(name)

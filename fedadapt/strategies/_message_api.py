@@ -151,8 +151,14 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
     ----------
     rule : ServerRule
         The update rule, e.g. ``FedAdamRule(eta=0.01)``.
-    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
+    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds, trainable
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    weighted_by_key : str (default: "num-examples")
+        The metric that holds each reply's weight. It weights the model
+        update only under ``weighting="num_examples"`` (the rule's); a
+        uniformly weighted rule (FedExP, FedDuA by default) averages the
+        model uniformly and accepts train replies without it (weight 1).
+        Flower's metric averages use it in both cases.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
 

@@ -176,7 +176,8 @@ class ServerRule(ABC):
         both Δ̄ and A so that A ≥ ‖Δ̄‖² (Jensen) holds.
     plain_average : Callable[[str], bool] | None (default: None)
         Keys for which the rule is skipped: they are averaged, and left out
-        of norms and preconditioners. Non-float arrays always are.
+        of norms and preconditioners. Non-float arrays always are. A
+        strategy's ``trainable`` argument replaces it (:func:`untrained`).
     """
 
     #: whether :meth:`update` uses A_t (per-client squared update norms)
