@@ -209,6 +209,8 @@ def _api_section(title: str, module: Any, adapter: type) -> list[str]:
 
 def render() -> str:
     """Return the content of ``docs/strategies-reference.md``."""
+    import flwr
+
     from fedadapt import strategies
     from fedadapt.strategies import core, legacy
 
@@ -217,6 +219,7 @@ def render() -> str:
         "",
         "Generated from the code (signatures and docstrings) by "
         "`python -m fedadapt.config --write`; `--check` fails when it is stale. "
+        f"Flower's arguments as in flwr {flwr.__version__}. "
         "Do not edit by hand. How to use the strategies: the README, "
         "[Using the strategies in your own Flower project]"
         "(../README.md#using-the-strategies-in-your-own-flower-project).",

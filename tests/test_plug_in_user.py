@@ -15,14 +15,12 @@ from unittest.mock import Mock
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.common import parameters_to_ndarrays as to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.serverapp import Grid
-from torch import nn
 
 import fedadapt.strategies as ours
 from fedadapt.strategies import legacy
@@ -34,43 +32,36 @@ NUM_CLIENTS = 4
 EPS = 1e-3  # FedExP's default ε
 
 
-class WithBuffer(nn.Module):
-    """A model with a float buffer that is not BatchNorm's (an EMA scale)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(5, 3)
-        self.register_buffer("running_scale", torch.ones(3))
+#: A model's state_dict as the server sees it: two parameters and a float
+#: buffer that is not BatchNorm's (an EMA scale, registered with
+#: ``register_buffer("running_scale", ...)``).
+SHAPES = {"lin.weight": (3, 5), "lin.bias": (3,), "running_scale": (3,)}
+PARAMS = ["lin.weight", "lin.bias"]
 
 
 def _train(seed: int) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray]]:
     """One client's round: move the parameters and the buffer.
 
     Returns the global arrays, the client's ``update-sq-norm`` computed the
-    way a PyTorch user does (over ``model.parameters()``) and its arrays.
+    way a PyTorch user does (over ``model.parameters()``: not the buffer)
+    and its arrays.
     """
-    torch.manual_seed(0)
-    model = WithBuffer()
-    x0 = {k: v.numpy().copy() for k, v in model.state_dict().items()}
-    start = [p.detach().clone() for p in model.parameters()]
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p += 0.05 * torch.randn(p.shape, generator=gen)
-        model.running_scale.mul_(0.9).add_(0.1 * (2 + seed))  # an EMA update
-    sq_norm = sum(
-        float(((p.detach() - p0) ** 2).sum())
-        for p, p0 in zip(model.parameters(), start, strict=True)
-    )
-    return x0, sq_norm, {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    x0 = {k: np.random.default_rng(0).normal(size=s).astype(np.float32)
+          for k, s in SHAPES.items()}  # fmt: skip
+    x0["running_scale"] = np.ones(3, np.float32)
+    rng = np.random.default_rng(seed + 1)
+    new = {k: (x + 0.05 * rng.normal(size=x.shape)).astype(np.float32)
+           for k, x in x0.items() if k in PARAMS}  # fmt: skip
+    new["running_scale"] = (0.9 * x0["running_scale"] + 0.1 * (2 + seed)).astype(
+        np.float32
+    )  # an EMA update
+    sq_norm = sum(float(np.sum((new[k] - x0[k]) ** 2)) for k in PARAMS)
+    return x0, sq_norm, new
 
 
 def _round_data():
     runs = [_train(seed) for seed in range(NUM_CLIENTS)]
     return runs[0][0], [r[2] for r in runs], [r[1] for r in runs]
-
-
-PARAMS = ["lin.weight", "lin.bias"]
 
 
 def _oracle(name, x0, clients, trained, norms=None):
@@ -137,7 +128,7 @@ def _legacy_round(strategy, x0, clients, metrics):
 def _build(api, name, **kwargs):
     module = ours if api == "message" else legacy
     if api == "legacy":
-        kwargs["array_names"] = list(WithBuffer().state_dict())
+        kwargs["array_names"] = list(SHAPES)
     return module.FedExP(**kwargs) if name == "fedexp" else module.FedDuA(**kwargs)
 
 
@@ -215,6 +206,42 @@ def test_trainable_applies_to_the_fedopt_family_too():
     mean = np.mean([c["running_scale"] for c in clients], axis=0)
     np.testing.assert_allclose(got["running_scale"], mean, rtol=1e-6)
     assert set(strategy.rule.v) == set(PARAMS)
+
+
+def test_a_torch_module_with_a_registered_buffer():
+    """The real thing: names from named_parameters(), norm over parameters()."""
+    torch = pytest.importorskip("torch")
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 3)
+            self.register_buffer("running_scale", torch.ones(3))
+
+    torch.manual_seed(0)
+    model = WithBuffer()
+    x0 = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    clients, norms = [], []
+    for seed in range(NUM_CLIENTS):
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in x0.items()})
+        start = [p.detach().clone() for p in model.parameters()]
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p += 0.05 * torch.randn(p.shape, generator=gen)
+            model.running_scale.mul_(0.9).add_(0.1 * (2 + seed))
+        pairs = zip(model.parameters(), start, strict=True)
+        norms.append(sum(float(((p.detach() - p0) ** 2).sum()) for p, p0 in pairs))
+        clients.append({k: v.numpy().copy() for k, v in model.state_dict().items()})
+    trained = [name for name, _ in model.named_parameters()]
+    assert set(trained) == set(PARAMS) and "running_scale" in x0
+    for trainable, mismatches in ((None, NUM_CLIENTS), (trained, 0)):
+        strategy = ours.FedDuA(trainable=trainable)
+        got, _, report = _message_round(strategy, x0, clients, _norm_metrics(norms))
+        assert report["train_replies"]["norm_mismatches"] == mismatches
+    want = _oracle("feddua", x0, clients, trained)
+    for k in x0:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)
 
 
 # --- part 7: what a plug-in user trips on --------------------------------------
