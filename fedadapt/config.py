@@ -180,8 +180,9 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
         "the papers do; training continues from w_{t+1}."),
     Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
-        "the clients' reported update-sq-norm as given. false = the server computes "
-        "each norm from the arrays, uses its own and counts mismatches."),
+        "the clients' reported update-sq-norm as given and reject (counted) replies "
+        "without one. false = the server computes each norm from the arrays, uses "
+        "its own and counts mismatches."),
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
