@@ -15,16 +15,16 @@ from unittest.mock import Mock
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.common import parameters_to_ndarrays as to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.serverapp import Grid
 
 import fedadapt.strategies as ours
 from fedadapt.strategies import legacy
 from tests.helpers import make_reply
+from tests.test_trust import _grid, _record
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -87,16 +87,6 @@ def _oracle(name, x0, clients, trained, norms=None):
         eta = 0.1 * a / 2 / q
         out.update({k: x0[k] + eta * v[k] / g[k] for k in trained})
     return out
-
-
-def _grid():
-    grid = Mock(spec=Grid)
-    grid.get_node_ids.return_value = list(range(1, NUM_CLIENTS + 1))
-    return grid
-
-
-def _record(arrays):
-    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
 
 
 def _message_round(strategy, x0, clients, metrics):
