@@ -74,8 +74,7 @@ def parse_parameters(doc: str | None) -> dict[str, tuple[str | None, str]]:
 
 
 def _split_defaults(text: str) -> list[str | None]:
-    parts = [p.strip() for p in text.split(",")]
-    return list(parts) if len(parts) > 1 else [text.strip()]
+    return [part.strip() for part in text.split(",")]
 
 
 def _clean(text: str) -> str:
@@ -191,8 +190,7 @@ def _api_section(title: str, module: Any, adapter: type) -> list[str]:
         sources = _sources(cls)
         lines += [f"### `{cls.__name__}`", "", _summary_line(cls), ""]
         lines += _table(own_parameters(cls), sources, [_init(cls)])
-        extra = unpacked_kwargs(cls)
-        if extra is not None:
+        if unpacked_kwargs(cls) is not None:
             lines += ["", f"Plus the [common arguments](#{anchor})."]
         lines.append("")
     lines += [f"### {anchor_title}", ""]
