@@ -180,8 +180,9 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
         "the papers do; training continues from w_{t+1}."),
     Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
-        "the clients' reported update-sq-norm as given. false = the server computes "
-        "each norm from the arrays, uses its own and counts mismatches."),
+        "the clients' reported update-sq-norm as given and reject (counted) replies "
+        "without one. false = the server computes each norm from the arrays, uses "
+        "its own and counts mismatches."),
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
@@ -325,9 +326,13 @@ def render_task_confs() -> dict[str, str]:
 def sync_files(root: Path, write: bool) -> list[str]:
     """Regenerate (or, with ``write=False``, check) the generated files.
 
-    pyproject.toml's run-config table, README.md's configuration table and
-    ``conf/tasks/*.toml``. Returns the files that were (or would be) changed.
+    pyproject.toml's run-config table, README.md's configuration table,
+    ``conf/tasks/*.toml`` and ``docs/strategies-reference.md``
+    (:mod:`fedadapt.reference`). Returns the files that were (or would be)
+    changed.
     """
+    from fedadapt import reference
+
     targets = {
         "pyproject.toml": (_TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
         "README.md": (_MD_BEGIN, _MD_END, render_markdown_table()),
@@ -341,7 +346,8 @@ def sync_files(root: Path, write: bool) -> list[str]:
             changed.append(name)
             if write:
                 path.write_text(new, encoding="utf-8")
-    for name, content in render_task_confs().items():
+    generated = {**render_task_confs(), reference.PATH: reference.render()}
+    for name, content in generated.items():
         path = root / name
         if not path.exists() or path.read_text(encoding="utf-8") != content:
             changed.append(name)

@@ -41,3 +41,53 @@ def test_example_runs_and_learns(capfd, monkeypatch):
     assert len(losses) == run_config["num-server-rounds"], out[-2000:]
     assert losses[-1] < losses[0]
     assert all(s > 0 for s in steps)
+
+
+def test_legacy_variant_reports_diagnostics_and_consistent_norms(caplog, monkeypatch):
+    """NumPyClient + server_fn: strategy-* fit metrics, no norm mismatch."""
+    from flwr.app import Context
+    from flwr.client import ClientApp
+    from flwr.server import ServerApp
+    from flwr.simulation import run_simulation
+
+    from tests.helpers import BACKEND_CONFIG
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    for name in [m for m in sys.modules if m == "plug_in" or m.startswith("plug_in.")]:
+        monkeypatch.delitem(sys.modules, name)
+    from plug_in import legacy_server_app, numpy_client_app
+
+    server = (EXAMPLE / "plug_in" / "legacy_server_app.py").read_text()
+    imports = [
+        line for line in server.splitlines() if "import" in line and "fedadapt" in line
+    ]
+    assert imports == ["from fedadapt.strategies.legacy import FedDuA"]
+    pyproject = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
+    run_config = dict(pyproject["tool"]["flwr"]["app"]["config"])
+
+    def server_fn(context: Context):  # run_simulation ignores pyproject.toml
+        context.run_config.update(run_config)
+        return legacy_server_app.server_fn(context)
+
+    def client_fn(c: Context):
+        return numpy_client_app.client_fn(
+            Context(c.run_id, c.node_id, c.node_config, c.state, run_config)
+        )
+
+    run_simulation(
+        server_app=ServerApp(server_fn=server_fn),
+        client_app=ClientApp(client_fn=client_fn),
+        num_supernodes=3,
+        backend_config=BACKEND_CONFIG,
+    )
+    out = caplog.text  # Flower's log
+    assert "History (metrics, distributed, fit)" in out, out[-3000:]
+    steps = re.findall(r"'strategy-server-lr': \[([^\]]*)\]", out)
+    assert steps, out[-3000:]
+    rounds = re.findall(r"\((\d+), ([0-9.eE+-]+)\)", steps[0])
+    assert [int(r) for r, _ in rounds] == list(
+        range(1, run_config["num-server-rounds"] + 1)
+    )
+    assert all(float(v) > 0 for _, v in rounds)
+    # the client's norm over model.parameters() is the server's own
+    assert "reported update-sq-norm" not in out

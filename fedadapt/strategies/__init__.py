@@ -9,11 +9,16 @@ Legacy API (``ServerApp(server_fn=...)`` + ``NumPyClient``)::
     from fedadapt.strategies.legacy import FedDuA, ...
 
 The update rules themselves live in :mod:`fedadapt.strategies.core` (NumPy
-only). Importable with flwr and numpy alone: nothing here imports torch.
+only). Your own rule: subclass :class:`ServerRule` and wrap it in
+:class:`RuleStrategy` (or ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
+A run whose replies all fail for ``max_failed_rounds`` rounds ends with
+:class:`FederationFailedError`. Importable with flwr and numpy alone:
+nothing here imports torch.
 """
 
 from fedadapt.strategies._message_api import RuleStrategy
-from fedadapt.strategies._screening import reject_reason
+from fedadapt.strategies._screening import FederationFailedError, reject_reason
+from fedadapt.strategies.core import RoundStatistics, ServerRule
 from fedadapt.strategies.fedavg import FedAvg, FedAvgM
 from fedadapt.strategies.feddua import FedDuA
 from fedadapt.strategies.fedexp import FedExP
@@ -29,6 +34,9 @@ __all__ = [
     "FedExP",
     "FedLAMB",
     "FedYogi",
+    "FederationFailedError",
+    "RoundStatistics",
     "RuleStrategy",
+    "ServerRule",
     "reject_reason",
 ]

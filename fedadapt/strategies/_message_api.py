@@ -16,7 +16,14 @@ from logging import INFO
 from typing import Any, Unpack
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.constant import SType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -92,6 +99,14 @@ def _to_record(arrays: Arrays) -> ArrayRecord:
     return ArrayRecord({k: _to_array(v) for k, v in arrays.items()})
 
 
+def _describe_trainable(trainable: object) -> str:
+    if trainable is None:
+        return "the rule's default (float arrays; FedExP/FedDuA: not BatchNorm buffers)"
+    if callable(trainable):
+        return f"those {getattr(trainable, '__name__', repr(trainable))} accepts"
+    return f"{len(trainable)} named arrays"  # type: ignore[arg-type]
+
+
 def _unpack(
     message: Message, with_arrays: bool, state_key: str | None = None
 ) -> Candidate | str:
@@ -118,6 +133,17 @@ def _unpack(
     return Candidate(node, arrays, metrics, message, client_state=client_state)
 
 
+def _metrics_content(candidate: Candidate) -> RecordDict:
+    """Return a used reply's content for Flower's metric aggregation.
+
+    A reply accepted without a weight (uniform weighting) is given its
+    weight 1 here too, so that Flower's weighted average can read it.
+    """
+    if not candidate.defaulted_weight:
+        return candidate.source.content  # type: ignore[no-any-return]
+    return RecordDict({"metrics": MetricRecord(dict(candidate.metrics))})
+
+
 class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
     """Flower's FedAvg with its aggregation replaced by a fedadapt rule.
 
@@ -125,8 +151,14 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
     ----------
     rule : ServerRule
         The update rule, e.g. ``FedAdamRule(eta=0.01)``.
-    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
+    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds, trainable
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    weighted_by_key : str (default: "num-examples")
+        The metric that holds each reply's weight. It weights the model
+        update only under ``weighting="num_examples"`` (the rule's); a
+        uniformly weighted rule (FedExP, FedDuA by default) averages the
+        model uniformly and accepts train replies without it (weight 1).
+        Flower's metric averages use it in both cases.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
 
@@ -155,9 +187,30 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         self._evaluation_pair: tuple[Arrays, Arrays] | None = None
 
     def summary(self) -> None:
-        """Log Flower's sampling summary and the rule with its hyperparameters."""
+        """Log the rule, what it trains and Flower's sampling summary.
+
+        Flower's own summary says "Weighted by: '<weighted_by_key>'", which
+        is untrue for the model of a uniformly weighted rule (FedExP,
+        FedDuA): here the line says what each weighting applies to.
+        """
+        key = self.weighted_by_key
         log(INFO, "\t├──> Rule: %r", self.rule)
-        super().summary()
+        log(INFO, "\t├──> Trained arrays: %s", _describe_trainable(self.trainable))
+        log(INFO, "\t├──> Sampling:")
+        log(INFO, "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
+            self.fraction_train, self.fraction_evaluate)  # fmt: skip
+        log(INFO, "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
+            self.min_train_nodes, self.min_evaluate_nodes)  # fmt: skip
+        log(INFO, "\t│\t└──Minimum available nodes: %d", self.min_available_nodes)
+        log(INFO, "\t└──> Keys in records:")
+        if self.rule.weighting == "uniform":
+            log(INFO, "\t\t├── Model update weighted: uniformly (1/|S_t|; replies "
+                "without '%s' are accepted)", key)  # fmt: skip
+        else:
+            log(INFO, "\t\t├── Model update weighted by: '%s'", key)
+        log(INFO, "\t\t├── Metrics weighted by: '%s'", key)
+        log(INFO, "\t\t├── ArrayRecord key: '%s'", self.arrayrecord_key)
+        log(INFO, "\t\t└── ConfigRecord key: '%s'", self.configrecord_key)
 
     # --- Flower hooks ------------------------------------------------------------
 
@@ -170,6 +223,7 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         (Fed-LAMB's v̂) travels with the model as a second ArrayRecord named
         by its ``client_state_key``.
         """
+        self.check_trainable(arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._sent = _to_numpy(arrays)
         state = self.rule.broadcast_state()
@@ -192,7 +246,7 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
             return None, None
         entry = self.round_reports[server_round]
         metrics = self.train_metrics_aggr_fn(
-            [c.source.content for c in valid], self.weighted_by_key
+            [_metrics_content(c) for c in valid], self.weighted_by_key
         )
         entry["train"] = dict(metrics)
         record = _to_record(new)

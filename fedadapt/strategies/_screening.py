@@ -4,8 +4,9 @@ Flower's stock strategies end the run when one reply is inconsistent and
 average NaN straight into the global model. Every fedadapt strategy screens
 train replies first: a reply whose arrays are non-finite or differ in names,
 shape or dtype from what the server sent, or whose metrics lack a positive
-finite weight (``num-examples``) or carry a negative or non-finite
-``update-sq-norm``, is dropped with a warning and counted. A reported
+finite weight (``num-examples``; under uniform weighting a missing one
+counts as 1) or carry a negative or non-finite ``update-sq-norm``, is
+dropped with a warning and counted. A reported
 ``update-sq-norm`` never steers the step unless the strategy runs in
 secure-aggregation mode: the server uses its own ‖Δ_i‖² and counts the
 mismatches (:class:`RuleHost`). Everything here is plain NumPy over
@@ -34,15 +35,22 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from fedadapt._validation import check_scalar
-from fedadapt.strategies.core import Arrays, RoundStatistics, ServerRule
+from fedadapt.strategies.core import (
+    Arrays,
+    RoundStatistics,
+    ServerRule,
+    Trainable,
+    untrained,
+)
 
 
 class ScreeningKwargs(TypedDict, total=False):
-    """fedadapt's trust options, accepted by every strategy (see :class:`RuleHost`)."""
+    """fedadapt's options, accepted by every strategy (see :class:`RuleHost`)."""
 
     secure_aggregation: bool
     max_update_norm: float
     max_failed_rounds: int
+    trainable: Trainable | None
 
 
 class RuleHost:
@@ -58,7 +66,12 @@ class RuleHost:
     secure_aggregation : bool (default: False)
         Secure-aggregation mode: use the clients' reported ``update-sq-norm``
         as given (a secure aggregator reveals only sums, so the server cannot
-        check them). Off (default): the server computes each ‖Δ_i‖² from the
+        check them). A rule that needs the norms (FedExP, FedDuA) then
+        rejects, with a warning and a count, every train reply without one:
+        a secure aggregator could not compute it either, so a silent
+        fallback to the server's own norms would run a different mode than
+        the one asked for (our choice). Off (default): the server computes
+        each ‖Δ_i‖² from the
         arrays while summing them, uses its own value, and logs and counts
         (``norm_mismatches``) every reported value that differs by more than
         :data:`NORM_RTOL` relative. A mismatching reply is kept, not dropped:
@@ -72,6 +85,16 @@ class RuleHost:
         After this many consecutive rounds in which every reply failed or
         was rejected, :class:`FederationFailedError` (with the clients' error
         texts) ends the run; 0 never stops.
+    trainable : Collection[str] | Callable[[str], bool] | None (default: None)
+        Which arrays are trained: their names (e.g. ``[n for n, _ in
+        model.named_parameters()]``) or a predicate ``name -> bool``. The
+        others are averaged and kept out of Δ̄'s adaptive part, the
+        preconditioner and the norms (the server's ‖Δ_i‖², so a client's
+        ``update-sq-norm`` must cover exactly the trained arrays). None: the
+        rule's default (FedExP/FedDuA: all float arrays but BatchNorm
+        buffers; the others: all float arrays). Non-float arrays are never
+        trained. Names that the global model lacks raise ``ValueError`` when
+        the first round is configured.
 
     Attributes
     ----------
@@ -95,10 +118,14 @@ class RuleHost:
         secure_aggregation: bool = False,
         max_update_norm: float = 0.0,
         max_failed_rounds: int = 3,
+        trainable: Trainable | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(rule, ServerRule):
             raise TypeError(f"rule must be a ServerRule, got {type(rule).__name__}")
+        if trainable is not None:
+            rule.plain_average = untrained(trainable)
+        self.trainable = trainable
         self.max_update_norm = check_scalar("max_update_norm", max_update_norm, low=0)
         if check_scalar("max_failed_rounds", max_failed_rounds, low=0) % 1:
             raise ValueError(f"Invalid max_failed_rounds: {max_failed_rounds} (an int)")
@@ -115,6 +142,20 @@ class RuleHost:
         self.round_reports: dict[int, dict[str, Any]] = {}
         # problems of consecutive rounds without a usable reply
         self._failed_streak: list[list[str]] = []
+
+    def check_trainable(self, model: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` when ``trainable`` names arrays ``model`` lacks."""
+        if self.trainable is None or callable(self.trainable):
+            return
+        missing = sorted(set(self.trainable) - set(model))
+        if missing:
+            shown = ", ".join(map(repr, list(model)[:8]))
+            raise ValueError(
+                f"trainable names arrays the global model does not have: "
+                f"{', '.join(map(repr, missing))} (its arrays: {shown}"
+                f"{', …' if len(model) > 8 else ''}); legacy strategies key "
+                "arrays by position unless given array_names"
+            )
 
     def _client_state_check(
         self, reference: Arrays | None
@@ -150,8 +191,12 @@ class RuleHost:
         """
         label = f"Round {server_round}"
         entry = self.round_reports.setdefault(server_round, {})
-        valid, report = screen(candidates, reference, weight_key, label,
-                               self._client_state_check(reference))  # fmt: skip
+        valid, report = screen(
+            candidates, reference, weight_key, label,
+            self._client_state_check(reference),
+            weight_optional=self.rule.weighting == "uniform",
+            norm_required=self.secure_aggregation and self.rule.needs_sq_norms,
+        )  # fmt: skip
         new: Arrays | None = None
         diagnostics: dict[str, Any] = {}
         if valid and reference is not None:
@@ -241,6 +286,7 @@ class Candidate:
     source: Any = None  # the original reply object, for the adapter
     problem: str | None = None  # set when the reply could not even be unpacked
     client_state: Mapping[str, NDArray[Any]] | None = None  # see ServerRule
+    defaulted_weight: bool = False  # no weight sent; 1 under uniform weighting
 
 
 class ReplyError(ValueError):
@@ -405,12 +451,24 @@ class ScreenReport:
         return [*self.errors, *self.rejections]
 
 
-def _check_metrics(metrics: Mapping[str, Any], weight_key: str) -> str | None:
+def _check_metrics(
+    metrics: Mapping[str, Any],
+    weight_key: str,
+    weight_optional: bool = False,
+    norm_required: bool = False,
+) -> str | None:
     weight = metrics.get(weight_key)
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
+    if weight is None and weight_optional:
+        pass  # uniform weighting: counted as 1 (see screen)
+    elif isinstance(weight, bool) or not isinstance(weight, int | float):
         return f"metric '{weight_key}' missing or not a number"
-    if not math.isfinite(weight) or weight <= 0:
+    elif not math.isfinite(weight) or weight <= 0:
         return f"metric '{weight_key}' must be finite and > 0, got {weight}"
+    if norm_required and UPDATE_SQ_NORM_KEY not in metrics:
+        return (
+            f"metric '{UPDATE_SQ_NORM_KEY}' missing: secure_aggregation=True "
+            "uses the clients' norms and needs one in every train reply"
+        )
     if UPDATE_SQ_NORM_KEY in metrics:
         norm = metrics[UPDATE_SQ_NORM_KEY]
         if not isinstance(norm, int | float) or not math.isfinite(norm) or norm < 0:
@@ -423,13 +481,18 @@ def reject_reason(
     metrics: Mapping[str, Any],
     reference: Mapping[str, NDArray[Any]] | None,
     weight_key: str,
+    *,
+    weight_optional: bool = False,
+    norm_required: bool = False,
 ) -> str | None:
     """Return why a reply must be dropped before aggregation, or None.
 
     ``arrays`` is None for evaluation replies (metrics only). ``reference``
     is what the server sent this round; replies must match its names, shapes
     and dtypes exactly (no broadcasting, no silent casts). Values are checked
-    later, on the aggregate (see :func:`apply_rule`).
+    later, on the aggregate (see :func:`apply_rule`). ``weight_optional``
+    accepts a missing ``weight_key`` (uniform weighting); ``norm_required``
+    rejects a missing ``update-sq-norm`` (secure aggregation).
     """
     if arrays is not None and reference is not None:
         specs = array_specs(arrays)
@@ -441,7 +504,7 @@ def reject_reason(
                 return f"array '{name}' has shape {shape}, expected {ref.shape}"
             if dtype != dtype_name(ref.dtype):
                 return f"array '{name}' has dtype {dtype}, expected {ref.dtype}"
-    return _check_metrics(metrics, weight_key)
+    return _check_metrics(metrics, weight_key, weight_optional, norm_required)
 
 
 def screen(
@@ -450,11 +513,17 @@ def screen(
     weight_key: str,
     round_label: str,
     extra_check: Callable[[Candidate], str | None] | None = None,
+    *,
+    weight_optional: bool = False,
+    norm_required: bool = False,
 ) -> tuple[list[Candidate], ScreenReport]:
     """Split replies into usable ones and a report; log each rejection.
 
     A ``str`` in ``candidates`` stands for a failed reply (its error text).
     ``extra_check`` adds rule-specific checks (e.g. Fed-LAMB's moments).
+    With ``weight_optional`` (uniform weighting) a usable reply without
+    ``weight_key`` gets weight 1 in its ``metrics`` (``defaulted_weight``
+    set). ``norm_required``: see :func:`reject_reason`.
     ``np.sum`` of a float array is non-finite iff it holds NaN/Inf (or its
     values are so large the sum overflows, which is rejected too).
     """
@@ -466,11 +535,15 @@ def screen(
             report.errors.append(_tail(candidate))
             continue
         reason = candidate.problem or reject_reason(
-            candidate.arrays, candidate.metrics, reference, weight_key
-        )
+            candidate.arrays, candidate.metrics, reference, weight_key,
+            weight_optional=weight_optional, norm_required=norm_required,
+        )  # fmt: skip
         if reason is None and extra_check is not None:
             reason = extra_check(candidate)
         if reason is None:
+            if weight_key not in candidate.metrics:
+                candidate.metrics = {**candidate.metrics, weight_key: 1}
+                candidate.defaulted_weight = True
             valid.append(candidate)
             continue
         report.rejected += 1

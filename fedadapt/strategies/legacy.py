@@ -39,6 +39,7 @@ from flwr.server.strategy import FedAvg as _FlowerFedAvg
 
 from fedadapt.strategies._screening import (
     Candidate,
+    FederationFailedError,
     RuleHost,
     ScreeningKwargs,
     evaluation_average,
@@ -148,6 +149,7 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
         """Remember the global arrays, then sample and configure as Flower does."""
         model = parameters_to_ndarrays(parameters)
         self._sent = _keyed(model, self.array_names)
+        self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         state = self.rule.broadcast_state()
         if state is None:
@@ -386,5 +388,6 @@ __all__ = [
     "FedExP",
     "FedLAMB",
     "FedYogi",
+    "FederationFailedError",
     "LegacyRuleStrategy",
 ]

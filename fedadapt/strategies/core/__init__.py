@@ -10,9 +10,11 @@ from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
     ServerRule,
+    Trainable,
     client_weights,
     is_batchnorm_buffer,
     sq_norm,
+    untrained,
 )
 from fedadapt.strategies.core.fedavg import FedAvgRule
 from fedadapt.strategies.core.feddua import FedDuARule
@@ -37,8 +39,10 @@ __all__ = [
     "FedYogiRule",
     "RoundStatistics",
     "ServerRule",
+    "Trainable",
     "aggregate_second_moments",
     "client_weights",
     "is_batchnorm_buffer",
     "sq_norm",
+    "untrained",
 ]

@@ -15,7 +15,8 @@ Which arrays are adaptive: floating-point arrays, minus the keys selected by
 ``plain_average`` (by default nothing; FedExP/FedDuA exclude BatchNorm
 buffers, which are running statistics rather than trained parameters).
 Plain arrays are averaged (integers rounded back to their dtype) and kept
-out of norms and preconditioners.
+out of norms and preconditioners. :func:`untrained` turns a user's
+``trainable`` (names or a predicate) into such a ``plain_average``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import copy
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,35 @@ BATCHNORM_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked
 def is_batchnorm_buffer(key: str) -> bool:
     """Return True for PyTorch BatchNorm buffer names (``*.running_mean`` …)."""
     return key.rsplit(".", 1)[-1] in BATCHNORM_BUFFER_SUFFIXES
+
+
+#: Which arrays are trained: a collection of array names, or a predicate
+#: ``name -> bool`` (True: trained).
+Trainable = Collection[str] | Callable[[str], bool]
+
+
+def untrained(trainable: Trainable) -> Callable[[str], bool]:
+    """Return the ``plain_average`` predicate of ``trainable`` (our choice).
+
+    ``trainable`` names the arrays that are trained (a collection of names,
+    e.g. ``[n for n, _ in model.named_parameters()]``) or is a predicate
+    that says so per name. The returned predicate is True for every other
+    array: those are averaged and kept out of Δ̄'s adaptive part, the
+    preconditioners and the norms. Non-float arrays are never trained,
+    whatever ``trainable`` says.
+    """
+    if callable(trainable):
+        predicate = trainable
+        return lambda key: not predicate(key)
+    if isinstance(trainable, str | bytes) or not isinstance(trainable, Collection):
+        raise TypeError(
+            "trainable must be a collection of array names or a callable "
+            f"name -> bool, got {type(trainable).__name__}"
+        )
+    names = frozenset(trainable)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError("trainable names must be strings")
+    return lambda key: key not in names
 
 
 def sq_norm(arrays: Mapping[str, NDArray[Any]]) -> float:
@@ -146,7 +176,8 @@ class ServerRule(ABC):
         both Δ̄ and A so that A ≥ ‖Δ̄‖² (Jensen) holds.
     plain_average : Callable[[str], bool] | None (default: None)
         Keys for which the rule is skipped: they are averaged, and left out
-        of norms and preconditioners. Non-float arrays always are.
+        of norms and preconditioners. Non-float arrays always are. A
+        strategy's ``trainable`` argument replaces it (:func:`untrained`).
     """
 
     #: whether :meth:`update` uses A_t (per-client squared update norms)
