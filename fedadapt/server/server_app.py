@@ -173,7 +173,7 @@ def main(grid: Grid, context: Context) -> None:
         recorder,
         first_round,
         evaluate=evaluate,
-        latest=lambda: _numpy(strategy.latest_arrays or initial),
+        latest=lambda: _numpy(strategy.training_arrays or initial),
     )
 
     def on_round_end(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
