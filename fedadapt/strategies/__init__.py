@@ -13,6 +13,7 @@ only). Importable with flwr and numpy alone: nothing here imports torch.
 """
 
 from fedadapt.strategies._message_api import RuleStrategy
+from fedadapt.strategies._records import records_from_bytes, records_to_bytes
 from fedadapt.strategies._screening import reject_reason
 from fedadapt.strategies.fedavg import FedAvg, FedAvgM
 from fedadapt.strategies.feddua import FedDuA
@@ -30,5 +31,7 @@ __all__ = [
     "FedLAMB",
     "FedYogi",
     "RuleStrategy",
+    "records_from_bytes",
+    "records_to_bytes",
     "reject_reason",
 ]

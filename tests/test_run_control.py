@@ -1,0 +1,347 @@
+"""Issue #27 parts 3, 4, 6 through each API's real round loop, in process.
+
+Deterministic fake clients (a contraction towards a per-client target that
+also depends on the server round, so round numbering matters) run behind
+a fake Message-API Grid and behind legacy ClientProxies driven by Flower's
+own legacy ``Server``. Part 3: the returned model scores exactly what was
+reported last. Part 4: a run saved to Flower records (and bytes on disk)
+after k rounds and resumed in a new strategy ends bit-identical to an
+uninterrupted one. Part 6: the stop rules end the run where a reference
+loop written here says they must.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common import (
+    Code,
+    EvaluateRes,
+    FitRes,
+    GetPropertiesRes,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server import Server, SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
+
+from fedadapt.strategies import (
+    FedAdam,
+    FedDuA,
+    FedExP,
+    legacy,
+    records_from_bytes,
+    records_to_bytes,
+)
+from tests.helpers import make_reply
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+NAMES = ["w", "b"]
+X0 = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3),
+      "b": np.array([0.5, -0.25], np.float32)}  # fmt: skip
+NUM_CLIENTS = 3
+TARGET = {k: np.full_like(v, 2.0) for k, v in X0.items()}
+
+MESSAGE = {"feddua": FedDuA, "fedexp": FedExP, "fedadam": FedAdam}
+LEGACY = {"feddua": legacy.FedDuA, "fedexp": legacy.FedExP, "fedadam": legacy.FedAdam}
+
+
+def _target(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + i)
+    return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in X0.items()}
+
+
+def local_train(i: int, x: dict, server_round: int) -> dict[str, np.ndarray]:
+    """Client i: half way to its target, plus a round-dependent drift."""
+    t = _target(i)
+    return {
+        k: (x[k] + np.float32(0.5) * (t[k] - x[k]) + np.float32(0.01 * server_round))
+        .astype(np.float32)
+        for k in x
+    }  # fmt: skip
+
+
+def score(x: dict) -> dict[str, float]:
+    """Central evaluation: float64 squared distance to TARGET and a 'accuracy'."""
+    loss = math.fsum(float(np.sum((x[k].astype(np.float64) - TARGET[k]) ** 2))
+                     for k in x)  # fmt: skip
+    return {"loss": loss, "accuracy": 1.0 / (1.0 + loss)}
+
+
+def client_score(i: int, x: dict) -> float:
+    t = _target(i)
+    return math.fsum(float(np.sum((x[k].astype(np.float64) - t[k]) ** 2)) for k in x)
+
+
+# --- the Message API: a fake Grid ------------------------------------------------
+
+
+class FakeGrid:
+    """A Grid whose nodes are the fake clients (node id = client index + 1)."""
+
+    def __init__(self) -> None:
+        self.train_calls = 0
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, NUM_CLIENTS + 1))
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            i = node - 1
+            content = message.content
+            x = {k: v.numpy() for k, v in content["arrays"].items()}
+            rnd = int(content["config"]["server-round"])
+            n = 10 * (i + 1)  # distinct weights: a content-defined order
+            if message.metadata.message_type == "train":
+                self.train_calls += 1
+                new = local_train(i, x, rnd)
+                metrics = {"num-examples": n, "train-loss": client_score(i, x)}
+                replies.append(make_reply(new, metrics, node))
+            else:
+                metrics = {"num-examples": n, "eval-loss": client_score(i, x)}
+                replies.append(make_reply(None, metrics, node))
+        return replies
+
+
+def _evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    return MetricRecord(score({k: v.numpy() for k, v in arrays.items()}))
+
+
+def _record(arrays: dict) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+
+
+def _numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def _message_run(strategy, num_rounds, initial=None, grid=None, **start_kwargs):
+    return strategy.start(
+        grid=grid or FakeGrid(),
+        initial_arrays=initial if initial is not None else _record(X0),
+        num_rounds=num_rounds,
+        evaluate_fn=_evaluate_fn,
+        **start_kwargs,
+    )
+
+
+def _message_strategy(name, **kwargs):
+    return MESSAGE[name](fraction_evaluate=1.0, min_available_nodes=NUM_CLIENTS,
+                         **kwargs)  # fmt: skip
+
+
+# --- the legacy API: Flower's Server with fake ClientProxies -------------------------
+
+
+class FakeProxy(ClientProxy):
+    """A legacy client: the same local training and evaluation."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__(str(i))
+        self.i = i
+        self.fit_calls = 0
+
+    def _model(self, parameters):
+        return dict(zip(NAMES, parameters_to_ndarrays(parameters), strict=True))
+
+    def fit(self, ins, timeout, group_id):
+        self.fit_calls += 1
+        new = local_train(self.i, self._model(ins.parameters), group_id)
+        params = ndarrays_to_parameters([new[k] for k in NAMES])
+        metrics = {"train-loss": client_score(self.i, self._model(ins.parameters))}
+        return FitRes(Status(Code.OK, ""), params, 10 * (self.i + 1), metrics)
+
+    def evaluate(self, ins, timeout, group_id):
+        loss = client_score(self.i, self._model(ins.parameters))
+        return EvaluateRes(Status(Code.OK, ""), loss, 10 * (self.i + 1), {})
+
+    def get_properties(self, ins, timeout, group_id):
+        return GetPropertiesRes(Status(Code.OK, ""), {})
+
+    def get_parameters(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def reconnect(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+
+def _legacy_evaluate_fn(server_round, ndarrays, config):
+    scores = score(dict(zip(NAMES, ndarrays, strict=True)))
+    return scores["loss"], scores
+
+
+def _legacy_strategy(name, initial=None, **kwargs):
+    initial = initial if initial is not None else [X0[k] for k in NAMES]
+    return LEGACY[name](
+        array_names=NAMES, initial_parameters=ndarrays_to_parameters(initial),
+        evaluate_fn=_legacy_evaluate_fn, fraction_fit=1.0, fraction_evaluate=1.0,
+        min_fit_clients=NUM_CLIENTS, min_evaluate_clients=NUM_CLIENTS,
+        min_available_clients=NUM_CLIENTS,
+        fit_metrics_aggregation_fn=_mean_metrics, **kwargs,
+    )  # fmt: skip
+
+
+def _mean_metrics(results):
+    total = sum(n for n, _ in results)
+    return {k: sum(n * m[k] for n, m in results) / total for k in results[0][1]}
+
+
+def _legacy_run(strategy, num_rounds):
+    manager = SimpleClientManager()
+    proxies = [FakeProxy(i) for i in range(NUM_CLIENTS)]
+    for proxy in proxies:
+        manager.register(proxy)
+    server = Server(client_manager=manager, strategy=strategy)
+    history, _ = server.fit(num_rounds, timeout=None)
+    model = dict(zip(NAMES, parameters_to_ndarrays(server.parameters), strict=True))
+    return model, history, proxies
+
+
+# --- part 3: the model returned is the model reported -------------------------------
+
+
+@pytest.mark.parametrize("name", ["feddua", "fedexp"])
+def test_message_api_returns_the_model_whose_metrics_it_reported(name):
+    result = _message_run(_message_strategy(name), num_rounds=3)
+    returned = _numpy(result.arrays)
+    # central evaluation of the returned arrays: exactly the last reported one
+    assert score(returned) == dict(result.evaluate_metrics_serverapp[3])
+    # and the clients' evaluation of the returned arrays too
+    n = [10 * (i + 1) for i in range(NUM_CLIENTS)]
+    fed = sum(w * client_score(i, returned) for i, w in enumerate(n)) / sum(n)
+    assert fed == pytest.approx(result.evaluate_metrics_clientapp[3]["eval-loss"],
+                                rel=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["feddua", "fedexp"])
+def test_legacy_api_ends_with_the_model_whose_metrics_it_reported(name):
+    model, history, _ = _legacy_run(_legacy_strategy(name), num_rounds=3)
+    last_round, last_loss = history.losses_centralized[-1]
+    assert last_round == 3
+    assert score(model)["loss"] == last_loss
+    assert score(model)["accuracy"] == history.metrics_centralized["accuracy"][-1][1]
+
+
+def test_the_returned_model_is_the_average_of_the_last_two_iterates():
+    """Oracle: w_2 and w_3 from a run without averaging (same iterates)."""
+    w = [
+        _numpy(_message_run(_message_strategy("fedexp", average_last_two=False),
+                            num_rounds=r).arrays)
+        for r in (2, 3)
+    ]  # fmt: skip
+    averaged = _numpy(_message_run(_message_strategy("fedexp"), num_rounds=3).arrays)
+    for k in NAMES:
+        want = ((w[0][k] + w[1][k]) / 2).astype(np.float32)
+        np.testing.assert_array_equal(averaged[k], want)
+
+
+# --- part 4: state in Flower's records, resumed at round k ---------------------------
+
+ROUNDS, SPLIT = 5, 2
+
+
+def _through_disk(records, path):
+    """Write records as bytes to a file and read them back (a user's checkpoint)."""
+    path.write_bytes(records_to_bytes(records))
+    return records_from_bytes(path.read_bytes())
+
+
+def _assert_same_metrics(got: dict, want: dict, rounds) -> None:
+    for r in rounds:
+        assert dict(got[r]) == dict(want[r]), r
+
+
+@pytest.mark.parametrize("name", ["feddua", "fedexp", "fedadam"])
+def test_message_api_resumes_bit_identically_from_records_on_disk(name, tmp_path):
+    whole = _message_run(_message_strategy(name), num_rounds=ROUNDS)
+    # run SPLIT rounds, keep model and state as a user would: records, on disk
+    first = _message_strategy(name)
+    part = _message_run(first, num_rounds=SPLIT)
+    saved = _through_disk(RecordDict({"model": part.arrays}), tmp_path / "m.bin")
+    model = saved.array_records["model"]
+    state = _through_disk(first.state_to_records(), tmp_path / "state.bin")
+    # a new strategy continues at round SPLIT + 1
+    second = _message_strategy(name)
+    second.load_state_records(state)
+    rest = _message_run(second, num_rounds=ROUNDS, initial=model)
+    for k in NAMES:
+        assert _numpy(rest.arrays)[k].tobytes() == _numpy(whole.arrays)[k].tobytes()
+    later = range(SPLIT + 1, ROUNDS + 1)
+    assert sorted(rest.train_metrics_clientapp) == list(later)
+    _assert_same_metrics(rest.train_metrics_clientapp,
+                         whole.train_metrics_clientapp, later)  # fmt: skip
+    _assert_same_metrics(rest.evaluate_metrics_serverapp,
+                         whole.evaluate_metrics_serverapp, later)  # fmt: skip
+    # the initial evaluation of the resumed run is round SPLIT's, unchanged
+    assert dict(rest.evaluate_metrics_serverapp[SPLIT]) == dict(
+        whole.evaluate_metrics_serverapp[SPLIT]
+    )
+
+
+def test_message_api_state_fits_context_state():
+    """``context.state`` is a RecordDict: the records go in and come out whole."""
+    from flwr.app import Context
+
+    strategy = _message_strategy("feddua")
+    _message_run(strategy, num_rounds=2)
+    context = Context(1, 0, {}, RecordDict(), {})
+    context.state.update(strategy.state_to_records())
+    restored = _message_strategy("feddua")
+    restored.load_state_records(context.state)
+    assert restored.completed_round == 2
+    for key in ("s", "v"):
+        for k in NAMES:
+            a, b = restored.rule.state_dict()[key][k], strategy.rule.state_dict()[key][k]
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("name", ["feddua", "fedexp", "fedadam"])
+def test_legacy_api_resumes_bit_identically_from_records_on_disk(name, tmp_path):
+    whole_model, whole, _ = _legacy_run(_legacy_strategy(name), ROUNDS)
+    first = _legacy_strategy(name)
+    model, _, _ = _legacy_run(first, SPLIT)
+    state = _through_disk(first.state_to_records(), tmp_path / "state.bin")
+    second = _legacy_strategy(name, initial=[model[k] for k in NAMES])
+    second.load_state_records(state)
+    rest_model, rest, proxies = _legacy_run(second, ROUNDS)  # same num_rounds
+    for k in NAMES:
+        assert rest_model[k].tobytes() == whole_model[k].tobytes()
+    # rounds 1 … SPLIT did nothing; the later ones report what the whole run did
+    assert rest.losses_centralized == whole.losses_centralized[SPLIT + 1 :]
+    assert rest.losses_distributed == whole.losses_distributed[SPLIT:]
+    assert all(p.fit_calls == ROUNDS - SPLIT for p in proxies)
+
+
+def test_resuming_from_other_arrays_trains_from_them_and_warns(caplog):
+    """The saved iterate is used only for the model saved with it."""
+    first = _message_strategy("fedexp")
+    _message_run(first, num_rounds=1)
+    second = _message_strategy("fedexp")
+    second.load_state_records(first.state_to_records())
+    other = {k: v + np.float32(1) for k, v in X0.items()}
+    grid = FakeGrid()
+    messages = list(second.configure_train(2, _record(other), ConfigRecord(), grid))
+    sent = _numpy(messages[0].content["arrays"])
+    assert all(np.array_equal(sent[k], other[k]) for k in NAMES)
+    assert "not the model saved with the loaded strategy state" in caplog.text
+
+
+def test_state_records_reject_what_they_cannot_hold():
+    from fedadapt.strategies._records import state_from_records, state_to_records
+
+    with pytest.raises(TypeError, match="'rule/x' is a list"):
+        state_to_records({"rule": {"x": [1, 2]}}, "s")
+    with pytest.raises(ValueError, match="no strategy state"):
+        state_from_records(state_to_records({"a": 1}, "s"), "other")
+    tree = {"a": {"b": None, "c": np.float32(1.5), "d": {}}, "e": True, "f": "x"}
+    back = state_from_records(state_to_records(tree, "s"), "s")
+    assert back["a"]["b"] is None and back["a"]["d"] == {}
+    assert back["a"]["c"].dtype == np.float32 and back["a"]["c"] == 1.5
+    assert back["e"] is True and back["f"] == "x"
