@@ -126,6 +126,18 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("samples-per-client", 500, "Samples per client of partition=delta-sgd "
         "(drawn with replacement).", minimum=1),
     Key("num-server-rounds", 20, "Number of federated rounds.", minimum=1),
+    Key("stop-metric", "", "End the run early on this metric: looked up per round "
+        "in the central evaluation (loss, accuracy), else the federated one "
+        "(eval-loss, eval-accuracy), else the train metrics (train-loss, "
+        "train-accuracy); results.json says why the run ended (stop_reason). "
+        "Empty = run all rounds."),
+    Key("stop-mode", "max", "Whether larger (max: accuracy) or smaller (min: loss) "
+        "values of stop-metric are better.", choices=("max", "min")),
+    Key("stop-target", 0.0, "Stop once stop-metric reaches this value; 0 = off."),
+    Key("stop-patience", 0, "Stop after this many evaluations of stop-metric in a "
+        "row without improvement; 0 = off.", minimum=0),
+    Key("stop-min-delta", 0.0, "Smallest change of stop-metric that counts as an "
+        "improvement.", minimum=0.0),
     Key("clients-per-round", 0, "Clients sampled for training each round; 0 = "
         "every connected node (Flower's fraction-train = 1). A number larger than "
         "the federation fails at start.", minimum=0),
@@ -252,6 +264,15 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "max-update-norm",
             "clipping needs the server's own norms; with secure-aggregation clip "
             "on the clients",
+        )
+    stop_rules = config["stop-target"] != 0 or config["stop-patience"] > 0
+    if config["stop-metric"] and not stop_rules:
+        raise ConfigError(
+            "stop-metric", "set stop-target or stop-patience (else it never stops)"
+        )
+    if stop_rules and not config["stop-metric"]:
+        raise ConfigError(
+            "stop-metric", "stop-target and stop-patience need the metric to watch"
         )
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(

@@ -296,9 +296,11 @@ def test_message_api_state_fits_context_state():
     restored = _message_strategy("feddua")
     restored.load_state_records(context.state)
     assert restored.completed_round == 2
+    got, want = restored.rule.state_dict(), strategy.rule.state_dict()
+    assert got["m"] == want["m"] and got["num_updates"] == want["num_updates"] == 2
     for key in ("s", "v"):
         for k in NAMES:
-            a, b = restored.rule.state_dict()[key][k], strategy.rule.state_dict()[key][k]
+            a, b = got[key][k], want[key][k]
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
@@ -315,7 +317,11 @@ def test_legacy_api_resumes_bit_identically_from_records_on_disk(name, tmp_path)
         assert rest_model[k].tobytes() == whole_model[k].tobytes()
     # rounds 1 … SPLIT did nothing; the later ones report what the whole run did
     assert rest.losses_centralized == whole.losses_centralized[SPLIT + 1 :]
-    assert rest.losses_distributed == whole.losses_distributed[SPLIT:]
+    # Flower sums the clients' losses in arrival order: equal up to rounding
+    for (r, got), (w, want) in zip(
+        rest.losses_distributed, whole.losses_distributed[SPLIT:], strict=True
+    ):
+        assert r == w and got == pytest.approx(want, rel=1e-12)
     assert all(p.fit_calls == ROUNDS - SPLIT for p in proxies)
 
 
@@ -345,3 +351,121 @@ def test_state_records_reject_what_they_cannot_hold():
     assert back["a"]["b"] is None and back["a"]["d"] == {}
     assert back["a"]["c"].dtype == np.float32 and back["a"]["c"] == 1.5
     assert back["e"] is True and back["f"] == "x"
+
+
+# --- part 6: stop early -------------------------------------------------------------
+
+
+def reference_stop(values, *, mode, target=None, patience=0, min_delta=0.0):
+    """The round the rules stop after (None: all rounds), written out here."""
+    best, waited = None, 0
+    for r, v in enumerate(values, start=1):
+        if best is None or (v > best + min_delta if mode == "max"
+                            else v < best - min_delta):  # fmt: skip
+            best, waited = v, 0
+        else:
+            waited += 1
+        reached = target is not None and (v >= target if mode == "max" else v <= target)
+        if (reached or (patience and waited >= patience)) and r < len(values):
+            return r
+    return None
+
+
+def _series(result, phase, key):
+    records = getattr(result, phase)
+    return [records[r][key] for r in range(1, ROUNDS + 1)]
+
+
+@pytest.mark.parametrize(
+    ("stop", "phase", "key"),
+    [
+        ({"stop_metric": "accuracy", "stop_mode": "max"},
+         "evaluate_metrics_serverapp", "accuracy"),
+        ({"stop_metric": "eval-loss", "stop_mode": "min"},
+         "evaluate_metrics_clientapp", "eval-loss"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("rule", ["target", "patience"])
+def test_message_api_stop_rules_end_the_run_where_the_reference_says(
+    stop, phase, key, rule
+):
+    whole = _message_run(_message_strategy("fedexp"), num_rounds=ROUNDS)
+    values = _series(whole, phase, key)
+    if rule == "target":
+        extra = {"stop_target": values[2]}  # reached in round 3 at the latest
+    else:  # every change after round 1 is smaller than min_delta
+        extra = {"stop_patience": 2, "stop_min_delta": 1e9}
+    want = reference_stop(values, mode=stop["stop_mode"],
+                          target=extra.get("stop_target"),
+                          patience=extra.get("stop_patience", 0),
+                          min_delta=extra.get("stop_min_delta", 0.0))  # fmt: skip
+    assert want is not None and want < ROUNDS
+    strategy = _message_strategy("fedexp", **stop, **extra)
+    grid = FakeGrid()
+    result = _message_run(strategy, num_rounds=ROUNDS, grid=grid)
+    assert sorted(result.train_metrics_clientapp) == list(range(1, want + 1))
+    assert grid.train_calls == want * NUM_CLIENTS
+    assert strategy.stop_reason == f"stop-{rule}"
+    assert key in strategy.stop_message
+    # the run returns round `want`'s model, the one whose metrics it reported
+    short = _message_run(_message_strategy("fedexp"), num_rounds=want)
+    for k in NAMES:
+        assert _numpy(result.arrays)[k].tobytes() == _numpy(short.arrays)[k].tobytes()
+
+
+def test_message_api_should_stop_as_in_flowers_nightly():
+    """``start(..., should_stop)`` (Flower nightly's 8th argument) ends the loop."""
+    strategy = _message_strategy("feddua")
+    calls = []
+
+    def should_stop(server_round, result):
+        calls.append((server_round, sorted(result.train_metrics_clientapp)))
+        return server_round == 2
+
+    result = strategy.start(FakeGrid(), _record(X0), ROUNDS, 3600, None, None,
+                            _evaluate_fn, should_stop)  # fmt: skip
+    assert calls == [(1, [1]), (2, [1, 2])]
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
+    assert strategy.stop_reason is None  # the user's predicate, not the rule
+
+
+def test_a_rule_that_fires_in_the_last_round_is_no_early_stop():
+    strategy = _message_strategy(
+        "fedexp", stop_metric="loss", stop_mode="min", stop_patience=ROUNDS - 1,
+        stop_min_delta=1e9,
+    )  # fmt: skip
+    result = _message_run(strategy, num_rounds=ROUNDS)
+    assert strategy.stop_rule.waited == ROUNDS - 1  # it fired in round ROUNDS
+    assert len(result.train_metrics_clientapp) == ROUNDS
+    assert strategy.stop_reason is None
+
+
+@pytest.mark.parametrize("rule", ["target", "patience"])
+def test_legacy_api_stop_rules_end_the_run_where_the_reference_says(rule):
+    _, whole, _ = _legacy_run(_legacy_strategy("fedexp"), ROUNDS)
+    values = [m for _, m in whole.metrics_centralized["accuracy"][1:]]
+    extra = (
+        {"stop_target": values[2]} if rule == "target"
+        else {"stop_patience": 2, "stop_min_delta": 1e9}
+    )  # fmt: skip
+    want = reference_stop(values, mode="max", target=extra.get("stop_target"),
+                          patience=extra.get("stop_patience", 0),
+                          min_delta=extra.get("stop_min_delta", 0.0))  # fmt: skip
+    assert want is not None and want < ROUNDS
+    strategy = _legacy_strategy("fedexp", stop_metric="accuracy", **extra)
+    model, history, proxies = _legacy_run(strategy, ROUNDS)
+    assert strategy.stop_reason == f"stop-{rule}"
+    assert all(p.fit_calls == want for p in proxies)  # later rounds did nothing
+    assert [r for r, _ in history.losses_centralized] == list(range(want + 1))
+    short, _, _ = _legacy_run(_legacy_strategy("fedexp"), want)
+    for k in NAMES:
+        assert model[k].tobytes() == short[k].tobytes()
+
+
+def test_stop_arguments_are_checked_at_construction():
+    with pytest.raises(ValueError, match="need a stop_metric"):
+        FedDuA(stop_target=0.9)
+    with pytest.raises(ValueError, match="needs stop_target or stop_patience"):
+        FedDuA(stop_metric="accuracy")
+    with pytest.raises(ValueError, match="Invalid stop_mode"):
+        legacy.FedExP(stop_metric="loss", stop_mode="lower", stop_patience=1)

@@ -33,6 +33,7 @@ from fedadapt.server.run import (
     check_names,
     initial_state,
     log_user_errors_in_one_line,
+    record_end,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -126,6 +127,7 @@ class RecordingServer(Server):
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
         """Run Flower's loop, then mark results.json completed."""
         result = super().fit(num_rounds, timeout)
+        record_end(self.recorder, self.strategy)
         self.recorder.finish("completed")
         return result
 

@@ -36,6 +36,7 @@ from fedadapt.server.run import (
     check_names,
     initial_state,
     log_user_errors_in_one_line,
+    record_end,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -193,5 +194,6 @@ def main(grid: Grid, context: Context) -> None:
     except BaseException as error:
         recorder.finish("failed", error=repr(error))
         raise
+    record_end(recorder, strategy)
     recorder.finish("completed")
     log(logging.INFO, "fedadapt: results in %s", recorder.run_dir)

@@ -294,7 +294,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         if self._idle(server_round):
             return None
         scores = super().evaluate(server_round, parameters)
-        if scores is not None:
+        if scores is not None and server_round > 0:  # the initial model: no round
             self._observe(server_round, CENTRAL, {"loss": scores[0], **scores[1]})
         return scores
 
