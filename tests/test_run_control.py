@@ -469,3 +469,33 @@ def test_stop_arguments_are_checked_at_construction():
         FedDuA(stop_metric="accuracy")
     with pytest.raises(ValueError, match="Invalid stop_mode"):
         legacy.FedExP(stop_metric="loss", stop_mode="lower", stop_patience=1)
+
+
+def test_the_legacy_app_records_why_the_run_ended(tmp_path):
+    """Its RecordingServer writes stop_reason into results.json (no Ray needed)."""
+    import json
+
+    from fedadapt.config import validate_run_config
+    from fedadapt.server.legacy_app import RecordingServer
+    from fedadapt.server.results import RunRecorder
+
+    for name, stop in (("stopped", {"stop_metric": "accuracy", "stop_target": 0.0}),
+                       ("whole", {})):  # fmt: skip
+        folder = tmp_path / name
+        folder.mkdir()
+        recorder = RunRecorder(folder, validate_run_config({}), 1)
+        manager = SimpleClientManager()
+        for i in range(NUM_CLIENTS):
+            manager.register(FakeProxy(i))
+        strategy = _legacy_strategy("fedexp", **stop)
+        server = RecordingServer(
+            client_manager=manager, strategy=strategy, recorder=recorder
+        )
+        server.fit(3, timeout=None)
+    stopped = json.loads((tmp_path / "stopped" / "results.json").read_text())
+    assert stopped["status"] == "completed"
+    assert stopped["stop_reason"] == "stop-target"
+    assert "reached stop target 0 in round 1" in stopped["stop_detail"]
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert whole["stop_reason"] == "num-server-rounds"
+    assert "stop_detail" not in whole
