@@ -499,3 +499,54 @@ def test_the_legacy_app_records_why_the_run_ended(tmp_path):
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert whole["stop_reason"] == "num-server-rounds"
     assert "stop_detail" not in whole
+
+
+def _readme_block(section: str) -> str:
+    import re
+
+    from tests.helpers import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text.split(section, 1)[1], re.S)
+    assert code is not None, f"the README section {section!r} lost its example"
+    return code.group(1)
+
+
+class _Net:
+    """The user's model of the README example: a torch module named w, b."""
+
+    def state_dict(self):
+        import torch
+
+        return {k: torch.from_numpy(v.copy()) for k, v in X0.items()}
+
+
+def test_readme_resume_example_runs_as_written(tmp_path, monkeypatch):
+    """2 rounds, then a second run to 4 == one run of 4 rounds, bit for bit."""
+    from flwr.app import Context
+
+    code = compile(_readme_block("### Resuming from Flower records"), "README", "exec")
+    saved = {}
+    for name, runs in (("split", (2, 4)), ("whole", (4,))):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        namespace = {"Net": _Net}
+        exec(code, namespace)
+        for rounds in runs:
+            context = Context(1, 0, {}, RecordDict(), {"num-server-rounds": rounds})
+            namespace["main"](FakeGrid(), context)
+        saved[name] = records_from_bytes((folder / "feddua-state.bin").read_bytes())
+        assert not (folder / "feddua-state.tmp").exists()
+    split, whole = (saved[k].array_records["model"] for k in ("split", "whole"))
+    assert list(split) == NAMES
+    for k in NAMES:
+        assert split[k].numpy().tobytes() == whole[k].numpy().tobytes()
+    values = saved["split"].config_records["fedadapt-strategy.values"]
+    assert values["round"] == 4
+
+
+def test_readme_stop_example_builds():
+    namespace = {"FedDuA": FedDuA}
+    exec(compile(_readme_block("### Stopping early"), "README", "exec"), namespace)
+    assert namespace["strategy"].stop_rule.patience == 5
