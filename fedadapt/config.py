@@ -189,8 +189,8 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("weighting", "default", "Client weights: default (papers' uniform for "
         "fedexp/feddua, num-examples otherwise), uniform, num-examples.",
         choices=("default", "uniform", "num-examples")),
-    Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
-        "the papers do; training continues from w_{t+1}."),
+    Key("average-last-two", True, "fedexp/feddua: evaluate and report "
+        "(w_t + w_{t+1})/2 as the papers do; training continues from w_{t+1}."),
     Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
         "the clients' reported update-sq-norm as given. false = the server computes "
         "each norm from the arrays, uses its own and counts mismatches."),

@@ -282,9 +282,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     ) -> tuple[float | None, dict[str, Scalar]]:
         """Aggregate as Flower does; the result may feed the stop rule."""
         loss, metrics = super().aggregate_evaluate(server_round, results, failures)
-        self._observe(server_round, FEDERATED, metrics)
-        if loss is not None:
-            self._observe(server_round, FEDERATED, {"loss": loss})
+        losses = {} if loss is None else {"loss": loss}
+        self._observe(server_round, FEDERATED, {**losses, **metrics})
         return loss, metrics
 
     def evaluate(
