@@ -274,12 +274,28 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(
             "stop-metric", "stop-target and stop-patience need the metric to watch"
         )
+    _check_stop_metric_is_reported(config)
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(
             "clients-per-eval",
             "federated evaluation needs a local test split (client-test-fraction > 0)",
         )
     return config
+
+
+def _check_stop_metric_is_reported(config: RunConfig) -> None:
+    """Refuse a stop-metric that this run config never evaluates."""
+    metric = config["stop-metric"]
+    if metric in ("loss", "accuracy") and config["evaluate-every"] == 0:
+        raise ConfigError(
+            "stop-metric", f"{metric!r} is the central evaluation's, which "
+            "evaluate-every=0 turns off",
+        )  # fmt: skip
+    if metric.startswith("eval-") and config["clients-per-eval"] == 0:
+        raise ConfigError(
+            "stop-metric", f"{metric!r} comes from federated evaluation, which "
+            "clients-per-eval=0 turns off",
+        )  # fmt: skip
 
 
 # --- generated tables -------------------------------------------------------

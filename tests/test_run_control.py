@@ -550,3 +550,14 @@ def test_readme_stop_example_builds():
     namespace = {"FedDuA": FedDuA}
     exec(compile(_readme_block("### Stopping early"), "README", "exec"), namespace)
     assert namespace["strategy"].stop_rule.patience == 5
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_a_stop_metric_never_reported_is_logged_once(api, caplog):
+    stop = {"stop_metric": "acuracy", "stop_patience": 1}  # a typo
+    if api == "message":
+        _message_run(_message_strategy("fedexp", **stop), num_rounds=3)
+    else:
+        _legacy_run(_legacy_strategy("fedexp", **stop), 3)
+    assert caplog.text.count("stop metric 'acuracy' was not reported") == 1
+    assert "in round 1;" in caplog.text

@@ -115,6 +115,7 @@ class RunControl:
         self.completed_round = 0
         # (round, source, value) of the watched metric not yet decided on
         self._stop_seen: tuple[int, int, float] | None = None
+        self._stop_metric_missed = False  # warned once that a round lacked it
         # after load_state_records: the round to start at, and the digest of
         # the returned model with the iterate to train from instead of it
         self._resume_round: int | None = None
@@ -140,7 +141,14 @@ class RunControl:
         (and :attr:`stop_reason` is set) only when rounds remain.
         """
         seen, self._stop_seen = self._stop_seen, None
-        if self.stop_rule is None or seen is None or seen[0] != server_round:
+        if self.stop_rule is None:
+            return False
+        if seen is None or seen[0] != server_round:
+            if not self._stop_metric_missed:
+                self._stop_metric_missed = True
+                log(WARNING, "fedadapt: stop metric %r was not reported in round "
+                    "%s; rounds without it do not count for the stop rule",
+                    self.stop_rule.metric, server_round)  # fmt: skip
             return False
         reason = self.stop_rule.update(server_round, seen[2])
         if reason is None or not rounds_left:

@@ -183,7 +183,12 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         nothing when this round is idle (see the module docstring).
         """
         previous = server_round - 1
-        if self._stopped_after is None and self._decide_stop(previous, True):
+        if (
+            self._stopped_after is None
+            and previous > 0
+            and not self._idle(previous)
+            and self._decide_stop(previous, True)
+        ):
             self._stopped_after = previous
         if self._idle(server_round):
             return []
