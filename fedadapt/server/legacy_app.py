@@ -4,7 +4,10 @@ Runs the same run config with :mod:`fedadapt.strategies.legacy` and
 :class:`fedadapt.client.numpy_client.FedAdaptClient`; to use it, point the
 app components at ``fedadapt.server.legacy_app:app`` and
 ``fedadapt.client.numpy_client:app``. Writes the same results.json and
-curves.png. Checkpoints and resume are Message-API only.
+curves.png (metrics of the model the strategy returns: with
+``average-last-two`` the average of the last two iterates, which is also
+the legacy server's final parameters). Checkpoints and resume are
+Message-API only.
 """
 
 from __future__ import annotations

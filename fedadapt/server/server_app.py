@@ -125,6 +125,14 @@ def main(grid: Grid, context: Context) -> None:
     the run config, the names it selects, the checkpoint to resume and the
     task's test data. Such errors end the run (Flower: ``finished:failed``)
     with one log line that names the key or the missing files.
+
+    Which model is which: results.json reports the metrics of the model the
+    strategy returns each round (with ``average-last-two`` the average
+    (w_t + w_{t+1})/2, also ``Result.arrays``); checkpoint.pkl saves the
+    iterate training continues from (``strategy.training_arrays``: w_{t+1})
+    with the strategy's state, so a resume continues the same training.
+    A stop rule (``stop-*``) may end the run early: results.json then says
+    why (``stop_reason``; the last checkpoint is that of its schedule).
     """
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
