@@ -126,6 +126,18 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("samples-per-client", 500, "Samples per client of partition=delta-sgd "
         "(drawn with replacement).", minimum=1),
     Key("num-server-rounds", 20, "Number of federated rounds.", minimum=1),
+    Key("stop-metric", "", "End the run early on this metric: looked up per round "
+        "in the central evaluation (loss, accuracy), else the federated one "
+        "(eval-loss, eval-accuracy), else the train metrics (train-loss, "
+        "train-accuracy); results.json says why the run ended (stop_reason). "
+        "Empty = run all rounds."),
+    Key("stop-mode", "max", "Whether larger (max: accuracy) or smaller (min: loss) "
+        "values of stop-metric are better.", choices=("max", "min")),
+    Key("stop-target", 0.0, "Stop once stop-metric reaches this value; 0 = off."),
+    Key("stop-patience", 0, "Stop after this many evaluations of stop-metric in a "
+        "row without improvement; 0 = off.", minimum=0),
+    Key("stop-min-delta", 0.0, "Smallest change of stop-metric that counts as an "
+        "improvement.", minimum=0.0),
     Key("clients-per-round", 0, "Clients sampled for training each round; 0 = "
         "every connected node (Flower's fraction-train = 1). A number larger than "
         "the federation fails at start.", minimum=0),
@@ -177,8 +189,8 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("weighting", "default", "Client weights: default (papers' uniform for "
         "fedexp/feddua, num-examples otherwise), uniform, num-examples.",
         choices=("default", "uniform", "num-examples")),
-    Key("average-last-two", True, "fedexp/feddua: evaluate (w_t + w_{t+1})/2 as "
-        "the papers do; training continues from w_{t+1}."),
+    Key("average-last-two", True, "fedexp/feddua: evaluate and report "
+        "(w_t + w_{t+1})/2 as the papers do; training continues from w_{t+1}."),
     Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
         "the clients' reported update-sq-norm as given and reject (counted) replies "
         "without one. false = the server computes each norm from the arrays, uses "
@@ -254,12 +266,37 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "clipping needs the server's own norms; with secure-aggregation clip "
             "on the clients",
         )
+    stop_rules = config["stop-target"] != 0 or config["stop-patience"] > 0
+    if config["stop-metric"] and not stop_rules:
+        raise ConfigError(
+            "stop-metric", "set stop-target or stop-patience (else it never stops)"
+        )
+    if stop_rules and not config["stop-metric"]:
+        raise ConfigError(
+            "stop-metric", "stop-target and stop-patience need the metric to watch"
+        )
+    _check_stop_metric_is_reported(config)
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(
             "clients-per-eval",
             "federated evaluation needs a local test split (client-test-fraction > 0)",
         )
     return config
+
+
+def _check_stop_metric_is_reported(config: RunConfig) -> None:
+    """Refuse a stop-metric that this run config never evaluates."""
+    metric = config["stop-metric"]
+    if metric in ("loss", "accuracy") and config["evaluate-every"] == 0:
+        raise ConfigError(
+            "stop-metric", f"{metric!r} is the central evaluation's, which "
+            "evaluate-every=0 turns off",
+        )  # fmt: skip
+    if metric.startswith("eval-") and config["clients-per-eval"] == 0:
+        raise ConfigError(
+            "stop-metric", f"{metric!r} comes from federated evaluation, which "
+            "clients-per-eval=0 turns off",
+        )  # fmt: skip
 
 
 # --- generated tables -------------------------------------------------------

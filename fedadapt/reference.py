@@ -178,6 +178,7 @@ def _sources(cls: type) -> list[Any]:
 
 
 def _api_section(title: str, module: Any, adapter: type) -> list[str]:
+    from fedadapt.strategies._control import RunControl
     from fedadapt.strategies._screening import RuleHost
 
     flower = next(c for c in adapter.__mro__ if c.__module__.startswith("flwr."))
@@ -200,7 +201,9 @@ def _api_section(title: str, module: Any, adapter: type) -> list[str]:
         "",
     ]
     lines += _table(
-        common.__annotations__, _sources(adapter), [_init(RuleHost), _init(flower)]
+        common.__annotations__,
+        _sources(adapter),
+        [_init(RuleHost), _init(RunControl), _init(flower)],
     )
     return [*lines, ""]
 

@@ -49,6 +49,13 @@ def test_defaults_are_valid():
          r"local test split"),
         ({"client-optimizer": "fed-lamb"}, "strategy", r"need each other"),
         ({"strategy": "fed-lamb"}, "strategy", r"need each other"),
+        ({"stop-metric": "accuracy"}, "stop-metric", r"set stop-target or"),
+        ({"stop-patience": 3}, "stop-metric", r"need the metric to watch"),
+        ({"stop-mode": "up"}, "stop-mode", r"Valid values: max, min"),
+        ({"stop-metric": "accuracy", "stop-target": 0.9, "evaluate-every": 0},
+         "stop-metric", r"evaluate-every=0 turns off"),
+        ({"stop-metric": "eval-loss", "stop-patience": 2}, "stop-metric",
+         r"clients-per-eval=0 turns off"),
     ],
 )  # fmt: skip
 def test_invalid_values_name_the_key(overrides, key, pattern):
@@ -169,3 +176,13 @@ def test_paper_setups_are_valid_run_configs():
         cfg = validate_run_config(overrides)
         assert TASKS.get(cfg["task"]).paper_config
         assert path.stem == cfg["task"]
+
+
+def test_stop_keys_reach_the_strategy_in_both_apis(cfg):
+    on = cfg(stop_metric="eval-loss", stop_mode="min", stop_target=0.5,
+             stop_patience=4, stop_min_delta=0.01, clients_per_eval=2)  # fmt: skip
+    for api in ("message", "legacy"):
+        rule = build_strategy(on, 3, api=api).stop_rule
+        got = (rule.metric, rule.mode, rule.target, rule.patience, rule.min_delta)
+        assert got == ("eval-loss", "min", 0.5, 4, 0.01)
+    assert build_strategy(cfg(), 3).stop_rule is None

@@ -88,14 +88,16 @@ def test_legacy_feddua_screens_and_reports():
         (proxies[2], _fit_res([np.array([np.nan, 0, 0], np.float32)], 1)),
     ]
     params, metrics = strategy.aggregate_fit(1, results, [RuntimeError("lost")])
-    new = parameters_to_ndarrays(params)[0]
     a = (1 + 4 + 0.25 + 9 + 0 + 0.25) / 2  # uniform mean of ‖Δ_i‖² (paper)
-    np.testing.assert_allclose(new, a / (2 * 3.5) * np.ones(3), rtol=1e-6)
+    w1 = a / (2 * 3.5) * np.ones(3)
     report = strategy.round_reports[1]["train_replies"]
     assert (report["received"], report["failed"], report["rejected"]) == (4, 1, 1)
     assert metrics["strategy-server-lr"] > 0
-    evaluated = parameters_to_ndarrays(strategy.evaluation_parameters(params))[0]
-    np.testing.assert_allclose(evaluated, new / 2, rtol=1e-6)
+    # returned (evaluated, final) model: (w_0 + w_1)/2; next round trains from w_1
+    np.testing.assert_allclose(parameters_to_ndarrays(params)[0], w1 / 2, rtol=1e-6)
+    pairs = strategy.configure_fit(2, params, _manager(proxies))
+    sent = parameters_to_ndarrays(pairs[0][1].parameters)[0]
+    np.testing.assert_allclose(sent, w1, rtol=1e-6)
 
 
 def test_legacy_round_without_valid_results_keeps_the_model():

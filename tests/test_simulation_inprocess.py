@@ -163,3 +163,20 @@ def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
     assert data["status"] == "failed"
     assert "before the last round" in data["error"]
     assert [r["round"] for r in data["rounds"]] == [1]
+
+
+def test_stop_rule_ends_the_run_and_results_json_says_why(tmp_path):
+    """Issue #27 part 6: any accuracy >= 0.01 ends a 3-round run after round 1.
+
+    (The legacy app: tests/test_run_control.py, without Ray.)
+    """
+    run_in_process({"output-dir": str(tmp_path), "run-name": "stop",
+                    "strategy": "fedexp", "num-server-rounds": 3,
+                    "clients-per-round": 2, "stop-metric": "accuracy",
+                    "stop-target": 0.01}, num_supernodes=2)  # fmt: skip
+    data = json.loads((tmp_path / "stop" / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert [r["round"] for r in data["rounds"]] == [1]
+    assert data["stop_reason"] == "stop-target"
+    accuracy = data["rounds"][0]["eval"]["accuracy"]
+    assert data["stop_detail"].startswith(f"accuracy = {accuracy:.6g} reached")

@@ -125,7 +125,8 @@ def test_strategies_keep_flowers_sampling_and_config():
 def test_feddua_evaluates_the_average_of_the_last_two_iterates():
     """FedDuA §5.1 (last-two-iterate averaging "as in" FedExP, arXiv:2301.09604).
 
-    Evaluation model = (w_t + w_{t+1})/2; training continues from w_{t+1}.
+    The round's model (returned, evaluated) = (w_t + w_{t+1})/2; training
+    continues from w_{t+1}.
     """
     x0 = {"w": np.zeros(3, np.float32)}
     strategy = ours.FedDuA(epsilon=0.0)
@@ -135,18 +136,23 @@ def test_feddua_evaluates_the_average_of_the_last_two_iterates():
         make_reply({"w": np.array([1.0, 2.0, 0.5], np.float32)}, {"num-examples": 3}),
         make_reply({"w": np.array([3.0, 0.0, 0.5], np.float32)}, {"num-examples": 1}),
     ]
-    new, _ = strategy.aggregate_train(1, replies)
-    evaluated = _numpy(strategy.evaluation_arrays(new))["w"]
-    np.testing.assert_allclose(evaluated, _numpy(new)["w"] / 2, rtol=1e-6)
-    assert strategy.evaluation_arrays(sent) is sent  # other arrays pass through
+    returned, _ = strategy.aggregate_train(1, replies)
     # uniform weighting (paper): Δ̄ = (2, 1, 0.5); round-0 step of DUA Alg. 1
     # lines 12, 15-17 with ε = ε_g = 0: A/(2‖Δ̄‖₁)·sign(Δ̄)
     a = (1 + 4 + 0.25 + 9 + 0 + 0.25) / 2
-    np.testing.assert_allclose(_numpy(new)["w"], a / (2 * 3.5) * np.ones(3), rtol=1e-6)
+    w1 = a / (2 * 3.5) * np.ones(3)
+    np.testing.assert_allclose(_numpy(strategy.training_arrays)["w"], w1, rtol=1e-6)
+    np.testing.assert_allclose(_numpy(returned)["w"], w1 / 2, rtol=1e-6)
+    assert strategy.latest_arrays is returned
+    # Flower hands the returned model to the next round: clients get w_1
+    messages = list(strategy.configure_train(2, returned, ConfigRecord(), _grid()))
+    np.testing.assert_allclose(
+        messages[0].content["arrays"]["w"].numpy(), w1, rtol=1e-6
+    )
     off = ours.FedDuA(average_last_two=False)
     list(off.configure_train(1, sent, ConfigRecord(), _grid()))
     new_off, _ = off.aggregate_train(1, replies)
-    assert off.evaluation_arrays(new_off) is new_off
+    assert off.training_arrays is new_off
 
 
 @pytest.mark.parametrize("cls", [ours.FedDuA, ours.FedExP, ours.FedAdam, ours.FedAvg])
@@ -239,9 +245,10 @@ def test_fedexp_adapter_closed_form_step(with_norms, kwargs, eta):
         )
         for node, (d, n) in enumerate(zip(deltas, [3, 1], strict=True), start=1)
     ]  # fmt: skip
-    new, _ = strategy.aggregate_train(1, replies)
+    strategy.aggregate_train(1, replies)
     assert strategy.round_reports[1]["diagnostics"]["server-lr"] == pytest.approx(eta)
-    np.testing.assert_allclose(_numpy(new)["w"], [10.0, 20.0 + eta], rtol=1e-6)
+    w1 = _numpy(strategy.training_arrays)["w"]  # the iterate, not the average
+    np.testing.assert_allclose(w1, [10.0, 20.0 + eta], rtol=1e-6)
 
 
 def test_round_offset_shifts_rounds_seen_by_clients_and_reports():

@@ -78,6 +78,8 @@ def oracle(name, x0, deltas, norms):
 
 
 def build(name, api="message", **kwargs):
+    """The strategy ``name``, returning the iterate w_1 (the step under test)."""
+    kwargs.setdefault("average_last_two", False)
     module = ours if api == "message" else legacy
     if name.startswith("feddua"):
         return module.FedDuA(variant=name.split("-")[1], **kwargs)
@@ -239,7 +241,7 @@ def test_feddua_composes_with_flowers_server_side_dp_clipping():
     assert all(np.sqrt(_sq(d)) > clip for d in deltas)
     clipped = _clipped(deltas, clip)
     want = oracle("feddua-adam", x0, clipped, [_sq(d) for d in clipped])
-    inner = ours.FedDuA()
+    inner = ours.FedDuA(average_last_two=False)  # returns the step's w_1
     dp = DifferentialPrivacyServerSideFixedClipping(
         inner, noise_multiplier=0.0, clipping_norm=clip, num_sampled_clients=5
     )
@@ -361,7 +363,7 @@ def test_legacy_batchnorm_model_norms_agree_with_the_numpy_client(monkeypatch):
     clients = [r[0] for r in replies]
     norms = [r[2]["update-sq-norm"] for r in replies]
 
-    strategy = legacy.FedExP(array_names=names)
+    strategy = legacy.FedExP(array_names=names, average_last_two=False)
     got, _ = _legacy_round(strategy, x0, clients, norms, names=names)
     report = strategy.round_reports[1]
     assert report["train_replies"]["norm_mismatches"] == 0

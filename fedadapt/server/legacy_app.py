@@ -4,7 +4,10 @@ Runs the same run config with :mod:`fedadapt.strategies.legacy` and
 :class:`fedadapt.client.numpy_client.FedAdaptClient`; to use it, point the
 app components at ``fedadapt.server.legacy_app:app`` and
 ``fedadapt.client.numpy_client:app``. Writes the same results.json and
-curves.png. Checkpoints and resume are Message-API only.
+curves.png (metrics of the model the strategy returns: with
+``average-last-two`` the average of the last two iterates, which is also
+the legacy server's final parameters). Checkpoints and resume are
+Message-API only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from fedadapt.server.run import (
     check_names,
     initial_state,
     log_user_errors_in_one_line,
+    record_end,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -126,6 +130,7 @@ class RecordingServer(Server):
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
         """Run Flower's loop, then mark results.json completed."""
         result = super().fit(num_rounds, timeout)
+        record_end(self.recorder, self.strategy)
         self.recorder.finish("completed")
         return result
 

@@ -209,8 +209,11 @@ class RunStrategy(RuleStrategy):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        should_stop: Callable[[int, Result], bool] | None = None,
+        *,
+        start_round: int | None = None,
     ) -> Result:
-        """Run Flower's loop; ``evaluate_fn`` sees the global round number."""
+        """Run the loop; ``evaluate_fn`` sees the global round number."""
         shifted = None
         if evaluate_fn is not None:
 
@@ -219,8 +222,16 @@ class RunStrategy(RuleStrategy):
 
         return super().start(
             grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-            shifted,
+            shifted, should_stop, start_round=start_round,
         )  # fmt: skip
+
+    def _observe(self, server_round: int, source: int, metrics: Any) -> None:
+        """Note the stop rule's metric under the global round number."""
+        super()._observe(server_round + self.round_offset, source, metrics)
+
+    def _decide_stop(self, server_round: int, rounds_left: bool) -> bool:
+        """Decide the stop rule on the global round."""
+        return super()._decide_stop(server_round + self.round_offset, rounds_left)
 
     # --- node order and sampling -------------------------------------------------
 

@@ -83,6 +83,18 @@ def central_evaluator(
     return evaluate
 
 
+def record_end(recorder: RunRecorder, strategy: Any) -> None:
+    """Record why a run that completed ended: its last round, or the stop rule.
+
+    ``stop_reason``: ``num-server-rounds``, ``stop-target`` or
+    ``stop-patience`` (then ``stop_detail`` says which value, which round).
+    """
+    reason = getattr(strategy, "stop_reason", None)
+    recorder.data["stop_reason"] = reason or "num-server-rounds"
+    if reason is not None:
+        recorder.data["stop_detail"] = strategy.stop_message
+
+
 class RoundHook:
     """Called once per round by the strategy (as Flower's central evaluation).
 

@@ -36,6 +36,7 @@ from fedadapt.server.run import (
     check_names,
     initial_state,
     log_user_errors_in_one_line,
+    record_end,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -124,6 +125,14 @@ def main(grid: Grid, context: Context) -> None:
     the run config, the names it selects, the checkpoint to resume and the
     task's test data. Such errors end the run (Flower: ``finished:failed``)
     with one log line that names the key or the missing files.
+
+    Which model is which: results.json reports the metrics of the model the
+    strategy returns each round (with ``average-last-two`` the average
+    (w_t + w_{t+1})/2, also ``Result.arrays``); checkpoint.pkl saves the
+    iterate training continues from (``strategy.training_arrays``: w_{t+1})
+    with the strategy's state, so a resume continues the same training.
+    A stop rule (``stop-*``) may end the run early: results.json then says
+    why (``stop_reason``; the last checkpoint is that of its schedule).
     """
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
@@ -173,7 +182,7 @@ def main(grid: Grid, context: Context) -> None:
         recorder,
         first_round,
         evaluate=evaluate,
-        latest=lambda: _numpy(strategy.latest_arrays or initial),
+        latest=lambda: _numpy(strategy.training_arrays or initial),
     )
 
     def on_round_end(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -193,5 +202,6 @@ def main(grid: Grid, context: Context) -> None:
     except BaseException as error:
         recorder.finish("failed", error=repr(error))
         raise
+    record_end(recorder, strategy)
     recorder.finish("completed")
     log(logging.INFO, "fedadapt: results in %s", recorder.run_dir)

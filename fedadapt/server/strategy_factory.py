@@ -86,6 +86,19 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def stop_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the stop rule's arguments (``stop-*`` keys; none when off)."""
+    if not cfg["stop-metric"]:
+        return {}
+    return {
+        "stop_metric": cfg["stop-metric"],
+        "stop_mode": cfg["stop-mode"],
+        "stop_target": cfg["stop-target"] or None,  # 0 = off
+        "stop_patience": cfg["stop-patience"],
+        "stop_min_delta": cfg["stop-min-delta"],
+    }
+
+
 def legacy_sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Legacy FedAvg's sampling arguments for ``clients-per-round``.
 
@@ -119,7 +132,7 @@ def build_strategy(
     or :class:`LegacyRunStrategy`).
     """
     rule, options = build_rule(cfg)
-    kwargs = {**options, **trust_kwargs(cfg), **extra}
+    kwargs = {**options, **trust_kwargs(cfg), **stop_kwargs(cfg), **extra}
     if api == "legacy":
         return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"

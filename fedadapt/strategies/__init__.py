@@ -17,6 +17,7 @@ nothing here imports torch.
 """
 
 from fedadapt.strategies._message_api import RuleStrategy
+from fedadapt.strategies._records import records_from_bytes, records_to_bytes
 from fedadapt.strategies._screening import FederationFailedError, reject_reason
 from fedadapt.strategies.core import RoundStatistics, ServerRule
 from fedadapt.strategies.fedavg import FedAvg, FedAvgM
@@ -38,5 +39,7 @@ __all__ = [
     "RoundStatistics",
     "RuleStrategy",
     "ServerRule",
+    "records_from_bytes",
+    "records_to_bytes",
     "reject_reason",
 ]

@@ -2,15 +2,18 @@
 
 :class:`RuleStrategy` is ``flwr.serverapp.strategy.FedAvg`` with
 ``aggregate_train`` replaced by reply screening + a
-:class:`~fedadapt.strategies.core.ServerRule`. Sampling, configuration,
-metric aggregation and the round loop (``start``) stay Flower's. Every
-Message-API strategy of fedadapt is this class with one rule; the public
-classes (:class:`~fedadapt.strategies.FedAdam`, ...) only build the rule.
+:class:`~fedadapt.strategies.core.ServerRule`. Sampling, configuration and
+metric aggregation stay Flower's; ``start`` is Flower's round loop as of
+its nightly (``should_stop``) plus ``start_round`` and the stop rule of
+:class:`~fedadapt.strategies._control.RunControl`. Every Message-API
+strategy of fedadapt is this class with one rule; the public classes
+(:class:`~fedadapt.strategies.FedAdam`, ...) only build the rule.
 """
 
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Iterable
 from logging import INFO
 from typing import Any, Unpack
@@ -29,8 +32,16 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from numpy.typing import NDArray
 
+from fedadapt.strategies._control import (
+    CENTRAL,
+    FEDERATED,
+    TRAIN,
+    RunControl,
+    StopKwargs,
+)
 from fedadapt.strategies._screening import (
     Candidate,
     LazyArrays,
@@ -42,11 +53,13 @@ from fedadapt.strategies._screening import (
 from fedadapt.strategies.core import Arrays, ServerRule
 
 
-class FedAvgKwargs(ScreeningKwargs, total=False):
+class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.serverapp.strategy.FedAvg``, passed through unchanged.
 
     Plus fedadapt's ``secure_aggregation``, ``max_update_norm`` and
-    ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`).
+    ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`)
+    and the stop rule's ``stop_*`` (see
+    :class:`~fedadapt.strategies._control.RunControl`).
     See Flower's documentation for the others: ``fraction_train``,
     ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
     ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``,
@@ -144,14 +157,18 @@ def _metrics_content(candidate: Candidate) -> RecordDict:
     return RecordDict({"metrics": MetricRecord(dict(candidate.metrics))})
 
 
-class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
+class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
     """Flower's FedAvg with its aggregation replaced by a fedadapt rule.
 
     Parameters
     ----------
     rule : ServerRule
         The update rule, e.g. ``FedAdamRule(eta=0.01)``.
-    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds, trainable
+    average_last_two : bool (default: False)
+        Return (w_t + w_{t+1})/2 as the round's model (what Flower
+        evaluates, ``Result.arrays``) and keep w_{t+1}, from which the next
+        round trains (FedExP, arXiv:2301.09604; FedDuA §5.1).
+    secure_aggregation, max_update_norm, max_failed_rounds, trainable
         See :class:`~fedadapt.strategies._screening.RuleHost`.
     weighted_by_key : str (default: "num-examples")
         The metric that holds each reply's weight. It weights the model
@@ -159,6 +176,8 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         uniformly weighted rule (FedExP, FedDuA by default) averages the
         model uniformly and accepts train replies without it (weight 1).
         Flower's metric averages use it in both cases.
+    stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
+        See :class:`~fedadapt.strategies._control.RunControl` (the stop rule).
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
 
@@ -166,8 +185,13 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
     ----------
     rule, round_reports
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    stop_reason, stop_message, completed_round
+        See :class:`~fedadapt.strategies._control.RunControl`.
     latest_arrays : ArrayRecord | None
-        The global model this strategy produced last.
+        The global model this strategy returned last (the one evaluated).
+    training_arrays : ArrayRecord | None
+        The model the next round trains from (w_{t+1}; the same as
+        ``latest_arrays`` without ``average_last_two``).
     """
 
     weighted_by_key: str
@@ -183,8 +207,9 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         self._sent: Arrays | None = None
         self._last_output: ArrayRecord | None = None
-        self._evaluation: ArrayRecord | None = None
-        self._evaluation_pair: tuple[Arrays, Arrays] | None = None
+        # with average_last_two: w_{t+1}, which training continues from
+        self._iterate: Arrays | None = None
+        self._iterate_record: ArrayRecord | None = None
 
     def summary(self) -> None:
         """Log the rule, what it trains and Flower's sampling summary.
@@ -195,6 +220,8 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         """
         key = self.weighted_by_key
         log(INFO, "\t├──> Rule: %r", self.rule)
+        if self.stop_rule is not None:
+            log(INFO, "\t├──> Stop rule: %r", self.stop_rule)
         log(INFO, "\t├──> Trained arrays: %s", _describe_trainable(self.trainable))
         log(INFO, "\t├──> Sampling:")
         log(INFO, "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
@@ -217,13 +244,17 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the global arrays, sample and configure as Flower does.
+        """Sample and configure as Flower does, training from w_{t+1}.
 
-        A rule's :meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`
+        When ``arrays`` is the model this strategy returned (with
+        ``average_last_two`` the average of the last two iterates) the
+        clients get the iterate w_{t+1} instead. A rule's
+        :meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`
         (Fed-LAMB's v̂) travels with the model as a second ArrayRecord named
         by its ``client_state_key``.
         """
         self.check_trainable(arrays)
+        arrays = self._training_record(arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._sent = _to_numpy(arrays)
         state = self.rule.broadcast_state()
@@ -233,10 +264,28 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
                 message.content[self.rule.client_state_key] = record
         return messages
 
+    def _training_record(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the record clients train from when the global model is ``arrays``."""
+        if arrays is self._last_output and self._iterate is not None:
+            if self._iterate_record is None:
+                self._iterate_record = _to_record(self._iterate)
+            return self._iterate_record
+        if self._resume_model is not None:
+            iterate = self._resumed_iterate(_to_numpy(arrays))
+            if iterate is not None:
+                return _to_record(iterate)
+        return arrays
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Screen replies, apply the rule; ``(None, None)`` keeps the model."""
+        """Screen replies, apply the rule; ``(None, None)`` keeps the model.
+
+        Returns the model to evaluate and report: w_{t+1}, or with
+        ``average_last_two`` (w_t + w_{t+1})/2 (w_{t+1} is kept for the next
+        round's training).
+        """
+        self.completed_round = server_round
         key = self.rule.client_state_key
         candidates = [_unpack(m, with_arrays=True, state_key=key) for m in replies]
         new, valid = self.run_rule(
@@ -249,25 +298,22 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
             [_metrics_content(c) for c in valid], self.weighted_by_key
         )
         entry["train"] = dict(metrics)
-        record = _to_record(new)
-        self._last_output = record
-        self._evaluation = None
-        self._evaluation_pair = (
-            (self._sent, new)
-            if self.average_last_two and self._sent is not None
-            else None
-        )
-        return record, metrics
+        if self.average_last_two and self._sent is not None:
+            self._iterate, self._iterate_record = new, None
+            output = _to_record(evaluation_average(self._sent, new))
+        else:
+            self._iterate = self._iterate_record = None
+            output = _to_record(new)
+        self._last_output = output
+        return output, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Configure evaluation of the evaluation model (see average_last_two)."""
+        """Configure evaluation as Flower does (none with ``fraction_evaluate=0``)."""
         if self.fraction_evaluate == 0.0:
             return []
-        return super().configure_evaluate(
-            server_round, self.evaluation_arrays(arrays), config, grid
-        )
+        return super().configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -286,6 +332,8 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
             entry["federated_eval"] = dict(metrics)
         return metrics
 
+    # --- the round loop ----------------------------------------------------------
+
     def start(
         self,
         grid: Grid,
@@ -295,36 +343,144 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        should_stop: Callable[[int, Result], bool] | None = None,
+        *,
+        start_round: int | None = None,
     ) -> Result:
-        """Run Flower's round loop; ``evaluate_fn`` sees the evaluation model."""
-        wrapped = None
-        if evaluate_fn is not None:
+        """Run rounds ``start_round`` … ``num_rounds``; Flower's loop otherwise.
 
-            def wrapped(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-                return evaluate_fn(server_round, self.evaluation_arrays(arrays))
+        The arguments and the loop are those of Flower's ``Strategy.start``
+        (its nightly's, with ``should_stop(round, result) -> bool`` called
+        after every round), plus:
 
-        return super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-            wrapped,
-        )  # fmt: skip
+        start_round : int | None (default: None)
+            The first round to run: 1 for a new strategy, the saved round +
+            1 after :meth:`load_state_records`. ``num_rounds`` is then the
+            *last* round (resuming a 20-round run after round 8:
+            ``start(..., num_rounds=20)`` runs rounds 9 … 20), and
+            ``evaluate_fn`` sees ``initial_arrays`` as round
+            ``start_round − 1``.
+
+        The run also ends after a round where the stop rule (``stop_metric``
+        & co.) fires; :attr:`stop_reason` says why (None: all rounds ran).
+        ``Result.arrays`` is the model whose metrics were reported last
+        (with ``average_last_two`` the average of the last two iterates).
+        """
+        if start_round is None:
+            start_round = self._resume_round or 1
+        self._resume_round = None
+        if isinstance(start_round, bool) or not isinstance(start_round, int):
+            raise ValueError(f"Invalid start_round: {start_round!r} (an int >= 1)")
+        if start_round < 1 or num_rounds < start_round:
+            raise ValueError(
+                f"Invalid start_round {start_round} for num_rounds {num_rounds}: "
+                "rounds start_round … num_rounds run (num_rounds is the last one)"
+            )
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(
+            num_rounds - start_round + 1, initial_arrays, train_config, evaluate_config
+        )
+        self.summary()
+        log(INFO, "")
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result(arrays=initial_arrays)
+        self.stop_reason = self.stop_message = None
+        t_start = time.time()
+        if evaluate_fn:
+            res = evaluate_fn(start_round - 1, initial_arrays)
+            log(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[start_round - 1] = res
+        arrays = initial_arrays
+        for current_round in range(start_round, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
+            arrays = self._one_round(
+                current_round, arrays, result, grid, timeout,
+                (train_config, evaluate_config), evaluate_fn,
+            )  # fmt: skip
+            for source, records in (
+                (CENTRAL, result.evaluate_metrics_serverapp),
+                (FEDERATED, result.evaluate_metrics_clientapp),
+                (TRAIN, result.train_metrics_clientapp),
+            ):
+                self._observe(current_round, source, records.get(current_round))
+            rounds_left = current_round < num_rounds
+            stop = self._decide_stop(current_round, rounds_left)
+            if should_stop is not None and should_stop(current_round, result):
+                stop = True
+            if stop:
+                log(INFO, "Stopping early after round %s", current_round)
+                break
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        log(INFO, "")
+        log(INFO, "Final results:")
+        log(INFO, "")
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "")
+        return result
+
+    def _one_round(
+        self,
+        current_round: int,
+        arrays: ArrayRecord,
+        result: Result,
+        grid: Grid,
+        timeout: float,
+        configs: tuple[ConfigRecord, ConfigRecord],
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> ArrayRecord:
+        """One round of Flower's loop: train, federated and central evaluation."""
+        train_replies = grid.send_and_receive(
+            messages=self.configure_train(current_round, arrays, configs[0], grid),
+            timeout=timeout,
+        )
+        agg_arrays, agg_train_metrics = self.aggregate_train(
+            current_round, train_replies
+        )
+        if agg_arrays is not None:
+            result.arrays = agg_arrays
+            arrays = agg_arrays
+        if agg_train_metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_train_metrics)
+            result.train_metrics_clientapp[current_round] = agg_train_metrics
+        evaluate_replies = grid.send_and_receive(
+            messages=self.configure_evaluate(current_round, arrays, configs[1], grid),
+            timeout=timeout,
+        )
+        agg_evaluate_metrics = self.aggregate_evaluate(current_round, evaluate_replies)
+        if agg_evaluate_metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_evaluate_metrics)
+            result.evaluate_metrics_clientapp[current_round] = agg_evaluate_metrics
+        if evaluate_fn:
+            log(INFO, "Global evaluation")
+            res = evaluate_fn(current_round, arrays)
+            log(INFO, "\t└──> MetricRecord: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[current_round] = res
+        return arrays
 
     # --- state -----------------------------------------------------------------
 
-    def evaluation_arrays(self, arrays: ArrayRecord) -> ArrayRecord:
-        """Return the model to evaluate for global ``arrays``.
-
-        With ``average_last_two`` that is (w_t + w_{t+1})/2 right after this
-        strategy produced w_{t+1}; otherwise (or for any other arrays) the
-        arrays themselves.
-        """
-        if self._evaluation_pair is None or arrays is not self._last_output:
-            return arrays
-        if self._evaluation is None:  # built on first use: rounds without
-            # evaluation never pay for the average
-            self._evaluation = _to_record(evaluation_average(*self._evaluation_pair))
-        return self._evaluation
+    def _iterate_state(self) -> tuple[Arrays, Arrays] | None:
+        """Return (returned model, w_{t+1}) with ``average_last_two``, else None."""
+        if self._iterate is None or self._last_output is None:
+            return None
+        return _to_numpy(self._last_output), self._iterate
 
     @property
     def latest_arrays(self) -> ArrayRecord | None:
-        """The global model this strategy produced last (None before any)."""
+        """The global model this strategy returned last (None before any)."""
         return self._last_output
+
+    @property
+    def training_arrays(self) -> ArrayRecord | None:
+        """The model the next round trains from (None before any round)."""
+        if self._iterate is None:
+            return self._last_output
+        if self._iterate_record is None:
+            self._iterate_record = _to_record(self._iterate)
+        return self._iterate_record

@@ -37,8 +37,8 @@ class FedExP(RuleStrategy):
     weighting : str (default: "uniform")
         The paper's mean; ``"num_examples"`` weights Δ̄ and A alike.
     average_last_two : bool (default: True)
-        Evaluate (w_t + w_{t+1})/2, as the paper; training continues from
-        w_{t+1}.
+        Evaluate (w_t + w_{t+1})/2, as the paper: the round's returned model;
+        training continues from w_{t+1}.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
     """

@@ -16,6 +16,13 @@ which is then exactly that set. Without names the arrays are keyed ``"0"``,
 ``"1"``, … and every float array goes through the rule (the server's own
 norms then cover them all). The weight is ``FitRes.num_examples``. The
 rule's diagnostics are returned in the fit metrics, prefixed ``strategy-``.
+
+Flower's legacy loop (``Server.fit``) always counts rounds 1 …
+``num_rounds`` and cannot be stopped by a strategy. After the stop rule
+fired, and before the round after a loaded state
+(:meth:`~fedadapt.strategies._control.RunControl.load_state_records`),
+the strategy configures no client and evaluates nothing, so those rounds
+pass without any work (Flower logs "no clients selected").
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any, Unpack
 
 from flwr.common import (
     EvaluateIns,
+    EvaluateRes,
     FitIns,
     FitRes,
     NDArrays,
@@ -37,6 +45,13 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
 
+from fedadapt.strategies._control import (
+    CENTRAL,
+    FEDERATED,
+    TRAIN,
+    RunControl,
+    StopKwargs,
+)
 from fedadapt.strategies._screening import (
     Candidate,
     FederationFailedError,
@@ -59,12 +74,13 @@ from fedadapt.strategies.core import (
 WEIGHT_KEY = "num-examples"
 
 
-class LegacyFedAvgKwargs(ScreeningKwargs, total=False):
+class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
 
     Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
     ``secure_aggregation``, ``max_update_norm``, ``max_failed_rounds``
-    (see :class:`~fedadapt.strategies._screening.RuleHost`).
+    (see :class:`~fedadapt.strategies._screening.RuleHost`) and ``stop_*``
+    (see :class:`~fedadapt.strategies._control.RunControl`).
     """
 
     array_names: Sequence[str] | None
@@ -98,7 +114,7 @@ def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
     return [arrays[k] for k in order]
 
 
-class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
+class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     """Flower's legacy FedAvg with its aggregation replaced by a fedadapt rule.
 
     Parameters
@@ -108,8 +124,17 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
     array_names : Sequence[str] | None (default: None)
         Names of the parameter list's arrays (the model's ``state_dict``
         keys); BatchNorm buffers are then recognised by name.
-    average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
+    average_last_two : bool (default: False)
+        ``aggregate_fit`` returns (w_t + w_{t+1})/2, the model Flower then
+        evaluates and ends with; w_{t+1} is kept and sent to the next
+        round's clients.
+    secure_aggregation, max_update_norm, max_failed_rounds
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
+        See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
+        the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``
+        is its loss), then the aggregated federated evaluation (``"loss"``
+        too), then the aggregated fit metrics.
     **kwargs
         Any argument of ``flwr.server.strategy.FedAvg``.
 
@@ -136,18 +161,39 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
-        self._evaluation: Parameters | None = None
-        self._evaluation_pair: tuple[Arrays, Arrays] | None = None
+        self._iterate: Arrays | None = None  # w_{t+1} with average_last_two
+        self._output: Arrays | None = None  # what _last_output holds
+        self._stopped_after: int | None = None
 
     def __repr__(self) -> str:
         """Flower's strategy name line: the rule with its hyperparameters."""
         return f"{type(self).__name__}({self.rule!r})"
 
+    def _idle(self, server_round: int) -> bool:
+        """Whether ``server_round`` does nothing (before a resume, after a stop)."""
+        if self._resume_round is not None and server_round < self._resume_round:
+            return True
+        return self._stopped_after is not None and server_round > self._stopped_after
+
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        """Remember the global arrays, then sample and configure as Flower does."""
-        model = parameters_to_ndarrays(parameters)
+        """Sample and configure as Flower does, training from w_{t+1}.
+
+        Decides the stop rule on the previous round first; configures
+        nothing when this round is idle (see the module docstring).
+        """
+        previous = server_round - 1
+        if (
+            self._stopped_after is None
+            and previous > 0
+            and not self._idle(previous)
+            and self._decide_stop(previous, True)
+        ):
+            self._stopped_after = previous
+        if self._idle(server_round):
+            return []
+        parameters, model = self._training_model(parameters)
         self._sent = _keyed(model, self.array_names)
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
@@ -157,13 +203,33 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
         packed = ndarrays_to_parameters(model + list(state.values()))
         return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
 
+    def _training_model(self, parameters: Parameters) -> tuple[Parameters, NDArrays]:
+        """Return the model clients train from when the global one is ``parameters``."""
+        model: NDArrays | None = None
+        if parameters is self._last_output and self._iterate is not None:
+            model = list(self._iterate.values())
+        elif self._resume_model is not None:
+            given = parameters_to_ndarrays(parameters)
+            iterate = self._resumed_iterate(_keyed(given, self.array_names))
+            if iterate is None:
+                return parameters, given
+            model = list(iterate.values())
+        if model is None:
+            return parameters, parameters_to_ndarrays(parameters)
+        return ndarrays_to_parameters(model), model
+
     def aggregate_fit(
         self,
         server_round: int,
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """Screen results, apply the rule; ``(None, {})`` keeps the model."""
+        """Screen results, apply the rule; ``(None, {})`` keeps the model.
+
+        Returns w_{t+1}, or with ``average_last_two`` (w_t + w_{t+1})/2,
+        the model Flower evaluates and ends with (w_{t+1} is kept).
+        """
+        self.completed_round = server_round
         candidates: list[Candidate | str] = [repr(f) for f in failures]
         size = len(self._sent or {})
         with_state = self.rule.client_state_key is not None
@@ -194,38 +260,55 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
                 )
             )
             entry["train"] = dict(metrics)
+            self._observe(server_round, TRAIN, metrics)
         metrics.update(
             {f"strategy-{k}": v for k, v in diagnostics.items() if v is not None}
         )
-        parameters = ndarrays_to_parameters(_listed(new, self._sent))
+        if self.average_last_two:
+            self._iterate = new
+            self._output = evaluation_average(self._sent, new)
+        else:
+            self._iterate, self._output = None, new
+        parameters = ndarrays_to_parameters(_listed(self._output, self._sent))
         self._last_output = parameters
-        self._evaluation = None
-        self._evaluation_pair = (self._sent, new) if self.average_last_two else None
         return parameters, metrics
-
-    def evaluation_parameters(self, parameters: Parameters) -> Parameters:
-        """Return (w_t + w_{t+1})/2 for our latest output when averaging is on."""
-        if self._evaluation_pair is None or parameters is not self._last_output:
-            return parameters
-        if self._evaluation is None:  # built on first use only
-            average = evaluation_average(*self._evaluation_pair)
-            order = self._evaluation_pair[0]
-            self._evaluation = ndarrays_to_parameters(_listed(average, order))
-        return self._evaluation
 
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, EvaluateIns]]:
-        """Configure federated evaluation of the evaluation model."""
-        return super().configure_evaluate(
-            server_round, self.evaluation_parameters(parameters), client_manager
-        )
+        """Configure federated evaluation as Flower does (nothing when idle)."""
+        if self._idle(server_round):
+            return []
+        return super().configure_evaluate(server_round, parameters, client_manager)
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """Aggregate as Flower does; the result may feed the stop rule."""
+        loss, metrics = super().aggregate_evaluate(server_round, results, failures)
+        losses = {} if loss is None else {"loss": loss}
+        self._observe(server_round, FEDERATED, {**losses, **metrics})
+        return loss, metrics
 
     def evaluate(
         self, server_round: int, parameters: Parameters
     ) -> tuple[float, dict[str, Scalar]] | None:
-        """Central evaluation (``evaluate_fn``) of the evaluation model."""
-        return super().evaluate(server_round, self.evaluation_parameters(parameters))
+        """Central evaluation (``evaluate_fn``) as Flower does (none when idle)."""
+        if self._idle(server_round):
+            return None
+        scores = super().evaluate(server_round, parameters)
+        if scores is not None and server_round > 0:  # the initial model: no round
+            self._observe(server_round, CENTRAL, {"loss": scores[0], **scores[1]})
+        return scores
+
+    def _iterate_state(self) -> tuple[Arrays, Arrays] | None:
+        """Return (returned model, w_{t+1}) with ``average_last_two``, else None."""
+        if self._iterate is None or self._output is None:
+            return None
+        return self._output, self._iterate
 
 
 class FedAvg(LegacyRuleStrategy):
