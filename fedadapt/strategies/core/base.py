@@ -145,7 +145,9 @@ def _weighted_sum(
 
 
 def norm_bound(
-    sq_norms: Sequence[float] | None, max_norm: float, max_norm_ratio: float
+    sq_norms: Sequence[float] | NDArray[Any] | None,
+    max_norm: float,
+    max_norm_ratio: float,
 ) -> float | None:
     """Return the clipping bound of a round, or None when clipping is off.
 
@@ -169,7 +171,7 @@ def norm_bound(
     return min(bounds) if bounds else None
 
 
-def clip_scales(sq_norms: Sequence[float], bound: float) -> NDArray[Any]:
+def clip_scales(sq_norms: Sequence[float] | NDArray[Any], bound: float) -> NDArray[Any]:
     """Return min(1, bound/‖Δ_i‖) per client (1 for ‖Δ_i‖ ≤ bound)."""
     norms = np.sqrt(np.asarray(sq_norms, dtype=np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
