@@ -38,7 +38,8 @@ from fedadapt.strategies.core import Arrays, ServerRule
 class FedAvgKwargs(ScreeningKwargs, total=False):
     """Arguments of ``flwr.serverapp.strategy.FedAvg``, passed through unchanged.
 
-    Plus fedadapt's ``secure_aggregation``, ``max_update_norm`` and
+    Plus fedadapt's ``secure_aggregation``, ``max_update_norm``,
+    ``max_update_norm_ratio``, ``aggregation``, ``trim_fraction`` and
     ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`).
     See Flower's documentation for the others: ``fraction_train``,
     ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
@@ -127,6 +128,8 @@ class RuleStrategy(RuleHost, flwr_strategy.FedAvg):
         The update rule, e.g. ``FedAdamRule(eta=0.01)``.
     average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    max_update_norm_ratio, aggregation, trim_fraction
+        Hostile clients: see :class:`~fedadapt.strategies._screening.RuleHost`.
     **kwargs
         Any argument of ``flwr.serverapp.strategy.FedAvg``.
 

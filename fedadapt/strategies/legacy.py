@@ -62,8 +62,9 @@ class LegacyFedAvgKwargs(ScreeningKwargs, total=False):
     """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
 
     Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
-    ``secure_aggregation``, ``max_update_norm``, ``max_failed_rounds``
-    (see :class:`~fedadapt.strategies._screening.RuleHost`).
+    ``secure_aggregation``, ``max_update_norm``, ``max_update_norm_ratio``,
+    ``aggregation``, ``trim_fraction``, ``max_failed_rounds`` (see
+    :class:`~fedadapt.strategies._screening.RuleHost`).
     """
 
     array_names: Sequence[str] | None
@@ -109,6 +110,8 @@ class LegacyRuleStrategy(RuleHost, _FlowerFedAvg):
         keys); BatchNorm buffers are then recognised by name.
     average_last_two, secure_aggregation, max_update_norm, max_failed_rounds
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    max_update_norm_ratio, aggregation, trim_fraction
+        Hostile clients: see :class:`~fedadapt.strategies._screening.RuleHost`.
     **kwargs
         Any argument of ``flwr.server.strategy.FedAvg``.
 
