@@ -227,7 +227,7 @@ def test_relative_clipping_matches_a_hand_computation(weights, want_mean, want_a
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
-def test_strategies_clip_count_and_record_the_bound(api):
+def test_strategies_clip_count_and_record_the_bound(api, caplog):
     # Prepare: the hand example through FedExP; η = max(1, A/(2(‖Δ̄‖² + ε)))
     x0 = np.zeros(4, dtype=np.float32)
     mean = np.array([2.0, 0.4, 3.0, 0.8])
@@ -245,6 +245,8 @@ def test_strategies_clip_count_and_record_the_bound(api):
     assert report["train_replies"]["norm_mismatches"] == 0
     assert report["diagnostics"]["update-norm-bound"] == pytest.approx(15.0)
     assert report["diagnostics"]["mean-client-sq-norm"] == pytest.approx(51.0)
+    node = 5 if api == "message" else 4  # the outlier's node id / cid
+    assert f"clipped the update of node {node} from norm 100 to 15" in caplog.text
 
 
 @pytest.mark.parametrize(

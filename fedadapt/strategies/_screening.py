@@ -633,8 +633,8 @@ def apply_rule(
     if stats.client_sq_norms is not None:
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)
         if stats.norm_bound is not None:
-            bound = stats.norm_bound
-            report.clipped = sum(math.sqrt(n) > bound for n in stats.client_sq_norms)
+            _count_clipped(ordered, stats.client_sq_norms, stats.norm_bound,
+                           report, round_label)  # fmt: skip
     new, diagnostics = rule.apply(reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
@@ -643,6 +643,21 @@ def apply_rule(
     }
     clean["norms-trusted"] = float(trusted is not None)
     return new, clean, ordered
+
+
+def _count_clipped(
+    used: Sequence[Candidate],
+    sq_norms: Sequence[float],
+    bound: float,
+    report: ScreenReport,
+    round_label: str,
+) -> None:
+    """Count and log each update clipped to ``bound`` (naming its node)."""
+    for candidate, sq in zip(used, sq_norms, strict=True):
+        if math.sqrt(sq) > bound:
+            report.clipped += 1
+            log(WARNING, "%s: clipped the update of node %s from norm %.6g to %.6g",
+                round_label, candidate.node, math.sqrt(sq), bound)  # fmt: skip
 
 
 def _check_reported_norms(
