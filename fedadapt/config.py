@@ -198,6 +198,18 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
+    Key("max-update-norm-ratio", 5.0, "Clip each client's update to this multiple "
+        "of the round's median client update norm before aggregation (norm "
+        "bounding: one hostile client cannot blow up the step; counted as clipped, "
+        "bound in the round's strategy diagnostics); 0 = off. Off with "
+        "secure-aggregation (the server sees only sums).", minimum=0.0),
+    Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
+        "steps on: mean (weighted, the papers), median or trimmed-mean "
+        "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg). Not "
+        "with secure-aggregation.", choices=("mean", "median", "trimmed-mean")),
+    Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
+        "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
+        "below 0.5.", minimum=0.0, maximum=0.49),
     Key("max-failed-rounds", 3, "Stop the run (status failed, client errors in "
         "the log) after this many consecutive rounds without a usable train reply; "
         "0 = never.", minimum=0),
@@ -276,6 +288,12 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "stop-metric", "stop-target and stop-patience need the metric to watch"
         )
     _check_stop_metric_is_reported(config)
+    if config["secure-aggregation"] and config["aggregation"] != "mean":
+        raise ConfigError(
+            "aggregation",
+            f"{config['aggregation']} needs the individual updates; with "
+            "secure-aggregation only their sum is known: use mean",
+        )
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(
             "clients-per-eval",

@@ -82,6 +82,12 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "secure_aggregation": cfg["secure-aggregation"],
         "max_update_norm": cfg["max-update-norm"],
+        # secure aggregation reveals only sums: the relative bound is off there
+        "max_update_norm_ratio": 0.0
+        if cfg["secure-aggregation"]
+        else cfg["max-update-norm-ratio"],
+        "aggregation": cfg["aggregation"].replace("-", "_"),
+        "trim_fraction": cfg["trim-fraction"],
         "max_failed_rounds": cfg["max-failed-rounds"],
     }
 

@@ -56,7 +56,8 @@ from fedadapt.strategies.core import Arrays, ServerRule
 class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.serverapp.strategy.FedAvg``, passed through unchanged.
 
-    Plus fedadapt's ``secure_aggregation``, ``max_update_norm`` and
+    Plus fedadapt's ``secure_aggregation``, ``max_update_norm``,
+    ``max_update_norm_ratio``, ``aggregation``, ``trim_fraction`` and
     ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`)
     and the stop rule's ``stop_*`` (see
     :class:`~fedadapt.strategies._control.RunControl`).
@@ -170,6 +171,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         round trains (FedExP, arXiv:2301.09604; FedDuA §5.1).
     secure_aggregation, max_update_norm, max_failed_rounds, trainable
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    max_update_norm_ratio, aggregation, trim_fraction
+        See :class:`~fedadapt.strategies._screening.RuleHost` (hostile clients).
     weighted_by_key : str (default: "num-examples")
         The metric that holds each reply's weight. It weights the model
         update only under ``weighting="num_examples"`` (the rule's); a

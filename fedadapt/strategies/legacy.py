@@ -78,8 +78,9 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
 
     Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
-    ``secure_aggregation``, ``max_update_norm``, ``max_failed_rounds``
-    (see :class:`~fedadapt.strategies._screening.RuleHost`) and ``stop_*``
+    ``secure_aggregation``, ``max_update_norm``, ``max_update_norm_ratio``,
+    ``aggregation``, ``trim_fraction``, ``max_failed_rounds`` (see
+    :class:`~fedadapt.strategies._screening.RuleHost`) and ``stop_*``
     (see :class:`~fedadapt.strategies._control.RunControl`).
     """
 
@@ -130,6 +131,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         round's clients.
     secure_aggregation, max_update_norm, max_failed_rounds
         See :class:`~fedadapt.strategies._screening.RuleHost`.
+    max_update_norm_ratio, aggregation, trim_fraction
+        See :class:`~fedadapt.strategies._screening.RuleHost` (hostile clients).
     stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
         See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
         the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``

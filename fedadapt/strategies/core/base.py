@@ -36,6 +36,10 @@ from fedadapt._validation import check_choice
 
 Arrays = dict[str, NDArray[Any]]
 WEIGHTINGS = ("uniform", "num_examples")
+#: How Δ̄ (and A) are formed from the updates: the weighted mean (the papers),
+#: or Flower's robust aggregators applied to the updates (see
+#: :meth:`ServerRule.statistics`).
+AGGREGATIONS = ("mean", "median", "trimmed_mean")
 BATCHNORM_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -94,12 +98,16 @@ class RoundStatistics:
         Each client's ‖Δ_i‖² over the adaptive arrays (before any clipping)
         as the server computed it from the arrays; None when it did not
         (norms trusted from clients, or not needed).
+    norm_bound : float | None
+        The bound every ‖Δ_i‖ was clipped to (see
+        :meth:`ServerRule.statistics`); None when clipping was off.
     """
 
     mean_update: Arrays
     mean_sq_norm: float | None
     num_clients: int
     client_sq_norms: tuple[float, ...] | None = None
+    norm_bound: float | None = None
 
 
 def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
@@ -164,6 +172,58 @@ def _weighted_sum(
             delta *= w
             block += delta
     return acc
+
+
+def norm_bound(
+    sq_norms: Sequence[float] | NDArray[Any] | None,
+    max_norm: float,
+    max_norm_ratio: float,
+) -> float | None:
+    """Return the clipping bound of a round, or None when clipping is off.
+
+    The smaller of the absolute bound ``max_norm = C`` (when > 0) and
+    ``max_norm_ratio = k`` times the median client update norm
+    median_i ‖Δ_i‖ of the round (when > 0; the norm bounding of Sun et al.
+    2019, "Can you really backdoor federated learning?", with a bound
+    relative to the round instead of a tuned constant). The median is
+    unweighted over the round's replies, so a minority of clients moves it
+    by at most one rank whatever the weight they claim. One reply is its own
+    median (no clipping for k ≥ 1); with two replies the median is their
+    mean, so neither can be singled out. A median of 0 (most updates are
+    zero) gives the bound 0: every non-zero update is clipped to zero (our
+    choice: a round whose typical client did not move gives the outlier no
+    scale to move the model by).
+    """
+    bounds = [max_norm] if max_norm > 0 else []
+    if max_norm_ratio > 0 and sq_norms is not None and len(sq_norms):
+        median = float(np.median(np.sqrt(np.asarray(sq_norms, dtype=np.float64))))
+        bounds.append(max_norm_ratio * median)
+    return min(bounds) if bounds else None
+
+
+def clip_scales(sq_norms: Sequence[float] | NDArray[Any], bound: float) -> NDArray[Any]:
+    """Return min(1, bound/‖Δ_i‖) per client (1 for ‖Δ_i‖ ≤ bound)."""
+    norms = np.sqrt(np.asarray(sq_norms, dtype=np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
+        return np.where(norms > bound, bound / norms, 1.0)
+
+
+def robust_mean(stack: NDArray[Any], aggregation: str, trim_fraction: float) -> Any:
+    """Reduce per-client values (axis 0) by ``aggregation``.
+
+    ``"median"``: the coordinate-wise median (Yin et al. 2018; Flower's
+    ``FedMedian``, ``np.median``). ``"trimmed_mean"``: drop the
+    ``int(trim_fraction·n)`` smallest and largest values per coordinate and
+    average the rest (Yin et al. 2018; Flower's ``FedTrimmedAvg`` with
+    ``beta = trim_fraction``, SciPy's ``trim_mean``). Both are unweighted,
+    as Flower's.
+    """
+    if aggregation == "median":
+        return np.median(stack, axis=0)
+    n = stack.shape[0]
+    cut = int(trim_fraction * n)
+    kept = np.partition(stack, (cut, n - cut - 1), axis=0)[cut : n - cut]
+    return np.mean(kept, axis=0)
 
 
 class ServerRule(ABC):
@@ -290,6 +350,9 @@ class ServerRule(ABC):
         sq_norms: Sequence[float] | None = None,
         *,
         max_norm: float = 0.0,
+        max_norm_ratio: float = 0.0,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.2,
     ) -> RoundStatistics:
         """Form Δ̄ and (when the rule needs it) A from per-client arrays.
 
@@ -299,44 +362,124 @@ class ServerRule(ABC):
         that sums Δ_i (no second pass) and returns them in
         ``client_sq_norms``.
 
-        ``max_norm = C > 0`` clips each client's adaptive update to
-        ``Δ_i·min(1, C/‖Δ_i‖)`` (the flat clipping of DP-FedAvg, McMahan et
-        al., arXiv 1710.06963) before it enters Δ̄ and A (A then uses the
-        clipped norms, min(‖Δ_i‖², C²)); plain arrays are averaged unclipped.
-        It needs the server's own norms, so it excludes ``sq_norms``.
+        Clipping: each client's adaptive update becomes ``Δ_i·min(1,
+        b/‖Δ_i‖)`` (the flat clipping of DP-FedAvg, McMahan et al., arXiv
+        1710.06963) before it enters Δ̄ and A (A then uses the clipped norms,
+        min(‖Δ_i‖², b²)); plain arrays are aggregated unclipped. The bound b
+        is the smaller of ``max_norm = C > 0`` and ``max_norm_ratio = k > 0``
+        times the round's median ‖Δ_i‖ (:func:`norm_bound`). The relative
+        bound is known only once every norm is, so the sum is formed
+        unclipped first and formed again with the clip factors in the weights
+        only when some update exceeds b: a round without an outlier costs one
+        pass and gives exactly the unclipped Δ̄ and A. Clipping needs the
+        server's own norms, so it excludes ``sq_norms``.
+
+        ``aggregation``: ``"mean"`` is Σω_iΔ_i. ``"median"`` /
+        ``"trimmed_mean"`` replace it by the coordinate-wise median /
+        ``trim_fraction``-trimmed mean of the (clipped) updates, every array
+        included (:func:`robust_mean`, unweighted as Flower's FedMedian /
+        FedTrimmedAvg), and A by the same statistic of the (clipped)
+        ‖Δ_i‖² (our choice: a mean A would let one outlier's norm inflate
+        FedExP/FedDuA's step size again). They need the individual updates,
+        so they exclude ``sq_norms`` too.
         """
         if max_norm < 0 or not math.isfinite(max_norm):
             raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
-        if max_norm > 0 and sq_norms is not None:
-            raise ValueError("clipping needs the server's own norms, not sq_norms")
+        if max_norm_ratio < 0 or not math.isfinite(max_norm_ratio):
+            raise ValueError(
+                f"max_norm_ratio must be finite and >= 0, got {max_norm_ratio}"
+            )
+        check_choice("aggregation", aggregation, AGGREGATIONS)
+        if not 0 <= trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+        clip = max_norm > 0 or max_norm_ratio > 0
+        if (clip or aggregation != "mean") and sq_norms is not None:
+            raise ValueError(
+                "clipping and robust aggregation need the server's own norms, "
+                "not sq_norms"
+            )
         weights = client_weights(num_examples, self.weighting).tolist()
         adaptive = self.adaptive_keys(current)
-        compute = sq_norms is None and (self.needs_sq_norms or max_norm > 0)
+        compute = sq_norms is None and (self.needs_sq_norms or clip)
         norms = np.zeros(len(clients)) if compute else None
-        if max_norm > 0:
-            # clipping needs the norms: it is refused with reported ones
+        if max_norm > 0 and max_norm_ratio == 0 and aggregation == "mean":
+            # the bound is known in advance: clip in the one pass
             assert norms is not None, "clipping computes the clients' norms"
             mean_update = self._clipped_sum(current, clients, weights, adaptive,
                                             norms, max_norm)  # fmt: skip
         else:
+            # a robust aggregate is formed below: here only the norms it needs
+            keys = (
+                list(current)
+                if aggregation == "mean"
+                else (adaptive if compute else [])
+            )
             keyed = set(adaptive) if compute else set()
             mean_update = {
-                k: _weighted_sum(x_t, [c[k] for c in clients], weights,
+                k: _weighted_sum(current[k], [c[k] for c in clients], weights,
                                  norms if k in keyed else None)
-                for k, x_t in current.items()
+                for k in keys
             }  # fmt: skip
+        bound, scales = None, None
+        if clip:
+            assert norms is not None, "clipping computes the clients' norms"
+            bound = norm_bound(norms, max_norm, max_norm_ratio)
+            scales = None if bound is None else clip_scales(norms, bound)
+        if aggregation != "mean":
+            mean_update = self._robust_update(
+                current, clients, adaptive, scales, aggregation, trim_fraction
+            )
+        elif scales is not None and np.any(scales < 1) and max_norm_ratio > 0:
+            clipped = (np.asarray(weights) * scales).tolist()
+            for k in adaptive:
+                mean_update[k] = _weighted_sum(
+                    current[k], [c[k] for c in clients], clipped, None
+                )
         mean_sq_norm = None
         if self.needs_sq_norms:
             per_client = norms if norms is not None else np.asarray(sq_norms, float)
-            if max_norm > 0:
-                per_client = np.minimum(per_client, max_norm**2)
-            mean_sq_norm = float(np.dot(weights, per_client))
+            if bound is not None:
+                per_client = np.minimum(per_client, bound**2)
+            if aggregation == "mean":
+                mean_sq_norm = float(np.dot(weights, per_client))
+            else:
+                mean_sq_norm = float(
+                    robust_mean(np.asarray(per_client), aggregation, trim_fraction)
+                )
         return RoundStatistics(
             mean_update,
             mean_sq_norm,
             len(clients),
             None if norms is None else tuple(norms.tolist()),
+            bound,
         )
+
+    @staticmethod
+    def _robust_update(
+        current: Mapping[str, NDArray[Any]],
+        clients: Sequence[Mapping[str, NDArray[Any]]],
+        adaptive: list[str],
+        scales: NDArray[Any] | None,
+        aggregation: str,
+        trim_fraction: float,
+    ) -> Arrays:
+        """Coordinate-wise ``aggregation`` of the updates, key by key.
+
+        Adaptive keys are scaled by the clip factors first. One key's
+        updates of every client are held at once (as Flower's FedMedian
+        holds every client's model).
+        """
+        out: Arrays = {}
+        for k, x_t in current.items():
+            stack = np.stack(
+                [np.subtract(c[k], x_t, dtype=_acc_dtype(x_t)) for c in clients]
+            )
+            if scales is not None and k in adaptive:
+                factors = scales.astype(stack.dtype)
+                stack *= factors.reshape((-1,) + (1,) * x_t.ndim)
+            out[k] = np.asarray(robust_mean(stack, aggregation, trim_fraction),
+                                dtype=stack.dtype)  # fmt: skip
+        return out
 
     @staticmethod
     def _clipped_sum(
