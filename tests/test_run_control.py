@@ -489,8 +489,9 @@ def test_the_legacy_app_records_why_the_run_ended(tmp_path):
             manager.register(FakeProxy(i))
         strategy = _legacy_strategy("fedexp", **stop)
         server = RecordingServer(
-            client_manager=manager, strategy=strategy, recorder=recorder
-        )
+            client_manager=manager, strategy=strategy, recorder=recorder,
+            array_names=NAMES,
+        )  # fmt: skip
         server.fit(3, timeout=None)
     stopped = json.loads((tmp_path / "stopped" / "results.json").read_text())
     assert stopped["status"] == "completed"
@@ -499,6 +500,37 @@ def test_the_legacy_app_records_why_the_run_ended(tmp_path):
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert whole["stop_reason"] == "num-server-rounds"
     assert "stop_detail" not in whole
+
+
+@pytest.mark.parametrize("name", ["feddua", "fedexp"])
+def test_the_legacy_app_saves_the_model_it_reported(name, tmp_path):
+    """final_model.npz: the legacy app's last evaluated model (not w_{t+1})."""
+    from fedadapt.config import validate_run_config
+    from fedadapt.server.legacy_app import RecordingServer
+    from fedadapt.server.results import RunRecorder
+
+    recorder = RunRecorder(tmp_path, validate_run_config({}), 1)
+    manager = SimpleClientManager()
+    for i in range(NUM_CLIENTS):
+        manager.register(FakeProxy(i))
+    strategy = _legacy_strategy(name)
+    server = RecordingServer(
+        client_manager=manager, strategy=strategy, recorder=recorder,
+        array_names=NAMES,
+    )  # fmt: skip
+    history, _ = server.fit(3, timeout=None)
+    with np.load(tmp_path / "final_model.npz") as saved:
+        model = dict(saved)
+    assert list(model) == NAMES
+    assert history.losses_centralized[-1] == (3, score(model)["loss"])
+    # the clients' own evaluation of the saved model, as Flower aggregates it
+    n = [10 * (i + 1) for i in range(NUM_CLIENTS)]
+    fed = sum(w * client_score(i, model) for i, w in enumerate(n)) / sum(n)
+    assert history.losses_distributed[-1][1] == pytest.approx(fed, rel=1e-12)
+    # written atomically: no temporary file left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "final_model.npz", "results.json"
+    ]  # fmt: skip
 
 
 def _readme_block(section: str) -> str:
