@@ -120,7 +120,7 @@ def _numpy(arrays: ArrayRecord) -> dict[str, Any]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run ``num-server-rounds`` rounds and write results.json / curves.png.
+    """Run ``num-server-rounds`` rounds; write results.json, curves, final model.
 
     Everything that can be checked here is, before any node is contacted:
     the run config, the names it selects, the checkpoint to resume and the
