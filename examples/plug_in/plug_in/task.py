@@ -36,7 +36,7 @@ def train(model: nn.Module, x, y, lr: float, steps: int) -> float:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
