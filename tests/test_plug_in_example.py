@@ -21,16 +21,39 @@ def test_example_only_changes_the_strategy_import():
     assert fedadapt_lines[0].startswith("from fedadapt.strategies import FedDuA")
 
 
-def test_example_runs_and_learns(capfd, monkeypatch):
+def test_example_runs_learns_and_saves_the_model_it_reported(
+    capfd, monkeypatch, tmp_path
+):
+    """Issue #27: final_model.pt scores exactly what the last round reported.
+
+    Evaluated here on the server's data (central, as the example's
+    ``global_evaluate``) and on each client's data (federated, as its
+    ``evaluate_fn``), the saved model gives the last round's reported
+    metrics; with FedDuA's ``average_last_two`` that holds only if the saved
+    ``Result.arrays`` is the evaluated average, not the iterate w_{t+1}.
+    """
+    import torch
+
     monkeypatch.syspath_prepend(str(EXAMPLE))
     for name in [m for m in sys.modules if m == "plug_in" or m.startswith("plug_in.")]:
         monkeypatch.delitem(sys.modules, name)
-    from plug_in import client_app, server_app
+    from plug_in import client_app, server_app, task
 
+    results = []
+
+    class Recorded(server_app.FedDuA):  # the example's strategy, result kept
+        def start(self, *args, **kwargs):
+            results.append(super().start(*args, **kwargs))
+            return results[-1]
+
+    monkeypatch.setattr(server_app, "FedDuA", Recorded)
+    monkeypatch.chdir(tmp_path)  # the example saves to its working directory
     pyproject = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
     run_config = pyproject["tool"]["flwr"]["app"]["config"]
+    num_nodes = 3
     run_in_process(
         run_config,
+        num_supernodes=num_nodes,
         server_main=server_app.main,
         client_train=client_app.train_fn,
         client_evaluate=client_app.evaluate_fn,
@@ -38,9 +61,28 @@ def test_example_runs_and_learns(capfd, monkeypatch):
     out = capfd.readouterr().out
     losses = [float(v) for v in re.findall(r"eval-loss ([0-9.]+)", out)]
     steps = [float(v) for v in re.findall(r"server-lr ([0-9.eE+-]+)", out)]
-    assert len(losses) == run_config["num-server-rounds"], out[-2000:]
+    num_rounds = run_config["num-server-rounds"]
+    assert len(losses) == num_rounds, out[-2000:]
     assert losses[-1] < losses[0]
     assert all(s > 0 for s in steps)
+
+    (result,) = results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model.pt"]
+    model = task.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final_model.pt"))
+    loss, accuracy = task.test(model, *task.load_centralized_dataset())
+    central = result.evaluate_metrics_serverapp[num_rounds]
+    assert (loss, accuracy) == (central["loss"], central["accuracy"])
+    # each client's own evaluation of the saved model, averaged by num-examples
+    # (equal: 200 each) as Flower's evaluate aggregation does
+    clients = [task.test(model, *task.load_data(i, num_nodes)) for i in range(3)]
+    federated = result.evaluate_metrics_clientapp[num_rounds]
+    assert federated["eval-loss"] == pytest.approx(
+        sum(c[0] for c in clients) / num_nodes, rel=1e-12
+    )
+    assert federated["eval-acc"] == pytest.approx(
+        sum(c[1] for c in clients) / num_nodes, rel=1e-12
+    )
 
 
 def test_legacy_variant_reports_diagnostics_and_consistent_norms(caplog, monkeypatch):

@@ -471,27 +471,30 @@ def test_stop_arguments_are_checked_at_construction():
         legacy.FedExP(stop_metric="loss", stop_mode="lower", stop_patience=1)
 
 
-def test_the_legacy_app_records_why_the_run_ended(tmp_path):
-    """Its RecordingServer writes stop_reason into results.json (no Ray needed)."""
-    import json
-
+def _recording_server(folder, strategy):
+    """The legacy app's RecordingServer over the fake clients, writing to ``folder``."""
     from fedadapt.config import validate_run_config
     from fedadapt.server.legacy_app import RecordingServer
     from fedadapt.server.results import RunRecorder
+
+    recorder = RunRecorder(folder, validate_run_config({}), 1)
+    manager = SimpleClientManager()
+    for i in range(NUM_CLIENTS):
+        manager.register(FakeProxy(i))
+    return RecordingServer(client_manager=manager, strategy=strategy,
+                           recorder=recorder, array_names=NAMES)  # fmt: skip
+
+
+def test_the_legacy_app_records_why_the_run_ended(tmp_path):
+    """Its RecordingServer writes stop_reason into results.json (no Ray needed)."""
+    import json
 
     for name, stop in (("stopped", {"stop_metric": "accuracy", "stop_target": 0.0}),
                        ("whole", {})):  # fmt: skip
         folder = tmp_path / name
         folder.mkdir()
-        recorder = RunRecorder(folder, validate_run_config({}), 1)
-        manager = SimpleClientManager()
-        for i in range(NUM_CLIENTS):
-            manager.register(FakeProxy(i))
         strategy = _legacy_strategy("fedexp", **stop)
-        server = RecordingServer(
-            client_manager=manager, strategy=strategy, recorder=recorder
-        )
-        server.fit(3, timeout=None)
+        _recording_server(folder, strategy).fit(3, timeout=None)
     stopped = json.loads((tmp_path / "stopped" / "results.json").read_text())
     assert stopped["status"] == "completed"
     assert stopped["stop_reason"] == "stop-target"
@@ -499,6 +502,31 @@ def test_the_legacy_app_records_why_the_run_ended(tmp_path):
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert whole["stop_reason"] == "num-server-rounds"
     assert "stop_detail" not in whole
+
+
+@pytest.mark.parametrize(
+    ("name", "stop", "last_round"),
+    [("feddua", {}, 3), ("fedexp", {}, 3),
+     ("fedexp", {"stop_metric": "accuracy", "stop_target": 0.0}, 1)],
+)  # fmt: skip
+def test_the_legacy_app_saves_the_model_it_reported(name, stop, last_round, tmp_path):
+    """final_model.npz: the legacy app's last evaluated model (not w_{t+1})."""
+    history, _ = _recording_server(tmp_path, _legacy_strategy(name, **stop)).fit(
+        3, timeout=None
+    )
+    with np.load(tmp_path / "final_model.npz") as saved:
+        model = dict(saved)
+    assert list(model) == NAMES
+    assert history.losses_centralized[-1] == (last_round, score(model)["loss"])
+    # the clients' own evaluation of the saved model, as Flower aggregates it
+    n = [10 * (i + 1) for i in range(NUM_CLIENTS)]
+    fed = sum(w * client_score(i, model) for i, w in enumerate(n)) / sum(n)
+    assert history.losses_distributed[-1][0] == last_round
+    assert history.losses_distributed[-1][1] == pytest.approx(fed, rel=1e-12)
+    # written atomically: no temporary file left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "final_model.npz", "results.json"
+    ]  # fmt: skip
 
 
 def _readme_block(section: str) -> str:

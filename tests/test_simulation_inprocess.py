@@ -46,7 +46,17 @@ def test_three_clients_three_rounds_learn(tmp_path):
     ["fedavgm", "fedadam", "fedadagrad", "fedyogi", "fedexp", "fedexpm", "feddua"],
 )
 def test_each_strategy_runs_through_flower(tmp_path, strategy):
-    """Issue #4: a simulation run with each strategy; diagnostics reach results.json."""
+    """Issue #4: a simulation run with each strategy; diagnostics reach results.json.
+
+    Issue #27: final_model.npz scores exactly the last round's central
+    evaluation in results.json; checkpoint.pkl keeps the iterate w_{t+1}
+    training continues from, which with average-last-two is another model.
+    """
+    import pickle
+
+    from fedadapt.server.run import central_evaluator
+    from fedadapt.tasks import TASKS
+
     overrides = {"feddua-variant": "adagrad"} if strategy == "feddua" else {}
     run_in_process(
         {
@@ -55,6 +65,7 @@ def test_each_strategy_runs_through_flower(tmp_path, strategy):
             "strategy": strategy,
             "num-server-rounds": 2,
             "clients-per-round": 3,
+            "checkpoint-every": 2,
             **overrides,
         }
     )
@@ -70,6 +81,16 @@ def test_each_strategy_runs_through_flower(tmp_path, strategy):
         if strategy in ("fedexp", "fedexpm", "feddua"):
             assert diag["mean-client-sq-norm"] >= diag["mean-update-sq-norm"]
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+    with np.load(tmp_path / strategy / "final_model.npz") as saved:
+        final = dict(saved)
+    cfg = data["config"]
+    evaluate = central_evaluator(TASKS.get(cfg["task"]), cfg)
+    assert evaluate(final) == data["rounds"][-1]["eval"]
+    checkpoint = pickle.loads((tmp_path / strategy / "checkpoint.pkl").read_bytes())
+    averaged = strategy in ("fedexp", "fedexpm", "feddua")  # average-last-two
+    assert list(checkpoint["arrays"]) == list(final)
+    same = all(np.array_equal(checkpoint["arrays"][k], v) for k, v in final.items())
+    assert same is not averaged
 
 
 def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):

@@ -6,16 +6,22 @@ app components at ``fedadapt.server.legacy_app:app`` and
 ``fedadapt.client.numpy_client:app``. Writes the same results.json and
 curves.png (metrics of the model the strategy returns: with
 ``average-last-two`` the average of the last two iterates, which is also
-the legacy server's final parameters). Checkpoints and resume are
-Message-API only.
+the legacy server's final parameters, written to final_model.npz when the
+run completes). Checkpoints and resume are Message-API only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from flwr.common import Context, NDArrays, Scalar, ndarrays_to_parameters
+from flwr.common import (
+    Context,
+    NDArrays,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
 from flwr.server import (
     History,
     Server,
@@ -37,6 +43,7 @@ from fedadapt.server.run import (
     initial_state,
     log_user_errors_in_one_line,
     record_end,
+    save_final_model,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -102,7 +109,10 @@ def server_fn(context: Context) -> ServerAppComponents:
         num_rounds=cfg["num-server-rounds"], round_timeout=cfg["round-timeout"]
     )
     server = RecordingServer(
-        client_manager=SimpleClientManager(), strategy=strategy, recorder=recorder
+        client_manager=SimpleClientManager(),
+        strategy=strategy,
+        recorder=recorder,
+        array_names=keys,
     )
     return ServerAppComponents(server=server, config=config)
 
@@ -114,7 +124,9 @@ class RecordingServer(Server):
     records the round), then federated evaluation; results.json is finished
     only after the last round's federated evaluation returned, so a loop that
     raises there is not reported as completed, and what that evaluation adds
-    to the round's report (its seeded sample) is in the final file.
+    to the round's report (its seeded sample) is in the final file. The
+    server's final parameters (the model evaluated last) are written to
+    final_model.npz under ``array_names`` (the state_dict keys) first.
     """
 
     def __init__(
@@ -123,13 +135,19 @@ class RecordingServer(Server):
         client_manager: ClientManager,
         strategy: Strategy,
         recorder: RunRecorder,
+        array_names: Sequence[str],
     ) -> None:
         super().__init__(client_manager=client_manager, strategy=strategy)
         self.recorder = recorder
+        self.array_names = list(array_names)
 
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
-        """Run Flower's loop, then mark results.json completed."""
+        """Run Flower's loop, write final_model.npz, mark results.json completed."""
         result = super().fit(num_rounds, timeout)
+        arrays = parameters_to_ndarrays(self.parameters)[: len(self.array_names)]
+        save_final_model(
+            self.recorder.run_dir, dict(zip(self.array_names, arrays, strict=True))
+        )
         record_end(self.recorder, self.strategy)
         self.recorder.finish("completed")
         return result

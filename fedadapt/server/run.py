@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,8 @@ from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
 
 EVAL_BATCH_SIZE = 512
 State = dict[str, np.ndarray]
+#: the model whose metrics results.json reported last, written when a run completes
+FINAL_MODEL_FILE = "final_model.npz"
 
 #: Errors whose message says everything a user needs (the key and its valid
 #: values, the files to fetch, the clients' own error text): logged without
@@ -93,6 +98,29 @@ def record_end(recorder: RunRecorder, strategy: Any) -> None:
     recorder.data["stop_reason"] = reason or "num-server-rounds"
     if reason is not None:
         recorder.data["stop_detail"] = strategy.stop_message
+
+
+def save_final_model(run_dir: Path, state: Mapping[str, np.ndarray]) -> Path:
+    """Write ``<run>/final_model.npz``: the model the run returned, atomically.
+
+    ``state`` is the model whose metrics results.json reported last (with
+    ``average-last-two`` the average (w_t + w_{t+1})/2, not the iterate
+    checkpoint.pkl keeps); one array per state_dict key, read back with
+    ``dict(np.load(path))``.
+    """
+    path = run_dir / FINAL_MODEL_FILE
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.", suffix=".tmp")
+    arrays: dict[str, Any] = dict(state)  # typed for savez(file, **arrays)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 class RoundHook:

@@ -37,6 +37,7 @@ from fedadapt.server.run import (
     initial_state,
     log_user_errors_in_one_line,
     record_end,
+    save_final_model,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -119,7 +120,7 @@ def _numpy(arrays: ArrayRecord) -> dict[str, Any]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run ``num-server-rounds`` rounds and write results.json / curves.png.
+    """Run ``num-server-rounds`` rounds; write results.json, curves, final model.
 
     Everything that can be checked here is, before any node is contacted:
     the run config, the names it selects, the checkpoint to resume and the
@@ -128,7 +129,8 @@ def main(grid: Grid, context: Context) -> None:
 
     Which model is which: results.json reports the metrics of the model the
     strategy returns each round (with ``average-last-two`` the average
-    (w_t + w_{t+1})/2, also ``Result.arrays``); checkpoint.pkl saves the
+    (w_t + w_{t+1})/2, also ``Result.arrays``, which a completed run writes
+    to final_model.npz); checkpoint.pkl saves the
     iterate training continues from (``strategy.training_arrays``: w_{t+1})
     with the strategy's state, so a resume continues the same training.
     A stop rule (``stop-*``) may end the run early: results.json then says
@@ -190,7 +192,7 @@ def main(grid: Grid, context: Context) -> None:
         return MetricRecord(scores) if scores else None
 
     try:
-        strategy.start(
+        result = strategy.start(
             grid=grid,
             initial_arrays=initial,
             num_rounds=cfg["num-server-rounds"] - first_round,
@@ -199,6 +201,7 @@ def main(grid: Grid, context: Context) -> None:
             evaluate_config=ConfigRecord({}),
             evaluate_fn=on_round_end,
         )
+        save_final_model(recorder.run_dir, _numpy(result.arrays))
     except BaseException as error:
         recorder.finish("failed", error=repr(error))
         raise

@@ -9,14 +9,23 @@ def make_model() -> nn.Module:
     return nn.Linear(10, 3)
 
 
+def _labels(x):
+    """The classes of one fixed linear teacher."""
+    teacher = torch.randn(10, 3, generator=torch.Generator().manual_seed(1000))
+    return (x @ teacher).argmax(dim=1)
+
+
 def load_data(partition_id: int, num_partitions: int):
     """Each client gets its own (non-IID) shift of one synthetic problem."""
-    torch.manual_seed(1000)
-    teacher = torch.randn(10, 3)
     g = torch.Generator().manual_seed(partition_id)
     x = torch.randn(200, 10, generator=g) + 0.5 * partition_id / max(num_partitions, 1)
-    y = (x @ teacher).argmax(dim=1)
-    return x, y
+    return x, _labels(x)
+
+
+def load_centralized_dataset():
+    """The server's test set: the same problem, unshifted, held out."""
+    x = torch.randn(500, 10, generator=torch.Generator().manual_seed(10_000))
+    return x, _labels(x)
 
 
 def train(model: nn.Module, x, y, lr: float, steps: int) -> float:
@@ -27,7 +36,7 @@ def train(model: nn.Module, x, y, lr: float, steps: int) -> float:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
