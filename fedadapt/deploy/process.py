@@ -15,7 +15,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 import urllib.error
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from fedadapt._atomic import atomic_write_text
 
 
 def free_port() -> int:
@@ -74,9 +75,7 @@ def write_connection(
     superlink[name] = entry
     # atomically: a concurrent flwr command (cells run in parallel) must never
     # read a half-written file
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    partial.write_text(tomli_w.dumps(config))
-    os.replace(partial, path)
+    atomic_write_text(path, tomli_w.dumps(config))
 
 
 UNAVAILABLE = "Connection to the SuperLink is unavailable"

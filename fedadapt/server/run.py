@@ -13,6 +13,7 @@ from fedadapt.config import ConfigError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder
+from fedadapt.server.run_folder import RunFolderError
 from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
@@ -28,6 +29,7 @@ USER_ERRORS = (
     DatasetMissingError,
     DatasetCorruptError,
     FederationFailedError,
+    RunFolderError,
 )
 
 

@@ -29,7 +29,7 @@ from flwr.superlink.grid import InMemoryGrid
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
 from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
-from fedadapt.server.results import RunRecorder, run_directory
+from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
@@ -37,7 +37,9 @@ from fedadapt.server.run import (
     initial_state,
     log_user_errors_in_one_line,
 )
+from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.strategy_factory import build_strategy
+from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import TASKS
 
 app = ServerApp()
@@ -128,6 +130,15 @@ def main(grid: Grid, context: Context) -> None:
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
+    folder = claim_run_folder(cfg, context.run_id)  # a live run's folder: fail now
+    try:
+        _run(grid, context, cfg, folder)
+    finally:
+        folder.release()  # also when the run fails before results.json
+
+
+def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -> None:
+    """Run :func:`main`'s rounds in its claimed ``folder``."""
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
@@ -160,10 +171,11 @@ def main(grid: Grid, context: Context) -> None:
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
 
     recorder = RunRecorder(
-        run_directory(cfg, context.run_id),
+        folder.path,
         cfg,
         context.run_id,
         previous=resume["results"] if resume else None,
+        folder=folder,
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
     hook = RoundHook(
@@ -193,5 +205,9 @@ def main(grid: Grid, context: Context) -> None:
     except BaseException as error:
         recorder.finish("failed", error=repr(error))
         raise
+    failure = strategy.unusable_run_failure()
+    if failure is not None:  # not one reply used: nothing was trained
+        recorder.finish("failed", error=failure)
+        raise FederationFailedError(failure)
     recorder.finish("completed")
     log(logging.INFO, "fedadapt: results in %s", recorder.run_dir)
