@@ -54,13 +54,16 @@ def _boot_id() -> str:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks since boot (None: no such)."""
+    """Start time of process ``pid`` in clock ticks since boot (None: ended)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # field 22; the command name (field 2) may hold spaces: split after ")"
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    # the command name (field 2) may hold spaces: split after ")"
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # a zombie has ended, only not been reaped yet
+        return None
+    return int(fields[19])  # field 22
 
 
 def owner_info() -> dict[str, Any]:
@@ -234,10 +237,8 @@ def settle(
     data = _read_json(results)
     if data is None or data.get("status") != "running" or "owner" not in data:
         return data
-    if owner_alive(data["owner"]):
-        return data
     deadline = time.monotonic() + wait
-    while (fd := _lock(run_dir / LOCK_FILE)) is None:
+    while owner_alive(data["owner"]) or (fd := _lock(run_dir / LOCK_FILE)) is None:
         if time.monotonic() >= deadline:
             return data
         time.sleep(0.2)
