@@ -129,8 +129,8 @@ class SimulationSuperLink:
     def stop(self) -> None:
         """Stop the SuperLink and every process of its tree; verify none is left."""
         with signals_deferred():
-            self.daemon.stop()
-            left = self.tree.stop()
+            left = self.tree.stop()  # the SuperLink and all it started, at once
+            self.daemon.stop()  # reap it (kills its group if the tree missed it)
         raise_if_left(left)
 
 

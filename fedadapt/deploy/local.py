@@ -123,16 +123,16 @@ class LocalDeployment:
         )
 
     def stop(self) -> None:
-        """Stop the SuperNodes (all at once), the SuperLink, then their tree.
+        """Stop the SuperNodes, the SuperLink and all they started, at once.
 
-        Whatever of their process tree is left is terminated, then killed;
+        Every process of their tree is terminated, then killed;
         :class:`ProcessesLeftError` if any survives.
         """
         with signals_deferred():
-            stop_all(self.supernodes)
+            left = self.tree.stop()
+            stop_all(self.supernodes)  # reap them (and kill a group the tree missed)
             if self.superlink is not None:
                 self.superlink.stop()
-            left = self.tree.stop()
         raise_if_left(left)
 
     # --- daemons ---------------------------------------------------------------
