@@ -22,8 +22,11 @@ import os, sys, time
 if os.fork():
     sys.exit(0)
 os.setsid()  # its own session, parent gone: re-parented
+leader = os.getpid()
 if os.fork():
     sys.exit(0)
+while os.getppid() == leader:  # until the session leader has exited too
+    time.sleep(0.01)
 print(os.getpid(), flush=True)
 signal_proof = sys.argv[1] == "stubborn"
 if signal_proof:
