@@ -152,6 +152,7 @@ def run_status(
     A SuperLink that does not answer (after ``flwr``'s retries) or knows no
     such run means the run is lost: reported ``finished:failed`` with why.
     """
+    out = ""
     try:
         out = flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env)
         answer = json.loads(out)

@@ -14,9 +14,8 @@ from typing import Any
 from flwr.common.logger import log
 
 from fedadapt._atomic import atomic_open, atomic_write_text
-from fedadapt.server.run_folder import RunFolder
+from fedadapt.server.run_folder import RESULTS_FILE, RunFolder
 
-RESULTS_FILE = "results.json"
 CURVES_FILE = "curves.png"
 
 
