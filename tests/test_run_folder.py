@@ -274,3 +274,23 @@ def test_owner_info_identifies_this_process(tmp_path):
     lock = json.loads(Path(tmp_path / "me" / LOCK_FILE).read_text())
     assert lock == folder.owner
     folder.release()
+
+
+def test_an_owner_on_another_machine_is_never_declared_dead(tmp_path, cfg):
+    # a run folder on a shared (network / VM) file system: the remote owner's
+    # lock may not show here, so a free lock proves nothing; an owner in a
+    # container on this kernel (same boot id) holds a lock we do see
+    config = cfg(output_dir=str(tmp_path), run_name="far")
+    folder = claim_run_folder(config, 1)
+    RunRecorder(folder.path, config, 1, folder=folder)
+    folder.release()  # the lock is free, results.json says running
+    results = tmp_path / "far" / "results.json"
+    data = json.loads(results.read_text())
+    here = data["owner"]
+    data["owner"] = dict(here, host="elsewhere", boot_id="another-machine")
+    results.write_text(json.dumps(data))
+    assert settle(tmp_path / "far")["status"] == "running"
+    data["owner"] = dict(here, host="a-container", pid=1)  # same kernel
+    results.write_text(json.dumps(data))
+    settled = settle(tmp_path / "far")
+    assert settled["status"] == "failed" and "pid 1 on a-container" in settled["error"]

@@ -80,14 +80,28 @@ def owner_info() -> dict[str, Any]:
 def owner_alive(owner: Mapping[str, Any]) -> bool | None:
     """Whether the recorded owner process still runs; None if not decidable here.
 
-    Decidable on the owner's host (same hostname and boot): a pid whose start
-    time differs is another process that reused the pid.
+    Decidable on the owner's host (same hostname): after a reboot it is gone;
+    a pid whose start time differs is another process that reused the pid.
     """
     if owner.get("host") != socket.gethostname():
         return None
     if owner.get("boot_id") != _boot_id():
         return False
     return _start_ticks(int(owner["pid"])) == owner.get("start_ticks")
+
+
+def _may_take_over(owner: Mapping[str, Any]) -> bool:
+    """Whether a free lock may be trusted to mean that ``owner`` is gone.
+
+    On the owner's host the pid must be dead. An owner in a container on
+    this kernel (same boot id, another hostname and pid namespace) holds a
+    lock we see. An owner on another machine may hold a lock that a network
+    or VM file system does not show here: never taken for dead (our choice).
+    """
+    alive = owner_alive(owner)
+    if alive is None:
+        return bool(owner.get("boot_id")) and owner.get("boot_id") == _boot_id()
+    return not alive
 
 
 def _lock(path: Path) -> int | None:
@@ -231,14 +245,16 @@ def settle(
     (the CLI after a timeout or Ctrl-C); without, it is marked ``failed``
     with :func:`orphan_reason`. Waits up to ``wait`` s for the owner to let
     go; while it holds the folder nothing is changed. Runs written without
-    owner info (older versions) are never marked. None if unreadable.
+    owner info (older versions) or by an owner on another machine are never
+    marked (:func:`_may_take_over`). None if unreadable.
     """
     results = run_dir / RESULTS_FILE
     data = _read_json(results)
     if data is None or data.get("status") != "running" or "owner" not in data:
         return data
     deadline = time.monotonic() + wait
-    while owner_alive(data["owner"]) or (fd := _lock(run_dir / LOCK_FILE)) is None:
+    owner = data["owner"]
+    while not _may_take_over(owner) or (fd := _lock(run_dir / LOCK_FILE)) is None:
         if time.monotonic() >= deadline:
             return data
         time.sleep(0.2)
