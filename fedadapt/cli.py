@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,11 @@ def _settle(track: Submitted, status: str, reason: str) -> None:
         print(f"fedadapt: results.json status: {ended}", file=sys.stderr)
 
 
-def _supervised(target: Any, run: Any, timeout: float) -> RunOutcome:
+def _supervised(
+    target: AbstractContextManager[Any],
+    run: Callable[[Any, Submitted], RunOutcome],
+    timeout: float,
+) -> RunOutcome:
     """Run ``run(target, track)`` inside ``target``, which stops on exit.
 
     Then, with every process ended, a run that did not complete is settled
