@@ -10,6 +10,11 @@ with a private, loopback-only SuperLink that it starts and always stops
 (also on Ctrl-C and on failure). It waits for the run's real outcome (``flwr
 run`` exits 0 even when a run fails), prints where the results went, and
 exits non-zero unless every round completed with usable replies.
+
+Both end every process they started (normal end, ``--timeout``, Ctrl-C,
+SIGTERM, SIGHUP, an error of their own), verify that none is left, and mark
+a run that did not complete ``stopped`` or ``failed`` with the reason in its
+results.json (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,8 @@ from flwr.common.config import parse_config_args
 from fedadapt.submission import (
     RunOutcome,
     SimulationSuperLink,
+    Submitted,
+    settle_run,
     submit_run,
 )
 
@@ -56,16 +64,67 @@ def report(outcome: RunOutcome) -> int:
     return 0 if outcome.ok else 1
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived: unwind (stopping everything), then exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.reason = f"{signal.Signals(signum).name} received"
+
+
+def _settle(track: Submitted, status: str, reason: str) -> None:
+    """Settle the run (see :func:`settle_run`) and say how results.json ends."""
+    ended = settle_run(track, status, reason)
+    if ended is not None:
+        print(f"fedadapt: results.json status: {ended}", file=sys.stderr)
+
+
+def _supervised(
+    target: AbstractContextManager[Any],
+    run: Callable[[Any, Submitted], RunOutcome],
+    timeout: float,
+) -> RunOutcome:
+    """Run ``run(target, track)`` inside ``target``, which stops on exit.
+
+    Then, with every process ended, a run that did not complete is settled
+    in its results.json: a timeout or Ctrl-C/SIGTERM marks it ``stopped``,
+    our own error or a run Flower failed marks it ``failed``, each with the
+    reason (a ServerApp that still holds the folder is left alone).
+    """
+    track = Submitted()
+    try:
+        with target as started:
+            outcome: RunOutcome = run(started, track)
+    except KeyboardInterrupt:
+        _settle(track, "stopped", "interrupted (Ctrl-C / SIGINT to fedadapt)")
+        raise
+    except Terminated as stop:
+        _settle(track, "stopped", f"fedadapt stopped the run: {stop.reason}")
+        raise
+    except BaseException as error:
+        _settle(track, "failed", f"fedadapt ended with an error: {error!r}")
+        raise
+    if outcome.status == "timed-out":
+        _settle(track, "stopped", f"timed out after {timeout:g}s (--timeout)")
+    elif outcome.status != "finished:completed":
+        _settle(track, "failed", f"Flower: {outcome.status} {outcome.details}")
+    return outcome
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Run one simulation end to end; return the process exit code."""
     app, overrides = _prepare(args)
     flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
-    with SimulationSuperLink(flwr_home, args.port, args.ray_address) as superlink:
-        outcome = submit_run(
+
+    def run(superlink: SimulationSuperLink, track: Submitted) -> RunOutcome:
+        return submit_run(
             superlink, app, overrides, args.num_supernodes, args.timeout,
             stream=not args.quiet, federation_config=args.federation_config,
+            track=track,
         )  # fmt: skip
-    return report(outcome)
+
+    superlink = SimulationSuperLink(flwr_home, args.port, args.ray_address)
+    return report(_supervised(superlink, run, args.timeout))
 
 
 def deploy(args: argparse.Namespace) -> int:
@@ -74,19 +133,22 @@ def deploy(args: argparse.Namespace) -> int:
 
     app, overrides = _prepare(args)
     workdir = Path(args.workdir or app / ".flwr-deploy").resolve()
-    with LocalDeployment(
-        workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
-    ) as deployment:
+
+    def run(deployment: LocalDeployment, track: Submitted) -> RunOutcome:
         print(f"fedadapt: SuperLink on {deployment.address} "
               f"({'TLS' if args.tls else 'insecure'}"
               f"{', SuperNode auth' if args.auth else ''}), "
               f"{args.num_supernodes} SuperNodes online; logs in {workdir}",
               flush=True)  # fmt: skip
-        outcome = submit_run(
+        return submit_run(
             deployment, app, overrides, args.num_supernodes, args.timeout,
-            stream=not args.quiet,
+            stream=not args.quiet, track=track,
         )  # fmt: skip
-    return report(outcome)
+
+    deployment = LocalDeployment(
+        workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
+    )
+    return report(_supervised(deployment, run, args.timeout))
 
 
 def certs(args: argparse.Namespace) -> int:
@@ -120,9 +182,9 @@ def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
     parser.add_argument("--quiet", action="store_true", help="do not stream run logs")
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """Turn SIGTERM into SystemExit so that context managers stop the daemons."""
-    raise SystemExit(128 + signum)
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Turn SIGTERM/SIGHUP into an exception that stops the daemons on its way."""
+    raise Terminated(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,15 +227,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--count", type=int, required=True)
     keys.add_argument("--force", action="store_true", help="replace existing files")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop what we started
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # stop what we started
+        signal.signal(signum, _exit_on_signal)
     handlers = {"simulate": simulate, "deploy": deploy, "certs": certs,
                 "node-keys": node_keys}  # fmt: skip
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
+        # only reached when the stop was verified (ProcessesLeftError otherwise)
         print("fedadapt: interrupted; every process started was stopped",
               file=sys.stderr)  # fmt: skip
         return 130
+    except Terminated as stop:
+        print(f"fedadapt: {stop.reason}; every process started was stopped",
+              file=sys.stderr)  # fmt: skip
+        return int(stop.code or 1)
     except (ValueError, RuntimeError, TimeoutError, OSError) as error:
         print(f"fedadapt: error: {error}", file=sys.stderr)
         return 2

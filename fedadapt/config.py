@@ -229,6 +229,9 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("output-dir", "outputs", "Where run folders are written; use an absolute "
         "path (the ServerApp runs in the SuperLink's working directory)."),
     Key("run-name", "", "Run folder name; empty = <time>-<task>-<strategy>-<run id>."),
+    Key("overwrite", False, "Replace a finished run (completed/failed/stopped) in "
+        "the run folder; false = a run-name whose folder holds a run fails at "
+        "start. A live run's folder is never taken (docs/failures.md)."),
     Key("node-wait-timeout", 120.0, "Deployment: seconds the ServerApp waits at "
         "start for clients-per-round nodes (at least one) to connect; a simulation "
         "knows its size and does not wait.", minimum=0.0),

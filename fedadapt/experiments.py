@@ -54,7 +54,7 @@ SUITE_KEYS = {
 }  # fmt: skip
 CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
 METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
-RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name")
+RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
 
 
 class SuiteError(ValueError):
@@ -302,8 +302,11 @@ def run_suite(
     with SimulationSuperLink(out / ".flwr") as superlink:
 
         def run(cell: Cell) -> tuple[Cell, Any]:
+            # a cell not done replaces its failed or stopped attempt in its
+            # folder (a live one is still refused: docs/failures.md)
+            overrides = {**cell.overrides, "overwrite": True}
             return cell, submit_run(
-                superlink, app, dict(cell.overrides), suite.num_supernodes,
+                superlink, app, overrides, suite.num_supernodes,
                 suite.timeout, federation_config=federation_config,
             )  # fmt: skip
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,20 +19,26 @@ from typing import Any, Protocol
 
 from fedadapt.deploy.process import (
     Daemon,
+    ProcessTree,
     flower_env,
     flwr,
     free_port,
     http_ok,
+    raise_if_left,
+    signals_deferred,
     venv_bin,
     write_connection,
 )
+from fedadapt.server.run_folder import settle
 
 __all__ = [
     "RunOutcome",
     "SimulationSuperLink",
+    "Submitted",
     "SuperLinkConnection",
     "SuperLinkTarget",
     "free_port",
+    "settle_run",
     "submit_run",
 ]
 
@@ -47,6 +54,10 @@ TERMINAL_PREFIX = "finished:"
 RESULTS_POLL_S = 0.5
 FIRST_STATUS_POLL_S = 2.0
 STATUS_POLL_S = 10.0
+#: Seconds Flower may go on calling a run "running" after its results.json
+#: says it ended badly (a ServerApp killed with -9 is never reported by
+#: Flower): then the run is stopped and reported failed.
+ENDED_GRACE_S = 10.0
 
 
 @dataclass
@@ -63,8 +74,9 @@ class SuperLinkConnection:
 class SimulationSuperLink:
     """A ``flower-superlink --simulation`` on loopback, in its own process group.
 
-    Use as a context manager: the whole process group (SuperLink, SuperExec,
-    simulation runtime and its Ray workers) is terminated on exit.
+    Use as a context manager: on exit every process it started (SuperLink,
+    SuperExec, ServerApps and their Ray processes, wherever they moved) is
+    terminated, then killed; :class:`ProcessesLeftError` if any survives.
     """
 
     connection = CONNECTION
@@ -77,6 +89,7 @@ class SimulationSuperLink:
         self.flwr_home = flwr_home
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.tree = ProcessTree()
         self.daemon = Daemon(
             "SuperLink",
             [
@@ -90,8 +103,10 @@ class SimulationSuperLink:
             ],
             # ray.init() in the simulation runtime joins the cluster named by
             # RAY_ADDRESS instead of starting a private one
-            flower_env(
-                flwr_home, **({"RAY_ADDRESS": ray_address} if ray_address else {})
+            self.tree.env(
+                flower_env(
+                    flwr_home, **({"RAY_ADDRESS": ray_address} if ray_address else {})
+                )
             ),
             flwr_home / f"superlink-{self.port}.log",
         )
@@ -104,7 +119,7 @@ class SimulationSuperLink:
                 lambda: http_ok(f"http://{self.address}/health"), 60, "healthy"
             )
         except BaseException:
-            self.daemon.stop()
+            self.stop()
             raise
         return self
 
@@ -112,8 +127,11 @@ class SimulationSuperLink:
         self.stop()
 
     def stop(self) -> None:
-        """Terminate the SuperLink's process group; kill it if it lingers."""
-        self.daemon.stop()
+        """Stop the SuperLink and every process of its tree; verify none is left."""
+        with signals_deferred():
+            left = self.tree.stop()  # the SuperLink and all it started, at once
+            self.daemon.stop()  # reap it (kills its group if the tree missed it)
+        raise_if_left(left)
 
 
 class SuperLinkTarget(Protocol):
@@ -129,9 +147,33 @@ class SuperLinkTarget(Protocol):
 def run_status(
     run_id: int, env: dict[str, str], connection: str = CONNECTION
 ) -> dict[str, Any]:
-    """Return ``flwr ls``'s record of the run (status, status-details, …)."""
-    out = flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env)
-    return json.loads(out)["runs"][0]
+    """Return ``flwr ls``'s record of the run (status, status-details, …).
+
+    A SuperLink that does not answer (after ``flwr``'s retries) or knows no
+    such run means the run is lost: reported ``finished:failed`` with why.
+    """
+    out = ""
+    try:
+        out = flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env)
+        answer = json.loads(out)
+        return dict(answer["runs"][0])
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as error:
+        text = str(error).strip() if isinstance(error, RuntimeError) else ""
+        if not text:
+            text = f"its answer was {out.strip()[:300]!r}"
+        return {
+            "status": "finished:failed",
+            "status-details": f"the SuperLink ({connection}) did not report run "
+            f"{run_id}; it may have stopped: {text}",
+        }
+
+
+def _stop_run(run_id: int, connection: str, env: dict[str, str]) -> None:
+    """``flwr stop`` the run; a SuperLink that is gone has nothing to stop."""
+    try:
+        flwr(["stop", str(run_id), connection], env)
+    except RuntimeError as error:
+        print(f"fedadapt: flwr stop {run_id}: {error}", file=sys.stderr)
 
 
 def find_results(
@@ -152,16 +194,6 @@ def find_results(
     return None
 
 
-def recorded_status(path: Path | None) -> str | None:
-    """``status`` of a results.json (running/completed/failed); None if unreadable."""
-    if path is None:
-        return None
-    try:
-        return json.loads(path.read_text()).get("status")
-    except (OSError, json.JSONDecodeError):
-        return None  # being replaced right now: read again next time
-
-
 def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
     """Return why a finished run is not a success (empty list: success)."""
     found = []
@@ -174,6 +206,37 @@ def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
     if empty:
         found.append(f"rounds without usable train replies: {empty}")
     return found
+
+
+@dataclass
+class Submitted:
+    """Where a submitted run writes, filled in by :func:`submit_run` as it goes.
+
+    A caller interrupted meanwhile can still settle the run (:func:`settle_run`).
+    """
+
+    run_id: int | None = None
+    results_root: Path | None = None
+    results: Path | None = None
+
+
+def settle_run(
+    submitted: Submitted, status: str, reason: str, wait: float = 5.0
+) -> str | None:
+    """Mark a run its ServerApp left ``running`` as ``status`` with ``reason``.
+
+    For a caller that stopped the run (timeout, Ctrl-C, its own error) after
+    every process it started has ended; a ServerApp that still holds the run
+    folder (still alive, elsewhere) is waited for ``wait`` s and otherwise
+    left alone. Returns the status results.json ends with (None: none found).
+    """
+    path = submitted.results
+    if path is None and submitted.run_id is not None and submitted.results_root:
+        path = find_results(submitted.results_root, submitted.run_id)
+    if path is None:
+        return None
+    data = settle(path.parent, status, reason, wait)
+    return None if data is None else data.get("status")
 
 
 @dataclass
@@ -202,6 +265,7 @@ def submit_run(
     stream: bool = False,
     results_dir: Path | None = None,
     federation_config: str = "",
+    track: Submitted | None = None,
 ) -> RunOutcome:
     """Run the app once on ``superlink`` and wait for its real outcome.
 
@@ -213,6 +277,12 @@ def submit_run(
     (a container's mounted folder); default: ``output-dir`` itself.
     ``federation_config`` adds simulation settings (``flwr run
     --federation-config``), e.g. ``"client-resources-num-cpus=1"``.
+    ``track`` is filled in with the run id and results.json as soon as
+    they are known (see :func:`settle_run`).
+
+    While it waits, a results.json left ``running`` by a ServerApp that died
+    (kill -9, lost machine) is marked ``failed`` (:func:`settle`), and such a
+    run is stopped and reported failed if Flower keeps calling it running.
     """
     from fedadapt.config import validate_run_config
 
@@ -234,20 +304,27 @@ def submit_run(
         raise RuntimeError(f"Flower refused the run:\n{reason.strip()}")
     run_id = int(submitted["run-id"])
     results_root = results_dir or Path(cfg["output-dir"]).resolve()
+    track = track if track is not None else Submitted()
+    track.run_id, track.results_root = run_id, results_root
     streamer = None
     if stream:
         print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
         streamer = subprocess.Popen(
             [str(venv_bin() / "flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
-    path, ask_flower_at = None, 0.0
+    path, ask_flower_at, ended_at = None, 0.0, None
     try:
         while True:
             path = path or find_results(results_root, run_id, submitted_at - 5.0)
-            ended = recorded_status(path) in ("completed", "failed")
+            track.results = path
+            # settle: a results.json whose ServerApp died is marked failed
+            data = settle(path.parent) if path is not None else None
+            recorded = (data or {}).get("status")
+            ended = recorded in ("completed", "failed", "stopped")
             now = time.monotonic()
             if ended:  # the ServerApp is done: Flower will say so shortly
                 ask_flower_at = min(ask_flower_at, now + 1.0)
+                ended_at = ended_at or now
             if now >= ask_flower_at:
                 status = run_status(run_id, env, conn)
                 if status["status"].startswith(TERMINAL_PREFIX):
@@ -255,8 +332,13 @@ def submit_run(
                 wait = max(FIRST_STATUS_POLL_S, (now - started) / 4)
                 wait = min(STATUS_POLL_S, wait)
                 ask_flower_at = now + (1.0 if ended else wait)
+            if ended_at and recorded != "completed" and now - ended_at > ENDED_GRACE_S:
+                _stop_run(run_id, conn, env)  # Flower missed the ServerApp's end
+                error = (data or {}).get("error", "")
+                status = {"status": "finished:failed", "status-details": error}
+                break
             if now - started > timeout:
-                flwr(["stop", str(run_id), conn], env)
+                _stop_run(run_id, conn, env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
             time.sleep(RESULTS_POLL_S)

@@ -112,3 +112,27 @@ def test_a_run_that_never_writes_results_is_still_detected(tmp_path, monkeypatch
     )
     assert outcome.status == "finished:failed" and not outcome.ok
     assert outcome.results is None and len(calls) == 3
+
+
+def test_a_superlink_that_died_is_a_failed_run_not_a_crash(monkeypatch):
+    """Issue #26: ``flwr ls`` against a dead SuperLink answers without "runs"
+    (or fails): run_status reports the run failed and says why."""
+    answers = [
+        '{"success": false, "error-message": "Connection refused"}',
+        RuntimeError("flwr ls failed (1): Connection to the SuperLink is unavailable"),
+        '{"success": true, "runs": []}',
+    ]
+
+    def fake_flwr(args, env, **kw):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    for why in ("Connection refused", "unavailable", '"runs": []'):
+        status = cli.run_status(5, {}, "fake")
+        assert status["status"] == "finished:failed"
+        details = status["status-details"]
+        assert details.startswith("the SuperLink (fake) did not report run 5")
+        assert why in details, details

@@ -17,11 +17,14 @@ from pathlib import Path
 from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
 from fedadapt.deploy.process import (
     Daemon,
+    ProcessTree,
     flower_env,
     flwr,
     free_port,
     http_ok,
     online_supernodes,
+    raise_if_left,
+    signals_deferred,
     stop_all,
     venv_bin,
     write_connection,
@@ -75,6 +78,7 @@ class LocalDeployment:
         self.superlink: Daemon | None = None
         self.supernodes: list[Daemon] = []
         self.node_keys: list[Path] = []
+        self.tree = ProcessTree()  # everything started here, for the final stop
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -119,10 +123,17 @@ class LocalDeployment:
         )
 
     def stop(self) -> None:
-        """Stop every SuperNode (all at once), then the SuperLink."""
-        stop_all(self.supernodes)
-        if self.superlink is not None:
-            self.superlink.stop()
+        """Stop the SuperNodes, the SuperLink and all they started, at once.
+
+        Every process of their tree is terminated, then killed;
+        :class:`ProcessesLeftError` if any survives.
+        """
+        with signals_deferred():
+            left = self.tree.stop()
+            stop_all(self.supernodes)  # reap them (and kill a group the tree missed)
+            if self.superlink is not None:
+                self.superlink.stop()
+        raise_if_left(left)
 
     # --- daemons ---------------------------------------------------------------
 
@@ -147,7 +158,8 @@ class LocalDeployment:
         ]
         if self.auth:
             command.append("--enable-supernode-auth")
-        return Daemon("SuperLink", command, flower_env(home), home / "superlink.log")
+        env = self.tree.env(flower_env(home))
+        return Daemon("SuperLink", command, env, home / "superlink.log")
 
     def supernode(self, index: int, private_key: Path | None = None) -> Daemon:
         """Build (not start) SuperNode ``index``, which holds partition ``index``.
@@ -169,9 +181,8 @@ class LocalDeployment:
         key = private_key or (self.node_keys[index] if self.auth else None)
         if key is not None:
             command.append(f"--auth-supernode-private-key={key}")
-        return Daemon(
-            f"SuperNode {index}", command, flower_env(home), home / "supernode.log"
-        )
+        env = self.tree.env(flower_env(home))
+        return Daemon(f"SuperNode {index}", command, env, home / "supernode.log")
 
     # --- queries ---------------------------------------------------------------
 

@@ -2,14 +2,21 @@
 
 Each daemon runs in its own process group (``start_new_session``), so that
 stopping it also stops what it spawned (SuperExec, ServerApp/ClientApp
-processes, Ray workers). Used by ``fedadapt simulate`` (one simulation
-SuperLink) and ``fedadapt deploy`` (a SuperLink and N SuperNodes).
+processes, Ray workers). What leaves that group (Ray's GCS, raylet and
+workers start their own sessions; parents die and leave them to PID 1) is
+still found: every daemon of one :class:`ProcessTree` carries a token in its
+environment that all its descendants inherit, and the tree terminates, then
+kills, every process that carries it or descends from one, and verifies that
+none is left. Used by ``fedadapt simulate`` (one simulation SuperLink) and
+``fedadapt deploy`` (a SuperLink and N SuperNodes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -20,11 +27,13 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from fedadapt._atomic import atomic_write_text
 
 
 def free_port() -> int:
@@ -74,9 +83,7 @@ def write_connection(
     superlink[name] = entry
     # atomically: a concurrent flwr command (cells run in parallel) must never
     # read a half-written file
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    partial.write_text(tomli_w.dumps(config))
-    os.replace(partial, path)
+    atomic_write_text(path, tomli_w.dumps(config))
 
 
 UNAVAILABLE = "Connection to the SuperLink is unavailable"
@@ -116,6 +123,125 @@ def online_supernodes(env: dict[str, str], connection: str) -> list[str] | None:
     if not out.get("success", False):
         return None
     return [n["node-id"] for n in out.get("nodes", []) if n.get("status") == "online"]
+
+
+#: environment variable that marks every process started for one command
+RUN_TOKEN_ENV = "FEDADAPT_RUN_TOKEN"
+
+
+class ProcessesLeftError(RuntimeError):
+    """Processes started for a command outlived its attempt to stop them."""
+
+
+def _proc_stat(pid: str) -> tuple[int, str] | None:
+    """(parent pid, state) of a process, None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[1]), fields[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+class ProcessTree:
+    """Every process started for one command: marked by a token, found in /proc.
+
+    Daemons get ``tree.env(...)``: the token (:data:`RUN_TOKEN_ENV`) is
+    inherited by whatever they start, also by what puts itself in its own
+    session or is re-parented to PID 1 (SuperExec, ServerApp, Ray). Children
+    of a marked process are included even if they cleared their environment.
+    Linux only (reads /proc); zombies count as ended.
+    """
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        self._marker = f"{RUN_TOKEN_ENV}={self.token}".encode()
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with this tree's token."""
+        return {**env, RUN_TOKEN_ENV: self.token}
+
+    def _marked(self, pid: str) -> bool:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return False  # ended, or another user's process
+        return self._marker in environ.split(b"\0")
+
+    def pids(self) -> dict[int, str]:
+        """PID -> command line of every live process of the tree."""
+        parents: dict[int, int] = {}
+        found: set[int] = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            stat = _proc_stat(entry)
+            if stat is None or stat[1] in ("Z", "X"):
+                continue
+            parents[int(entry)] = stat[0]
+            if self._marked(entry):
+                found.add(int(entry))
+        grown = True
+        while grown:  # add descendants of marked processes
+            new = {pid for pid, ppid in parents.items() if ppid in found} - found
+            grown = bool(new)
+            found |= new
+        return {pid: _cmdline(pid) for pid in sorted(found)}
+
+    def stop(self, grace: float = 10.0) -> dict[int, str]:
+        """Terminate, then kill, every process of the tree; return what is left.
+
+        An empty result is verified: no process carrying the token (or
+        descending from one) was alive at the last look.
+        """
+        steps = [(signal.SIGTERM, grace)] + [(signal.SIGKILL, 5.0)] * 3
+        left = self.pids()
+        for sig, wait in steps:
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while (left := self.pids()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return left
+
+
+def raise_if_left(left: dict[int, str]) -> None:
+    """Raise :class:`ProcessesLeftError` listing ``left`` (PID -> command)."""
+    if left:
+        listing = "; ".join(f"{pid}: {cmd[:120]}" for pid, cmd in left.items())
+        raise ProcessesLeftError(
+            f"{len(left)} processes started here are still running after "
+            f"SIGTERM and SIGKILL; stop them by hand: {listing}"
+        )
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends (cleanup runs whole).
+
+    A second Ctrl-C must not abort stopping the processes; held signals are
+    delivered when the block ends.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Daemon:

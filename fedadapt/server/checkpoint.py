@@ -11,7 +11,6 @@ full participation is reproduced).
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
 
 CHECKPOINT_FILE = "checkpoint.pkl"
@@ -42,10 +42,8 @@ def save_checkpoint(
         "strategy": strategy_state,
         "results": results,
     }
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
+    with atomic_open(path, "wb") as f:
         pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path: str | Path, cfg: Mapping[str, Any]) -> dict[str, Any]:

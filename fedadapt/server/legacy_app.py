@@ -35,7 +35,7 @@ from flwr.server.strategy import Strategy
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.policy import QUERY_TIMEOUT_S
-from fedadapt.server.results import RunRecorder, run_directory
+from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
@@ -46,6 +46,7 @@ from fedadapt.server.run import (
     save_final_model,
 )
 from fedadapt.server.strategy_factory import build_strategy
+from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import TASKS
 
 # recorder and strategy of each run this process serves, for the lifespan's
@@ -80,7 +81,6 @@ def server_fn(context: Context) -> ServerAppComponents:
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
     state = initial_state(task, cfg)
     keys = list(state)
-    recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
 
     def evaluate_fn(
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]
@@ -103,6 +103,8 @@ def server_fn(context: Context) -> ServerAppComponents:
         fit_metrics_aggregation_fn=weighted_mean,
         evaluate_metrics_aggregation_fn=weighted_mean,
     )
+    folder = claim_run_folder(cfg, context.run_id)  # a live run's folder: fail now
+    recorder = RunRecorder(folder.path, cfg, context.run_id, folder=folder)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)
     config = ServerConfig(
@@ -142,8 +144,15 @@ class RecordingServer(Server):
         self.array_names = list(array_names)
 
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
-        """Run Flower's loop, write final_model.npz, mark results.json completed."""
+        """Run Flower's loop, write final_model.npz, mark results.json completed.
+
+        A run in which no round used a train reply is marked failed instead.
+        """
         result = super().fit(num_rounds, timeout)
+        failure = self.strategy.unusable_run_failure()  # type: ignore[attr-defined]
+        if failure is not None:  # not one reply used: nothing was trained
+            self.recorder.finish("failed", error=failure)
+            raise FederationFailedError(failure)
         arrays = parameters_to_ndarrays(self.parameters)[: len(self.array_names)]
         save_final_model(
             self.recorder.run_dir, dict(zip(self.array_names, arrays, strict=True))

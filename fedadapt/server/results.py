@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import time
 from collections.abc import Mapping
@@ -14,7 +13,9 @@ from typing import Any
 
 from flwr.common.logger import log
 
-RESULTS_FILE = "results.json"
+from fedadapt._atomic import atomic_open, atomic_write_text
+from fedadapt.server.run_folder import RESULTS_FILE, RunFolder
+
 CURVES_FILE = "curves.png"
 
 
@@ -26,6 +27,17 @@ def run_directory(cfg: Mapping[str, Any], run_id: int) -> Path:
     path = Path(cfg["output-dir"]).expanduser().resolve() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def claim_run_folder(cfg: Mapping[str, Any], run_id: int) -> RunFolder:
+    """Create and lock the run's folder (see :meth:`RunFolder.claim`).
+
+    Fails naming the folder when a live run holds it, or when it holds a run
+    and neither ``overwrite`` nor ``resume-from`` allows taking it over.
+    """
+    return RunFolder.claim(
+        run_directory(cfg, run_id), cfg["overwrite"], cfg["resume-from"]
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -49,9 +61,15 @@ class RunRecorder:
         cfg: Mapping[str, Any],
         run_id: int,
         previous: Mapping[str, Any] | None = None,
+        folder: RunFolder | None = None,
     ) -> None:
-        """Start a record; ``previous`` continues a checkpointed run's results."""
+        """Start a record; ``previous`` continues a checkpointed run's results.
+
+        ``folder`` is the claimed run folder (:func:`claim_run_folder`): its
+        owner is recorded and its lock released by :meth:`finish`.
+        """
         self.run_dir = run_dir
+        self.folder = folder
         self._started = time.time()
         self._round_started = self._started
         self.data: dict[str, Any] = {
@@ -63,6 +81,8 @@ class RunRecorder:
             "initial": None,
             "rounds": [],
         }
+        if folder is not None:  # who writes: a reader can tell when it died
+            self.data["owner"] = folder.owner
         if previous is not None:
             self.data["initial"] = previous.get("initial")
             self.data["rounds"] = list(previous.get("rounds", []))
@@ -109,20 +129,33 @@ class RunRecorder:
         return entry
 
     def finish(self, status: str, error: str | None = None) -> None:
-        """Mark the run finished, write the final JSON and the curves."""
-        self.data["status"] = status
-        self.data["wall_time_s"] = time.time() - self._started
-        if error is not None:
-            self.data["error"] = error
-        self.write()
-        if self.data["rounds"]:
-            plot_curves(self.data, self.run_dir / CURVES_FILE)
+        """Mark the run finished, write the curves and the final JSON.
+
+        Then the run folder is released (a reader that sees the final status
+        may start the next run in it at once).
+        """
+        try:
+            if self.data["rounds"]:
+                plot_curves(self.data, self.run_dir / CURVES_FILE)
+        finally:
+            self.data["status"] = status
+            self.data["wall_time_s"] = time.time() - self._started
+            if error is not None:
+                self.data["error"] = error
+            try:
+                self.write()
+            finally:
+                self.release()
+
+    def release(self) -> None:
+        """Let go of the run folder (idempotent; nothing to do without one)."""
+        if self.folder is not None:
+            self.folder.release()
 
     def write(self) -> None:
         """Write results.json atomically (readers never see half a file)."""
-        tmp = self.run_dir / (RESULTS_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
-        os.replace(tmp, self.run_dir / RESULTS_FILE)
+        text = json.dumps(self.data, indent=2, default=str)
+        atomic_write_text(self.run_dir / RESULTS_FILE, text)
 
 
 def _fmt(metrics: Mapping[str, Any] | None, loss: str, acc: str) -> str:
@@ -188,5 +221,6 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
         f"(run {data['run_id']})"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)

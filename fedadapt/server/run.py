@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,10 +10,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder
+from fedadapt.server.run_folder import RunFolderError
 from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
@@ -33,6 +33,7 @@ USER_ERRORS = (
     DatasetMissingError,
     DatasetCorruptError,
     FederationFailedError,
+    RunFolderError,
 )
 
 
@@ -109,17 +110,9 @@ def save_final_model(run_dir: Path, state: Mapping[str, np.ndarray]) -> Path:
     ``dict(np.load(path))``.
     """
     path = run_dir / FINAL_MODEL_FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.", suffix=".tmp")
     arrays: dict[str, Any] = dict(state)  # typed for savez(file, **arrays)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        np.savez(f, **arrays)
     return path
 
 

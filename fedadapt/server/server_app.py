@@ -29,7 +29,7 @@ from flwr.superlink.grid import InMemoryGrid
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
 from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
-from fedadapt.server.results import RunRecorder, run_directory
+from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
@@ -39,7 +39,9 @@ from fedadapt.server.run import (
     record_end,
     save_final_model,
 )
+from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.strategy_factory import build_strategy
+from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import TASKS
 
 app = ServerApp()
@@ -139,6 +141,15 @@ def main(grid: Grid, context: Context) -> None:
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
+    folder = claim_run_folder(cfg, context.run_id)  # a live run's folder: fail now
+    try:
+        _run(grid, context, cfg, folder)
+    finally:
+        folder.release()  # also when the run fails before results.json
+
+
+def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -> None:
+    """Run :func:`main`'s rounds in its claimed ``folder``."""
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
@@ -171,10 +182,11 @@ def main(grid: Grid, context: Context) -> None:
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
 
     recorder = RunRecorder(
-        run_directory(cfg, context.run_id),
+        folder.path,
         cfg,
         context.run_id,
         previous=resume["results"] if resume else None,
+        folder=folder,
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
     hook = RoundHook(
@@ -201,10 +213,15 @@ def main(grid: Grid, context: Context) -> None:
             evaluate_config=ConfigRecord({}),
             evaluate_fn=on_round_end,
         )
-        save_final_model(recorder.run_dir, _numpy(result.arrays))
+        failure = strategy.unusable_run_failure()
+        if failure is None:
+            save_final_model(recorder.run_dir, _numpy(result.arrays))
     except BaseException as error:
         recorder.finish("failed", error=repr(error))
         raise
+    if failure is not None:  # not one reply used: nothing was trained
+        recorder.finish("failed", error=failure)
+        raise FederationFailedError(failure)
     record_end(recorder, strategy)
     recorder.finish("completed")
     log(logging.INFO, "fedadapt: results in %s", recorder.run_dir)

@@ -187,6 +187,7 @@ class RuleHost:
         self.round_reports: dict[int, dict[str, Any]] = {}
         # problems of consecutive rounds without a usable reply
         self._failed_streak: list[list[str]] = []
+        self._rounds_screened = 0
 
     def check_trainable(self, model: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` when ``trainable`` names arrays ``model`` lacks."""
@@ -283,6 +284,7 @@ class RuleHost:
         self, label: str, report: ScreenReport, failed: bool
     ) -> None:
         """Track consecutive rounds without a usable reply; stop after too many."""
+        self._rounds_screened += 1
         if not failed:
             self._failed_streak = []
             return
@@ -290,15 +292,35 @@ class RuleHost:
         limit = self.max_failed_rounds
         if not limit or len(self._failed_streak) < limit:
             return
-        problems = sorted({p for round_ in self._failed_streak for p in round_})
-        message = (
+        message = self._streak_failure(
             f"{label}: no usable train reply for {limit} consecutive rounds; "
-            "stopping the run. Client errors and rejections: "
-            + ("; ".join(problems) or "none (no replies arrived)")
+            "stopping the run."
         )
         log(ERROR, "%s", message)
-        self.failure = message
         raise FederationFailedError(message)
+
+    def _streak_failure(self, what: str) -> str:
+        """Record and return ``what`` + the failed streak's client errors."""
+        problems = sorted({p for round_ in self._failed_streak for p in round_})
+        self.failure = f"{what} Client errors and rejections: " + (
+            "; ".join(problems) or "none (no replies arrived)"
+        )
+        return self.failure
+
+    def unusable_run_failure(self) -> str | None:
+        """Why a run whose every round so far lacked a usable train reply failed.
+
+        None when some round used a reply (or none ran). A run can end so
+        without reaching ``max_failed_rounds`` (fewer rounds than that, or
+        ``max_failed_rounds=0``); it has not trained and must not count as
+        completed (our choice).
+        """
+        streak = len(self._failed_streak)
+        if not self._rounds_screened or streak != self._rounds_screened:
+            return None
+        return self._streak_failure(
+            f"no round of the run used a train reply ({streak} rounds)."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Return the strategy's resumable state (the rule's moments)."""

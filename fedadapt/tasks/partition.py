@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedadapt._atomic import atomic_open
 from fedadapt.registry import Registry
 
 Partition = list[NDArray[np.int64]]
@@ -323,9 +324,8 @@ def _cached(
     parts = tuple(PARTITIONS.get(name)(array, num_partitions, dict(params)))
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        partial = file.with_name(f".{file.name}.{os.getpid()}.npz")
-        np.savez(partial, *parts)  # arr_0, arr_1, … in client order
-        os.replace(partial, file)
+        with atomic_open(file, "wb") as f:
+            np.savez(f, *parts)  # arr_0, arr_1, … in client order
     except OSError:
         pass  # read-only home, full disk: work without the cache
     return parts

@@ -1,0 +1,89 @@
+"""Issue #26 part 1: a ProcessTree finds and ends what left the process group.
+
+Oracle: /proc itself. A daemon that double-forks into its own session (its
+parent exits, it is re-parented to PID 1, as Ray's GCS/raylet and Flower's
+SuperExec are) escapes ``killpg`` of the group it was started in; the tree
+still finds it by the token in its environment, and ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedadapt.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
+
+ESCAPE = """
+import os, sys, time
+if os.fork():
+    sys.exit(0)
+os.setsid()  # its own session, parent gone: re-parented
+leader = os.getpid()
+if os.fork():
+    sys.exit(0)
+while os.getppid() == leader:  # until the session leader has exited too
+    time.sleep(0.01)
+print(os.getpid(), flush=True)
+signal_proof = sys.argv[1] == "stubborn"
+if signal_proof:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(600)
+"""
+
+
+def _start(tree: ProcessTree, kind: str) -> int:
+    """Start an escaping daemon; return its pid (it is no longer in the group
+    of the process the tree started, which has exited)."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", ESCAPE, kind],
+        env=tree.env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert starter.stdout is not None
+    pid = int(starter.stdout.readline())  # printed by the escaped grandchild
+    starter.stdout.close()
+    starter.wait(timeout=30)  # the starter itself exited at once
+    assert os.getpgid(pid) != starter.pid  # killpg(starter's group) misses it
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_tree_finds_and_ends_processes_that_left_their_group():
+    tree = ProcessTree()
+    polite, stubborn = _start(tree, "polite"), _start(tree, "stubborn")
+    try:
+        assert sorted(tree.pids()) == sorted([polite, stubborn])
+        assert ProcessTree().pids() == {}  # another tree's token finds nothing
+        left = tree.stop(grace=1.0)  # SIGTERM, then SIGKILL for the stubborn one
+        assert left == {}
+        deadline = time.monotonic() + 5
+        while (_alive(polite) or _alive(stubborn)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(polite) and not _alive(stubborn)
+    finally:
+        for pid in (polite, stubborn):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_what_cannot_be_stopped_is_named():
+    try:
+        raise_if_left({42: "raylet --flag"})
+    except ProcessesLeftError as error:
+        assert "1 processes started here are still running" in str(error)
+        assert "42: raylet --flag" in str(error)
+    else:
+        raise AssertionError("no error")
+    raise_if_left({})  # nothing left: nothing raised

@@ -1,0 +1,143 @@
+"""Issue #26 part 1: stopping ``fedadapt simulate`` stops everything it started.
+
+Each test runs the real CLI on a tiny simulation, lists the process tree it
+started while it runs (every process whose FLWR_HOME is the test's: the
+SuperLink, SuperExec, the ServerApp and Ray's GCS, raylet and workers, which
+leave the SuperLink's process group), stops it the way a user would (timeout,
+Ctrl-C, kill -9 of the ServerApp) and checks that none of those processes is
+alive the moment the CLI has exited, and that results.json says how the run
+ended and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fedadapt.submission import free_port
+from tests.helpers import ROOT, VENV_BIN, pids_under
+
+pytestmark = pytest.mark.e2e
+
+RUN_CONFIG = (
+    "task='synthetic-linreg' num-server-rounds=10000 local-steps=1 "
+    "evaluate-every=0 output-dir='{out}' run-name='r'"
+)
+
+
+class TreeWatch:
+    """The CLI under test, and every process of its tree seen while it ran."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.home = tmp_path / "flwr-home"
+        self.results = tmp_path / "out" / "r" / "results.json"
+        self.seen: dict[int, str] = {}
+        self.cli = subprocess.Popen(
+            [str(VENV_BIN / "fedadapt"), "simulate", "--app", str(ROOT),
+             "--num-supernodes", "2", "--flwr-home", str(self.home), "--quiet",
+             "--port", str(free_port()), *extra,
+             "--run-config", RUN_CONFIG.format(out=tmp_path / "out")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            start_new_session=True,  # signals reach only what the test sends
+        )  # fmt: skip
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            self.seen.update(pids_under(self.home))
+            time.sleep(0.3)
+
+    def data(self) -> dict | None:
+        try:
+            return json.loads(self.results.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def ray_seen(self) -> bool:
+        return "raylet" in " | ".join(self.seen.values())
+
+    def wait_running(self, ray: bool, timeout: float = 240.0) -> dict:
+        """Wait until the ServerApp runs (results.json ``running``) and, with
+        ``ray``, Ray's processes are up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            data = self.data()
+            if data and data["status"] == "running" and (self.ray_seen() or not ray):
+                return data
+            assert self.cli.poll() is None, self.cli.communicate()
+            time.sleep(0.3)
+        raise AssertionError("the run did not start in time")
+
+    def finish(self, ray: bool = True, timeout: float = 240.0) -> tuple[int, str, str]:
+        """Wait for the CLI; check that nothing it started outlives it."""
+        try:
+            out, err = self.cli.communicate(timeout=timeout)
+        finally:
+            self._done.set()
+            self._thread.join()
+        left = pids_under(self.home)  # at once: the CLI verified before exiting
+        commands = " | ".join(self.seen.values())
+        assert "flwr-simulation" in commands, commands  # the ServerApp was seen
+        assert self.ray_seen() or not ray, commands  # Ray, in its own session
+        assert left == {}, f"left running: {left}"
+        return self.cli.returncode, out, err
+
+
+@pytest.fixture
+def cleanup():
+    """Kill whatever a failing test leaves behind (by the test's FLWR_HOME)."""
+    watches: list[TreeWatch] = []
+    yield watches.append
+    for watch in watches:
+        if watch.cli.poll() is None:
+            os.killpg(watch.cli.pid, signal.SIGKILL)
+        for pid in pids_under(watch.home):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup):
+    watch = TreeWatch(tmp_path)
+    cleanup(watch)
+    watch.wait_running(ray=True)
+    watch.cli.send_signal(signal.SIGINT)
+    code, _, err = watch.finish()
+    assert code == 130, err
+    assert "interrupted; every process started was stopped" in err
+    data = watch.data()
+    assert data is not None and data["status"] == "stopped", data
+    assert "interrupted (Ctrl-C / SIGINT" in data["error"]
+
+
+def test_timeout_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup):
+    # the run must outlive the timeout: 10000 rounds
+    watch = TreeWatch(tmp_path, "--timeout", "45")
+    cleanup(watch)
+    code, out, err = watch.finish(ray=False)
+    assert code == 1, out + err
+    assert "timed-out" in out
+    data = watch.data()
+    assert data is not None, "the run did not start within the timeout"
+    assert data["status"] == "stopped", data
+    assert data["error"] == "timed out after 45s (--timeout)"
+
+
+def test_kill_9_of_the_serverapp_ends_the_run_failed(tmp_path, cleanup):
+    watch = TreeWatch(tmp_path)
+    cleanup(watch)
+    owner = watch.wait_running(ray=False)["owner"]
+    os.kill(owner["pid"], signal.SIGKILL)
+    code, out, err = watch.finish(ray=False)
+    assert code == 1, out + err
+    assert "finished:failed" in out
+    data = watch.data()
+    assert data is not None and data["status"] == "failed", data
+    assert f"the ServerApp (pid {owner['pid']} on {owner['host']})" in data["error"]
