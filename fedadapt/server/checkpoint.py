@@ -1,7 +1,10 @@
 """Checkpoints: global model + strategy state + results so far, in one file.
 
 A checkpoint is a pickle (only load files you wrote yourself) written
-atomically to ``<run>/checkpoint.pkl``. Resuming from it with the same run
+atomically to ``<run>/checkpoint.pkl``: to a temporary file of a unique name
+in the same folder, flushed to disk, then renamed over the previous one, so
+a write that fails (full disk, killed process) leaves the last good
+checkpoint in place. Resuming from it with the same run
 config reproduces an uninterrupted run exactly (client seeds derive from the
 global round number, replies are aggregated in a canonical order, and with
 ``seeded-sampling`` the sample of a round depends on the seed, the global
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,8 +37,12 @@ def save_checkpoint(
     arrays: Mapping[str, np.ndarray],
     strategy_state: Mapping[str, Any] | None,
     results: Mapping[str, Any],
-) -> None:
-    """Write a checkpoint for the state after ``server_round``."""
+) -> int:
+    """Write a checkpoint for the state after ``server_round``; return its bytes.
+
+    On any error the temporary file is removed and the previous checkpoint
+    at ``path`` is left as it was; the error propagates.
+    """
     payload = {
         "format": FORMAT_VERSION,
         "round": server_round,
@@ -42,10 +50,18 @@ def save_checkpoint(
         "strategy": strategy_state,
         "results": results,
     }
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
 
 
 def load_checkpoint(path: str | Path, cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Runs the same run config with :mod:`fedadapt.strategies.legacy` and
 :class:`fedadapt.client.numpy_client.FedAdaptClient`; to use it, point the
 app components at ``fedadapt.server.legacy_app:app`` and
 ``fedadapt.client.numpy_client:app``. Writes the same results.json and
-curves.png. Checkpoints and resume are Message-API only.
+curves.png. Checkpoints and resume are Message-API only: this app writes
+none (results.json records ``checkpoint-every`` = 0) and refuses a
+``checkpoint-every`` or ``resume-from`` other than the default.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from flwr.server import (
 from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
-from fedadapt.config import ConfigError, validate_run_config
+from fedadapt.config import KEYS, ConfigError, validate_run_config
 from fedadapt.server.policy import QUERY_TIMEOUT_S
-from fedadapt.server.results import RunRecorder, run_directory
+from fedadapt.server.results import RunRecorder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
     check_names,
     initial_state,
     log_user_errors_in_one_line,
+    open_recorder,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -63,13 +66,14 @@ def server_fn(context: Context) -> ServerAppComponents:
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
     for key in ("checkpoint-every", "resume-from"):
-        if cfg[key]:
+        if cfg[key] != KEYS[key].default:
             raise ConfigError(key, "checkpoints need the Message-API ServerApp")
+    cfg = {**cfg, "checkpoint-every": 0}  # the default: none written here
     task = TASKS.get(cfg["task"])
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
     state = initial_state(task, cfg)
     keys = list(state)
-    recorder = RunRecorder(run_directory(cfg, context.run_id), cfg, context.run_id)
+    recorder = open_recorder(cfg, context.run_id)
 
     def evaluate_fn(
         server_round: int, arrays: NDArrays, config: dict[str, Scalar]

@@ -29,13 +29,14 @@ from flwr.superlink.grid import InMemoryGrid
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
 from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
-from fedadapt.server.results import RunRecorder, run_directory
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
     check_names,
+    check_partition,
     initial_state,
     log_user_errors_in_one_line,
+    open_recorder,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.tasks import TASKS
@@ -121,8 +122,9 @@ def main(grid: Grid, context: Context) -> None:
     """Run ``num-server-rounds`` rounds and write results.json / curves.png.
 
     Everything that can be checked here is, before any node is contacted:
-    the run config, the names it selects, the checkpoint to resume and the
-    task's test data. Such errors end the run (Flower: ``finished:failed``)
+    the run config, the names it selects, the checkpoint to resume, the
+    task's test data, in simulation whether the partition feeds every node,
+    and the output folder. Such errors end the run (Flower: ``finished:failed``)
     with one log line that names the key or the missing files.
     """
     log_user_errors_in_one_line()
@@ -131,12 +133,12 @@ def main(grid: Grid, context: Context) -> None:
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    simulation = isinstance(grid, InMemoryGrid)
     num_nodes = wait_for_nodes(
-        grid,
-        cfg["clients-per-round"],
-        cfg["node-wait-timeout"],
-        simulation=isinstance(grid, InMemoryGrid),
+        grid, cfg["clients-per-round"], cfg["node-wait-timeout"], simulation
     )
+    if simulation:  # one federation, one data-dir: check the split feeds it
+        check_partition(task, cfg, num_nodes)
     if cfg["clients-per-round"] == 0:
         log(logging.INFO, "fedadapt: clients-per-round=0: every connected node "
             "trains each round (%d now)", num_nodes)  # fmt: skip
@@ -159,11 +161,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy.load_state_dict(resume["strategy"])
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
 
-    recorder = RunRecorder(
-        run_directory(cfg, context.run_id),
-        cfg,
-        context.run_id,
-        previous=resume["results"] if resume else None,
+    recorder = open_recorder(
+        cfg, context.run_id, previous=resume["results"] if resume else None
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
     hook = RoundHook(

@@ -30,6 +30,7 @@ from fedadapt.strategies._screening import (
     RuleHost,
     ScreeningKwargs,
     evaluation_average,
+    failed_reply,
     screen,
 )
 from fedadapt.strategies.core import Arrays, ServerRule
@@ -102,7 +103,8 @@ def _unpack(
     """
     node = message.metadata.src_node_id
     if message.has_error():
-        return message.error.reason or f"error code {message.error.code}"
+        reason = message.error.reason or f"error code {message.error.code}"
+        return failed_reply(node, reason)
     content = message.content
     if len(content.metric_records) != 1:
         return Candidate(node, None, {}, message, "expected exactly one MetricRecord")
