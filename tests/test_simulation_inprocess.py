@@ -29,7 +29,7 @@ def test_three_clients_three_rounds_learn(tmp_path):
     for r in rounds:
         assert r["replies"] == {
             "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": [],
-            "norm_mismatches": 0, "clipped": 0,
+            "norm_mismatches": 0, "clipped": 0, "errors": [],
         }  # fmt: skip
         assert r["evaluate_replies"]["used"] == 2
         assert r["federated_eval"]["eval-loss"] > 0
