@@ -98,9 +98,8 @@ def local_training_s(task: str, samples: int = 500, batch: int = 64) -> float:
 def large_model(task: str, repeats: int, workdir: Path) -> dict[str, Any]:
     """Checkpoint bytes/seconds of ``task``'s model + FedAdam-sized state."""
     torch.manual_seed(0)
-    arrays = {
-        k: v.numpy().copy() for k, v in TASKS.get(task).build_model().state_dict().items()
-    }
+    model = TASKS.get(task).build_model()
+    arrays = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     moments = {k: np.zeros_like(v) for k, v in arrays.items() if v.dtype.kind == "f"}
     state = {"rule": {"m": moments, "v": {k: v + 1 for k, v in moments.items()}}}
     path = workdir / CHECKPOINT_FILE
