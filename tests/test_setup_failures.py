@@ -174,24 +174,38 @@ def test_unwritable_output_dir_names_the_key_and_path(tmp_path):
 GLOBAL = {"w": np.zeros(3, dtype=np.float32)}
 
 
-def test_dropped_node_is_recorded_with_its_id_and_reason(tmp_path):
-    """A node lost mid-round comes back as an error reply (Flower's
-    NODE_UNAVAILABLE); results.json names the node and the reason."""
+def test_dropped_node_is_recorded_with_its_id_and_reason(tmp_path, task_identity):
+    """A node lost mid-round: Flower's SuperLink answers its message with a
+    NODE_UNAVAILABLE error sent *from the SuperLink* (src node 1), linked to
+    the message by ``reply_to_message_id``; results.json names the lost node
+    and the reason."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.server.superlink.linkstate.utils import (
+        NODE_UNAVAILABLE_ERROR_REASON,
+        create_message_error_unavailable_res_message,
+    )
+
     strategy = FedAvg()
-    strategy._sent = {k: v.copy() for k, v in GLOBAL.items()}
-    lost = make_reply(None, {}, node_id=42, error=True)
-    lost.error.reason = "Error: Node unavailable"
-    replies = [make_reply({"w": np.ones(3, np.float32)}, {"num-examples": 1}), lost]
-    strategy.aggregate_train(1, replies)
+    grid = Mock()
+    grid.get_node_ids.return_value = [42, 43]
+    arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
+    sent = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
+    for i, message in enumerate(sent):  # what Grid.push_messages does
+        message.metadata.__dict__["_message_id"] = f"message-{i}"
+    to_42 = next(m for m in sent if m.metadata.dst_node_id == 42)
+    lost = create_message_error_unavailable_res_message(to_42.metadata, "node")
+    assert lost.metadata.src_node_id == SUPERLINK_NODE_ID  # not the lost node
+    ok = make_reply({"w": np.ones(3, np.float32)}, {"num-examples": 1}, node_id=43)
+    strategy.aggregate_train(1, [ok, lost])
     report = strategy.round_reports[1]
+    expected = [f"node 42: {NODE_UNAVAILABLE_ERROR_REASON}"]
     assert report["train_replies"]["failed"] == 1
-    assert report["train_replies"]["errors"] == ["node 42: Error: Node unavailable"]
+    assert report["train_replies"]["errors"] == expected
     recorder = RunRecorder(tmp_path, validate_run_config({}), run_id=5)
     recorder.record_round(1, 1, None, report)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["rounds"][0]["replies"]["errors"] == [
-        "node 42: Error: Node unavailable"
-    ]
+    assert saved["rounds"][0]["replies"]["errors"] == expected
 
 
 def test_legacy_failure_names_the_node():
