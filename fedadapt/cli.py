@@ -44,9 +44,49 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
 
     app = Path(args.app).resolve()
     overrides = parse_config_args([args.run_config] if args.run_config else None)
+    if getattr(args, "resume", None):
+        overrides = resume_overrides(Path(args.resume), overrides)
     overrides.setdefault("output-dir", str(Path("outputs").resolve()))
     validate_run_config(overrides)
     return app, overrides
+
+
+def resume_overrides(run_dir: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Run config that continues the run in ``run_dir`` (``simulate --resume``).
+
+    The run config recorded in ``<run_dir>/results.json``, with
+    ``resume-from`` set to the folder's checkpoint and ``output-dir`` /
+    ``run-name`` set so that the run lands in ``run_dir`` again; ``overrides``
+    (``--run-config``, e.g. a larger ``num-server-rounds``) apply on top.
+    Raises ValueError naming the missing file and what to do.
+    """
+    import json
+
+    from fedadapt.server.checkpoint import CHECKPOINT_FILE
+    from fedadapt.server.results import RESULTS_FILE
+
+    run_dir = run_dir.expanduser().resolve()
+    results, checkpoint = run_dir / RESULTS_FILE, run_dir / CHECKPOINT_FILE
+    try:
+        saved = json.loads(results.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--resume {run_dir}: cannot read the run config from {results} "
+            f"({error}); give the folder of a fedadapt run"
+        ) from None
+    if not checkpoint.is_file():
+        raise ValueError(
+            f"--resume {run_dir}: no {CHECKPOINT_FILE} in that folder (the run "
+            "wrote none: checkpoint-every=0, or it stopped before the first); "
+            "start the run again instead"
+        )
+    return {
+        **saved,
+        **overrides,
+        "resume-from": str(checkpoint),
+        "output-dir": str(run_dir.parent),
+        "run-name": run_dir.name,
+    }
 
 
 def report(outcome: RunOutcome) -> int:
@@ -171,9 +211,23 @@ def node_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """Parse ``--num-supernodes``: an integer of at least 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (>= 1)")
+    return value
+
+
 def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
-    parser.add_argument("--num-supernodes", type=int, default=nodes)
+    parser.add_argument(
+        "--num-supernodes", type=positive_int, default=nodes,
+        help=f"nodes of the federation, at least 1 (default: {nodes})",
+    )  # fmt: skip
     parser.add_argument(
         "--run-config", default="", help='overrides, e.g. "num-server-rounds=5 seed=1"'
     )
@@ -204,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help='simulation settings, e.g. "client-resources-num-cpus=1 '
         'client-resources-num-gpus=0.25" (flwr run --federation-config)',
+    )
+    sim.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its checkpoint.pkl with the run "
+        "config of its results.json (--run-config adds to it, e.g. a larger "
+        "num-server-rounds); the run goes on in the same folder",
     )
     dep = commands.add_parser(
         "deploy", help="run the app on a SuperLink + SuperNodes started as processes"

@@ -213,8 +213,10 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("max-failed-rounds", 3, "Stop the run (status failed, client errors in "
         "the log) after this many consecutive rounds without a usable train reply; "
         "0 = never.", minimum=0),
-    Key("checkpoint-every", 0, "Save global model + strategy state every N rounds "
-        "(and after the last) to <run>/checkpoint.pkl; 0 = never.", minimum=0),
+    Key("checkpoint-every", 1, "Save global model + strategy state every N rounds "
+        "(and after the last) to <run>/checkpoint.pkl, replacing the last one "
+        "atomically; 0 = never. `fedadapt simulate --resume <run folder>` "
+        "continues from it (cost: docs/benchmarks.md).", minimum=0),
     Key("resume-from", "", "Checkpoint file to resume from (same task and "
         "strategy); the run continues to num-server-rounds."),
     Key("client-test-fraction", 0.2, "Share of each client's data held out for "

@@ -143,6 +143,7 @@ def test_tls_auth_deployment_runs_refuses_strangers_and_survives_node_loss(tmp_p
         assert "Failed to activate SuperNode" in log, log[-2000:]
 
         # 3. a SuperNode killed in round 1: the run completes with the others
+        online = {str(n) for n in deployment.online_nodes()}
         out = tmp_path / "run2"
         killer = _start_thread(_kill_when_training_starts, deployment, 2, out)
         outcome = submit_run(
@@ -155,6 +156,12 @@ def test_tls_auth_deployment_runs_refuses_strangers_and_survives_node_loss(tmp_p
         rounds = data["rounds"]
         assert data["status"] == "completed" and len(rounds) == 2
         assert sum(r["replies"]["failed"] for r in rounds) >= 1  # the lost reply
+        # results.json names the lost node (not the SuperLink that answered
+        # for it) and the reason, once per failed reply
+        lost = online - {str(n) for n in deployment.online_nodes()}
+        errors = [e for r in rounds for e in r["replies"]["errors"]]
+        assert len(errors) == sum(r["replies"]["failed"] for r in rounds)
+        assert {e.split(":")[0] for e in errors} == {f"node {n}" for n in lost}
         assert rounds[-1]["replies"]["used"] == 2
         assert rounds[-1]["nodes"]["train"] == {"wanted": 3, "connected": 2}
         assert rounds[-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]

@@ -29,7 +29,7 @@ def test_three_clients_three_rounds_learn(tmp_path):
     for r in rounds:
         assert r["replies"] == {
             "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": [],
-            "norm_mismatches": 0, "clipped": 0,
+            "norm_mismatches": 0, "clipped": 0, "errors": [],
         }  # fmt: skip
         assert r["evaluate_replies"]["used"] == 2
         assert r["federated_eval"]["eval-loss"] > 0
@@ -93,31 +93,54 @@ def test_each_strategy_runs_through_flower(tmp_path, strategy):
     assert same is not averaged
 
 
-def test_resumed_run_ends_with_exactly_the_same_model(tmp_path):
-    """Issue #4: checkpoint at round 2, resume to 4 == 4 rounds uninterrupted."""
-    import pickle
+def test_killed_run_resumed_with_resume_ends_with_exactly_the_same_model(
+    tmp_path, monkeypatch
+):
+    """Issues #4, #26: a run killed after round 2, resumed in its own folder
+    (``fedadapt simulate --resume``'s run config), == 4 rounds uninterrupted.
 
+    The killed run is the folder of the uninterrupted one as it stood right
+    after round 2's checkpoint (results.json still ``running``): what kill -9
+    leaves. Checkpoints are written every round by default.
+    """
+    import pickle
+    import shutil
+
+    from fedadapt.cli import resume_overrides
+    from fedadapt.server.run import RoundHook
+
+    checkpoint = RoundHook.checkpoint
+
+    def snapshot_after_round_2(hook, server_round):
+        checkpoint(hook, server_round)
+        if server_round == 2 and hook.recorder.run_dir.name == "straight":
+            shutil.copytree(hook.recorder.run_dir, tmp_path / "killed")
+
+    monkeypatch.setattr(RoundHook, "checkpoint", snapshot_after_round_2)
     common = {"output-dir": str(tmp_path), "strategy": "feddua", "clients-per-round": 3}
-    run_in_process({**common, "run-name": "first", "num-server-rounds": 2,
-                    "checkpoint-every": 2})  # fmt: skip
-    first = tmp_path / "first" / "checkpoint.pkl"
-    run_in_process({**common, "run-name": "resumed", "num-server-rounds": 4,
-                    "checkpoint-every": 2, "resume-from": str(first)})  # fmt: skip
-    run_in_process({**common, "run-name": "straight", "num-server-rounds": 4,
-                    "checkpoint-every": 4})  # fmt: skip
+    run_in_process({**common, "run-name": "straight", "num-server-rounds": 4})
+    killed = json.loads((tmp_path / "killed" / "results.json").read_text())
+    assert killed["status"] == "running" and len(killed["rounds"]) == 2
+    run_in_process(resume_overrides(tmp_path / "killed", {}))
 
     def load(name):
         return pickle.loads((tmp_path / name / "checkpoint.pkl").read_bytes())
 
-    resumed, straight = load("resumed"), load("straight")
+    resumed, straight = load("killed"), load("straight")
     assert resumed["round"] == straight["round"] == 4
     for key, value in straight["arrays"].items():
         np.testing.assert_array_equal(resumed["arrays"][key], value)
     for key, value in straight["strategy"]["rule"]["s"].items():
         np.testing.assert_array_equal(resumed["strategy"]["rule"]["s"][key], value)
-    data = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    data = json.loads((tmp_path / "killed" / "results.json").read_text())
+    reference = json.loads((tmp_path / "straight" / "results.json").read_text())
+    assert data["status"] == "completed" and data["resumed_from_round"] == 2
     assert [r["round"] for r in data["rounds"]] == [1, 2, 3, 4]
-    assert data["resumed_from_round"] == 2
+    for got, want in zip(data["rounds"], reference["rounds"], strict=True):
+        assert (got["train"], got["eval"]) == (want["train"], want["eval"])
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [
+        "checkpoint.pkl", "curves.png", "results.json",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])

@@ -1,7 +1,10 @@
 """Checkpoints: global model + strategy state + results so far, in one file.
 
 A checkpoint is a pickle (only load files you wrote yourself) written
-atomically to ``<run>/checkpoint.pkl``. Resuming from it with the same run
+atomically to ``<run>/checkpoint.pkl``: to a temporary file of a unique name
+in the same folder, flushed to disk, then renamed over the previous one, so
+a write that fails (full disk, killed process) leaves the last good
+checkpoint in place. Resuming from it with the same run
 config reproduces an uninterrupted run exactly (client seeds derive from the
 global round number, replies are aggregated in a canonical order, and with
 ``seeded-sampling`` the sample of a round depends on the seed, the global
@@ -33,8 +36,12 @@ def save_checkpoint(
     arrays: Mapping[str, np.ndarray],
     strategy_state: Mapping[str, Any] | None,
     results: Mapping[str, Any],
-) -> None:
-    """Write a checkpoint for the state after ``server_round``."""
+) -> int:
+    """Write a checkpoint for the state after ``server_round``; return its bytes.
+
+    On any error the temporary file is removed and the previous checkpoint
+    at ``path`` is left as it was; the error propagates.
+    """
     payload = {
         "format": FORMAT_VERSION,
         "round": server_round,
@@ -44,6 +51,8 @@ def save_checkpoint(
     }
     with atomic_open(path, "wb") as f:
         pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+        size = f.tell()
+    return size
 
 
 def load_checkpoint(path: str | Path, cfg: Mapping[str, Any]) -> dict[str, Any]:

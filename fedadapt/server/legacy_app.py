@@ -7,7 +7,9 @@ app components at ``fedadapt.server.legacy_app:app`` and
 curves.png (metrics of the model the strategy returns: with
 ``average-last-two`` the average of the last two iterates, which is also
 the legacy server's final parameters, written to final_model.npz when the
-run completes). Checkpoints and resume are Message-API only.
+run completes). Checkpoints and resume are Message-API only: this app writes
+none (results.json records ``checkpoint-every`` = 0) and refuses a
+``checkpoint-every`` or ``resume-from`` other than the default.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from flwr.server import (
 from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
-from fedadapt.config import ConfigError, validate_run_config
+from fedadapt.config import KEYS, ConfigError, validate_run_config
 from fedadapt.server.policy import QUERY_TIMEOUT_S
-from fedadapt.server.results import RunRecorder, claim_run_folder
+from fedadapt.server.results import RunRecorder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
     check_names,
+    claim_output_folder,
     initial_state,
     log_user_errors_in_one_line,
+    open_recorder,
     record_end,
     save_final_model,
 )
@@ -75,8 +79,9 @@ def server_fn(context: Context) -> ServerAppComponents:
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
     for key in ("checkpoint-every", "resume-from"):
-        if cfg[key]:
+        if cfg[key] != KEYS[key].default:
             raise ConfigError(key, "checkpoints need the Message-API ServerApp")
+    cfg = {**cfg, "checkpoint-every": 0}  # the default: none written here
     task = TASKS.get(cfg["task"])
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
     state = initial_state(task, cfg)
@@ -103,8 +108,8 @@ def server_fn(context: Context) -> ServerAppComponents:
         fit_metrics_aggregation_fn=weighted_mean,
         evaluate_metrics_aggregation_fn=weighted_mean,
     )
-    folder = claim_run_folder(cfg, context.run_id)  # a live run's folder: fail now
-    recorder = RunRecorder(folder.path, cfg, context.run_id, folder=folder)
+    folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
+    recorder = open_recorder(folder, cfg, context.run_id)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)
     config = ServerConfig(

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.common.logger import log
 
 from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
-from fedadapt.server.results import RunRecorder
-from fedadapt.server.run_folder import RunFolderError
+from fedadapt.server.results import RunRecorder, claim_run_folder
+from fedadapt.server.run_folder import RunFolder, RunFolderError
 from fedadapt.strategies._screening import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
@@ -72,6 +74,95 @@ def initial_state(task: Task, cfg: Mapping[str, Any]) -> State:
     """Return the seeded initial model as a NumPy state dict."""
     torch.manual_seed(cfg["seed"])
     return {k: v.numpy() for k, v in task.build_model().state_dict().items()}
+
+
+def check_partition(task: Task, cfg: Mapping[str, Any], num_nodes: int) -> None:
+    """Fail at start when the task's data cannot feed ``num_nodes`` clients.
+
+    Our choice, for simulations (node i is client i of ``num_nodes``, the
+    server sees the same ``data-dir``): compute every client's data as the
+    clients will (the partition lands in the on-disk cache they then read)
+    and require at least one training sample per client, and one local test
+    sample when federated evaluation is on (``clients-per-eval`` > 0). A
+    scheme that cannot split the data at all (e.g. ``dirichlet``'s 10
+    samples per client) says why. Raises one-line ConfigError naming
+    ``num-supernodes``, ``partition`` and ``task`` and how to fix it.
+    """
+    needs_test = cfg["clients-per-eval"] > 0
+    no_train: list[int] = []
+    no_test: list[int] = []
+    try:
+        for pid in range(num_nodes):
+            data = task.load_client(cfg, pid, num_nodes)
+            if len(data.train) == 0:  # type: ignore[arg-type]
+                no_train.append(pid)
+            elif needs_test and len(data.test) == 0:  # type: ignore[arg-type]
+                no_test.append(pid)
+    except ValueError as error:
+        if isinstance(error, USER_ERRORS):
+            raise
+        problem = str(error).rstrip(".")
+    else:
+        if not no_train and not no_test:
+            return
+        problem = (
+            _clients_without(no_train, num_nodes, "training sample")
+            if no_train
+            else _clients_without(no_test, num_nodes, "local test sample")
+            + " for federated evaluation (clients-per-eval > 0; or raise "
+            "client-test-fraction, or set clients-per-eval=0)"
+        )
+    raise ConfigError(
+        "partition",
+        f"task={cfg['task']!r} split by partition={cfg['partition']!r} cannot "
+        f"feed {num_nodes} simulated nodes (num-supernodes): {problem}; lower "
+        "num-supernodes (fedadapt simulate --num-supernodes N, flwr run "
+        "--federation-config 'num-supernodes=N') or choose another partition "
+        "or a larger task",
+    )
+
+
+def _clients_without(pids: list[int], num_nodes: int, what: str) -> str:
+    shown = ", ".join(map(str, pids[:5])) + (", ..." if len(pids) > 5 else "")
+    return f"{len(pids)} of {num_nodes} clients get no {what} (partition-ids {shown})"
+
+
+def _output_dir_error(cfg: Mapping[str, Any], error: OSError) -> ConfigError:
+    """Name the key and the path of an ``output-dir`` that cannot be written."""
+    path = Path(error.filename) if error.filename else cfg["output-dir"]
+    return ConfigError(
+        "output-dir",
+        f"cannot write the run folder at {path} ({error.strerror or error}); "
+        "set output-dir to a writable folder (an absolute path)",
+    )
+
+
+def claim_output_folder(cfg: Mapping[str, Any], run_id: int) -> RunFolder:
+    """Create and lock the run folder (:func:`claim_run_folder`).
+
+    An ``output-dir`` that cannot be created or written raises ConfigError
+    naming the key and the path (instead of a bare PermissionError).
+    """
+    try:
+        return claim_run_folder(cfg, run_id)
+    except OSError as error:
+        raise _output_dir_error(cfg, error) from None
+
+
+def open_recorder(
+    folder: RunFolder,
+    cfg: Mapping[str, Any],
+    run_id: int,
+    previous: Mapping[str, Any] | None = None,
+) -> RunRecorder:
+    """Start results.json in the claimed run ``folder``.
+
+    A folder that cannot be written raises ConfigError naming ``output-dir``.
+    """
+    try:
+        return RunRecorder(folder.path, cfg, run_id, previous=previous, folder=folder)
+    except OSError as error:
+        raise _output_dir_error(cfg, error) from None
 
 
 def central_evaluator(
@@ -155,12 +246,35 @@ class RoundHook:
         )
         ckpt = self.cfg["checkpoint-every"]
         if ckpt and (server_round % ckpt == 0 or server_round == num_rounds):
-            assert self.latest is not None, "checkpoints need the latest global model"
-            save_checkpoint(
+            self.checkpoint(server_round)
+        return scores
+
+    def checkpoint(self, server_round: int) -> None:
+        """Save the checkpoint of ``server_round``; record its size and time.
+
+        A failed write (full disk, unwritable folder) keeps the previous
+        checkpoint (:func:`save_checkpoint`), is logged and recorded in the
+        round's ``checkpoint`` entry; the run goes on (our choice: losing a
+        checkpoint must not lose the run).
+        """
+        assert self.latest is not None, "checkpoints need the latest global model"
+        entry: dict[str, Any] = {}
+        started = time.perf_counter()
+        try:
+            entry["bytes"] = save_checkpoint(
                 self.recorder.run_dir / CHECKPOINT_FILE,
                 server_round,
                 self.latest(),
                 self.strategy.state_dict(),
                 self.recorder.data,
             )
-        return scores
+        except OSError as error:
+            entry["error"] = f"{type(error).__name__}: {error}"
+            log(logging.WARNING, "fedadapt: round %d: checkpoint not written (%s); "
+                "the last good one is kept", server_round, entry["error"])  # fmt: skip
+        entry["seconds"] = time.perf_counter() - started
+        self.recorder.data["rounds"][-1]["checkpoint"] = entry
+        try:
+            self.recorder.write()
+        except OSError:
+            pass  # the same disk trouble; results.json is rewritten next round

@@ -29,13 +29,15 @@ from flwr.superlink.grid import InMemoryGrid
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
 from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
-from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
     check_names,
+    check_partition,
+    claim_output_folder,
     initial_state,
     log_user_errors_in_one_line,
+    open_recorder,
     record_end,
     save_final_model,
 )
@@ -125,8 +127,9 @@ def main(grid: Grid, context: Context) -> None:
     """Run ``num-server-rounds`` rounds; write results.json, curves, final model.
 
     Everything that can be checked here is, before any node is contacted:
-    the run config, the names it selects, the checkpoint to resume and the
-    task's test data. Such errors end the run (Flower: ``finished:failed``)
+    the run config, the names it selects, the checkpoint to resume, the
+    task's test data, in simulation whether the partition feeds every node,
+    and the output folder. Such errors end the run (Flower: ``finished:failed``)
     with one log line that names the key or the missing files.
 
     Which model is which: results.json reports the metrics of the model the
@@ -141,7 +144,7 @@ def main(grid: Grid, context: Context) -> None:
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     check_names(cfg)
-    folder = claim_run_folder(cfg, context.run_id)  # a live run's folder: fail now
+    folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     try:
         _run(grid, context, cfg, folder)
     finally:
@@ -153,12 +156,12 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    simulation = isinstance(grid, InMemoryGrid)
     num_nodes = wait_for_nodes(
-        grid,
-        cfg["clients-per-round"],
-        cfg["node-wait-timeout"],
-        simulation=isinstance(grid, InMemoryGrid),
+        grid, cfg["clients-per-round"], cfg["node-wait-timeout"], simulation
     )
+    if simulation:  # one federation, one data-dir: check the split feeds it
+        check_partition(task, cfg, num_nodes)
     if cfg["clients-per-round"] == 0:
         log(logging.INFO, "fedadapt: clients-per-round=0: every connected node "
             "trains each round (%d now)", num_nodes)  # fmt: skip
@@ -181,12 +184,8 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         strategy.load_state_dict(resume["strategy"])
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
 
-    recorder = RunRecorder(
-        folder.path,
-        cfg,
-        context.run_id,
-        previous=resume["results"] if resume else None,
-        folder=folder,
+    recorder = open_recorder(
+        folder, cfg, context.run_id, previous=resume["results"] if resume else None
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
     hook = RoundHook(

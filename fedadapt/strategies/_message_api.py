@@ -48,6 +48,7 @@ from fedadapt.strategies._screening import (
     RuleHost,
     ScreeningKwargs,
     evaluation_average,
+    failed_reply,
     screen,
 )
 from fedadapt.strategies.core import Arrays, ServerRule
@@ -121,17 +122,30 @@ def _describe_trainable(trainable: object) -> str:
     return f"{len(trainable)} named arrays"  # type: ignore[arg-type]
 
 
+def _recipients(messages: Iterable[Message]) -> dict[str, int]:
+    """Map the id of each message sent (set when the grid pushed it) to its node."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+
+
 def _unpack(
-    message: Message, with_arrays: bool, state_key: str | None = None
+    message: Message,
+    with_arrays: bool,
+    state_key: str | None = None,
+    recipients: dict[str, int] | None = None,
 ) -> Candidate | str:
     """Unpack a reply into metrics, model arrays and the rule's client state.
 
     The client state is the ArrayRecord named ``state_key`` (when the rule
-    has one); exactly one other ArrayRecord must hold the model.
+    has one); exactly one other ArrayRecord must hold the model. A failed
+    reply is named by the node its message was sent to (``recipients``):
+    the error Flower returns for a node that dropped out comes from the
+    SuperLink, not from the node.
     """
     node = message.metadata.src_node_id
     if message.has_error():
-        return message.error.reason or f"error code {message.error.code}"
+        node = (recipients or {}).get(message.metadata.reply_to_message_id, node)
+        reason = message.error.reason or f"error code {message.error.code}"
+        return failed_reply(node, reason)
     content = message.content
     if len(content.metric_records) != 1:
         return Candidate(node, None, {}, message, "expected exactly one MetricRecord")
@@ -209,6 +223,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
     ) -> None:
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         self._sent: Arrays | None = None
+        self._asked: dict[str, list[Message]] = {"train": [], "evaluate": []}
         self._last_output: ArrayRecord | None = None
         # with average_last_two: w_{t+1}, which training continues from
         self._iterate: Arrays | None = None
@@ -259,6 +274,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         self.check_trainable(arrays)
         arrays = self._training_record(arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._asked["train"] = messages  # the grid gives them ids when it sends
         self._sent = _to_numpy(arrays)
         state = self.rule.broadcast_state()
         if state is not None and self.rule.client_state_key is not None:
@@ -290,7 +306,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         """
         self.completed_round = server_round
         key = self.rule.client_state_key
-        candidates = [_unpack(m, with_arrays=True, state_key=key) for m in replies]
+        asked = _recipients(self._asked["train"])
+        candidates = [_unpack(m, True, key, asked) for m in replies]
         new, valid = self.run_rule(
             server_round, candidates, self._sent, self.weighted_by_key
         )
@@ -316,13 +333,16 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         """Configure evaluation as Flower does (none with ``fraction_evaluate=0``)."""
         if self.fraction_evaluate == 0.0:
             return []
-        return super().configure_evaluate(server_round, arrays, config, grid)
+        messages = list(super().configure_evaluate(server_round, arrays, config, grid))
+        self._asked["evaluate"] = messages
+        return messages
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Screen evaluation replies, then aggregate their metrics as Flower does."""
-        candidates = [_unpack(m, with_arrays=False) for m in replies]
+        asked = _recipients(self._asked["evaluate"])
+        candidates = [_unpack(m, False, recipients=asked) for m in replies]
         valid, report = screen(
             candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
         )

@@ -354,6 +354,16 @@ def _tail(text: str) -> str:
     return text if len(text) <= ERROR_TEXT_CHARS else "…" + text[-ERROR_TEXT_CHARS:]
 
 
+def failed_reply(node: int | str | None, error: str) -> str:
+    """Return a failed reply as screened: ``"node <id>: <end of its error>"``.
+
+    Flower reports a node that dropped out (or whose ClientApp raised) as a
+    reply carrying an error; its node id and reason go to results.json.
+    """
+    who = "node ?" if node is None else f"node {node}"
+    return f"{who}: {_tail(error) or 'no reason given'}"
+
+
 class FederationFailedError(RuntimeError):
     """Every reply failed or was rejected for too many consecutive rounds."""
 
@@ -507,7 +517,7 @@ class ScreenReport:
     rejections: list[str] = field(default_factory=list)
     norm_mismatches: int = 0
     clipped: int = 0
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # "node <id>: <error>"
 
     def reject_late(self, node: int | str, reason: str, round_label: str) -> None:
         """Count a reply rejected during aggregation (it was counted as used)."""
@@ -526,6 +536,7 @@ class ScreenReport:
             "rejections": list(self.rejections),
             "norm_mismatches": self.norm_mismatches,
             "clipped": self.clipped,
+            "errors": list(self.errors),
         }
 
     def problems(self) -> list[str]:
@@ -601,7 +612,8 @@ def screen(
 ) -> tuple[list[Candidate], ScreenReport]:
     """Split replies into usable ones and a report; log each rejection.
 
-    A ``str`` in ``candidates`` stands for a failed reply (its error text).
+    A ``str`` in ``candidates`` stands for a failed reply
+    (:func:`failed_reply`: node id and error text).
     ``extra_check`` adds rule-specific checks (e.g. Fed-LAMB's moments).
     With ``weight_optional`` (uniform weighting) a usable reply without
     ``weight_key`` gets weight 1 in its ``metrics`` (``defaulted_weight``
@@ -612,9 +624,10 @@ def screen(
     report = ScreenReport(received=len(candidates))
     valid: list[Candidate] = []
     for candidate in candidates:
-        if isinstance(candidate, str):
+        if isinstance(candidate, str):  # a failed reply (see failed_reply)
             report.failed += 1
-            report.errors.append(_tail(candidate))
+            report.errors.append(candidate)
+            log(WARNING, "%s: failed reply from %s", round_label, candidate)
             continue
         reason = candidate.problem or reject_reason(
             candidate.arrays, candidate.metrics, reference, weight_key,

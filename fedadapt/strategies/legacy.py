@@ -58,6 +58,7 @@ from fedadapt.strategies._screening import (
     RuleHost,
     ScreeningKwargs,
     evaluation_average,
+    failed_reply,
 )
 from fedadapt.strategies.core import (
     Arrays,
@@ -101,6 +102,14 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     initial_parameters: Parameters | None
     fit_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
     evaluate_metrics_aggregation_fn: Callable[..., dict[str, Scalar]] | None
+
+
+def _failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:
+    """Return a legacy failure as :func:`failed_reply` (node id when known)."""
+    if isinstance(failure, BaseException):
+        return failed_reply(None, repr(failure))
+    proxy, res = failure
+    return failed_reply(proxy.cid, res.status.message or repr(res.status.code))
 
 
 def _keyed(arrays: NDArrays, names: Sequence[str] | None = None) -> Arrays:
@@ -233,7 +242,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         the model Flower evaluates and ends with (w_{t+1} is kept).
         """
         self.completed_round = server_round
-        candidates: list[Candidate | str] = [repr(f) for f in failures]
+        candidates: list[Candidate | str] = [_failure(f) for f in failures]
         size = len(self._sent or {})
         with_state = self.rule.client_state_key is not None
         for proxy, res in results:

