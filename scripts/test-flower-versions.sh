@@ -22,7 +22,7 @@ BUILD_PYTHON=$1 VENV_PYTHON=$2 VERSIONS=$3
 shift 3
 unset PYTHONPATH  # the installed wheel, never this checkout, is under test
 
-rm -rf build/dist
+rm -rf build/dist && mkdir -p build
 "$BUILD_PYTHON" -m build --outdir build/dist . >build/build.log 2>&1 \
     || { tail -20 build/build.log >&2; exit 1; }
 wheel=$(ls "$PWD"/build/dist/fedadapt-*.whl)

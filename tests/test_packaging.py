@@ -116,3 +116,20 @@ def test_licence_is_the_apache_2_text():
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     assert "END OF TERMS AND CONDITIONS" in text
     assert PYPROJECT["project"]["license"] == {"file": "LICENSE"}
+
+
+def test_docker_image_installs_the_apps_flower_pin_once():
+    """docker/requirements.py: the app's Flower pin (no Ray), not the library's range."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docker/requirements.py"), str(ROOT)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = done.stdout.split()
+    app = _flwr(PYPROJECT["project"]["optional-dependencies"]["app"])
+    assert [line for line in lines if Requirement(line).name == "flwr"] == [
+        f"flwr{app.specifier}"
+    ]
+    assert not any(Requirement(line).name in ("torch", "torchvision") for line in lines)
