@@ -119,7 +119,7 @@ def test_licence_is_the_apache_2_text():
 
 
 def test_docker_image_installs_the_apps_flower_pin_once():
-    """docker/requirements.py: the app's Flower pin (no Ray), not the library's range."""
+    """docker/requirements.py: the app's Flower pin (no Ray), not the library range."""
     import subprocess
     import sys
 
