@@ -74,4 +74,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .flwr
+	rm -rf $(VENV) .flwr build
