@@ -38,7 +38,8 @@ LIBRARY_TESTS := tests/test_rules.py tests/test_strategies.py tests/test_legacy.
 
 # builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
 # pytest; no PyTorch) with the wheel installed without changing flwr, and runs
-# LIBRARY_TESTS against the installed wheel (about 1 minute per version)
+# LIBRARY_TESTS against the installed wheel (66 s for both versions on a
+# 2-core VM with a warm pip cache)
 test-flower-versions: $(STAMP)
 	scripts/test-flower-versions.sh $(BIN)/python $(PYTHON) "$(FLOWER_VERSIONS)" $(LIBRARY_TESTS)
 
