@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deploy test-docker smoke lint format install clean
+.PHONY: demo test test-flower-versions test-deploy test-docker smoke lint format install clean
 
 install: $(STAMP)
 
@@ -25,6 +25,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
+
+# The Flower releases the library is tested on: the oldest pyproject's
+# `flwr>=` allows and the newest release (the app's pin); tests/test_packaging.py
+# keeps the three in step
+FLOWER_VERSIONS := 1.41.0 1.42.0
+# the tests that need only flwr + numpy (tests marked `app` in them are left out)
+LIBRARY_TESTS := tests/test_rules.py tests/test_strategies.py tests/test_legacy.py \
+	tests/test_fedlamb_strategy.py tests/test_screening.py tests/test_second_moments.py \
+	tests/test_trust.py tests/test_readme_rule.py tests/test_imports.py \
+	tests/test_library_plug_in.py
+
+# builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
+# pytest; no PyTorch) with the wheel installed without changing flwr, and runs
+# LIBRARY_TESTS against the installed wheel (66 s for both versions on a
+# 2-core VM with a warm pip cache)
+test-flower-versions: $(STAMP)
+	scripts/test-flower-versions.sh $(BIN)/python $(PYTHON) "$(FLOWER_VERSIONS)" $(LIBRARY_TESTS)
 
 # real processes: SuperLink + 3 SuperNodes with TLS, SuperNode auth, a refused
 # stranger and node loss (about 4 minutes; kept out of the default suite)
@@ -58,4 +75,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .flwr
+	rm -rf $(VENV) .flwr build

@@ -1,4 +1,4 @@
-"""Static checks of docker/: every daemon flag exists in Flower 1.41 (issue #11).
+"""Static checks of docker/: every daemon flag exists in the installed Flower (#11).
 
 The GPU override cannot run here (no GPU in containers); these checks hold for
 every compose file: each service's command names a Flower daemon whose

@@ -164,7 +164,7 @@ def test_fab_holds_the_package_only_whatever_lies_around(tmp_path):
         for p in (app / "fedadapt").rglob("*.py")
         if "__pycache__" not in p.parts
     }
-    assert shipped == package | {"pyproject.toml"}
+    assert shipped == package | {"pyproject.toml", "LICENSE"}
 
 
 def test_readme_links_stay_inside_the_repository():

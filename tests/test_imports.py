@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CODE = """
 import sys
 import fedadapt.strategies as s
@@ -24,14 +26,14 @@ def test_pip_install_fedadapt_needs_only_flwr_and_numpy():
     """Plug-in users install the base package; the app's stack is an extra."""
     import tomllib
 
+    from packaging.requirements import Requirement
+
     from tests.helpers import ROOT
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    base = {r.split("=")[0].split("[")[0] for r in project["dependencies"]}
+    base = {Requirement(r).name for r in project["dependencies"]}
     assert base == {"flwr", "numpy"}
-    app = {
-        r.split("=")[0].split("[")[0] for r in project["optional-dependencies"]["app"]
-    }
+    app = {Requirement(r).name for r in project["optional-dependencies"]["app"]}
     assert {"torch", "torchvision", "flwr"} <= app
 
 
@@ -47,6 +49,7 @@ def test_registry_and_config_do_not_import_each_other():
     assert "fedadapt.registry" not in _modules_after("import fedadapt.config")
 
 
+@pytest.mark.app
 def test_client_app_does_not_load_server_or_cli_modules():
     loaded = _modules_after("import fedadapt.client.client_app")
     packages = ("fedadapt.server", "fedadapt.submission", "fedadapt.cli",

@@ -323,6 +323,7 @@ def test_run_config_keys_reach_both_apis_strategies():
         assert strategy.secure_aggregation is False
 
 
+@pytest.mark.app
 def test_legacy_batchnorm_model_norms_agree_with_the_numpy_client(monkeypatch):
     """The legacy server and the NumPyClient compute ‖Δ_i‖² over the same arrays."""
     import torch
@@ -381,6 +382,7 @@ def test_legacy_batchnorm_model_norms_agree_with_the_numpy_client(monkeypatch):
             np.testing.assert_allclose(got[k], mean.astype(x0[k].dtype), rtol=1e-5)
 
 
+@pytest.mark.app
 def test_legacy_app_names_the_arrays(tmp_path):
     from flwr.common import Context, RecordDict
 
@@ -397,6 +399,7 @@ def test_legacy_app_names_the_arrays(tmp_path):
     legacy_app._RUNS.pop(1)
 
 
+@pytest.mark.app
 def test_server_app_run_fails_after_failed_rounds(tmp_path):
     """In-process simulation: every client raises; the run stops, status failed."""
     from tests.helpers import run_in_process
@@ -417,6 +420,7 @@ def test_server_app_run_fails_after_failed_rounds(tmp_path):
     assert len(data["rounds"]) == 1  # round 1 recorded; round 2 stopped the run
 
 
+@pytest.mark.app
 def test_legacy_app_records_the_error_that_ended_the_run(tmp_path):
     from flwr.common import Context, RecordDict
 
