@@ -34,7 +34,8 @@ FLOWER_VERSIONS := 1.41.0 1.42.0
 LIBRARY_TESTS := tests/test_rules.py tests/test_strategies.py tests/test_legacy.py \
 	tests/test_fedlamb_strategy.py tests/test_screening.py tests/test_second_moments.py \
 	tests/test_trust.py tests/test_readme_rule.py tests/test_imports.py \
-	tests/test_library_plug_in.py
+	tests/test_library_plug_in.py tests/test_hostile.py tests/test_run_control.py \
+	tests/test_plug_in_user.py
 
 # builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
 # pytest; no PyTorch) with the wheel installed without changing flwr, and runs

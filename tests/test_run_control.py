@@ -485,6 +485,7 @@ def _recording_server(folder, strategy):
                            recorder=recorder, array_names=NAMES)  # fmt: skip
 
 
+@pytest.mark.app  # the legacy app / the README's Net need PyTorch
 def test_the_legacy_app_records_why_the_run_ended(tmp_path):
     """Its RecordingServer writes stop_reason into results.json (no Ray needed)."""
     import json
@@ -504,6 +505,7 @@ def test_the_legacy_app_records_why_the_run_ended(tmp_path):
     assert "stop_detail" not in whole
 
 
+@pytest.mark.app  # the legacy app needs PyTorch
 @pytest.mark.parametrize(
     ("name", "stop", "last_round"),
     [("feddua", {}, 3), ("fedexp", {}, 3),
@@ -549,6 +551,7 @@ class _Net:
         return {k: torch.from_numpy(v.copy()) for k, v in X0.items()}
 
 
+@pytest.mark.app  # the legacy app / the README's Net need PyTorch
 def test_readme_resume_example_runs_as_written(tmp_path, monkeypatch):
     """2 rounds, then a second run to 4 == one run of 4 rounds, bit for bit."""
     from flwr.app import Context
