@@ -48,7 +48,7 @@ from fedadapt.strategies.core.base import AGGREGATIONS
 #: round's median update norm. Honest clients measured up to 2.7x the median
 #: (max/median per round; digits-mlp over 10 clients, Dirichlet α = 0.1 with
 #: Adam/Δ-SGD clients, α = 0.05, shards, IID; synthetic-linreg; mnist5k-cnn:
-#: docs/failures-hostile.md), so 5 leaves them untouched with a margin of
+#: docs/failures.md), so 5 leaves them untouched with a margin of
 #: almost 2 while one client can weigh at most 5x a typical one.
 DEFAULT_NORM_RATIO = 5.0
 
