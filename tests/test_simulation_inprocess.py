@@ -139,8 +139,11 @@ def test_killed_run_resumed_with_resume_ends_with_exactly_the_same_model(
     for got, want in zip(data["rounds"], reference["rounds"], strict=True):
         assert (got["train"], got["eval"]) == (want["train"], want["eval"])
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [
-        "checkpoint.pkl", "curves.png", "results.json",
+        ".lock", "checkpoint.pkl", "curves.png", "final_model.npz", "results.json",
     ]  # fmt: skip
+    final = np.load(tmp_path / "killed" / "final_model.npz")
+    for key, value in np.load(tmp_path / "straight" / "final_model.npz").items():
+        np.testing.assert_array_equal(final[key], value)
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
