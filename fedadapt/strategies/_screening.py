@@ -740,8 +740,8 @@ def apply_rule(
         return None, {}, []
     if stats.client_sq_norms is not None:
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)
-        if stats.norm_bound is not None:
-            _count_clipped(ordered, stats.client_sq_norms, stats.norm_bound,
+        if stats.clip_scales is not None:
+            _count_clipped(ordered, stats.client_sq_norms, stats.clip_scales,
                            report, round_label)  # fmt: skip
     new, diagnostics = rule.apply(reference, stats)
     if stats.norm_bound is not None:
@@ -756,16 +756,17 @@ def apply_rule(
 def _count_clipped(
     used: Sequence[Candidate],
     sq_norms: Sequence[float],
-    bound: float,
+    scales: Sequence[float],
     report: ScreenReport,
     round_label: str,
 ) -> None:
-    """Count and log each update clipped to ``bound`` (naming its node)."""
-    for candidate, sq in zip(used, sq_norms, strict=True):
-        if math.sqrt(sq) > bound:
+    """Count and log each clipped update (naming its node and both norms)."""
+    for candidate, sq, scale in zip(used, sq_norms, scales, strict=True):
+        if scale < 1:
             report.clipped += 1
             log(WARNING, "%s: clipped the update of node %s from norm %.6g to %.6g",
-                round_label, candidate.node, math.sqrt(sq), bound)  # fmt: skip
+                round_label, candidate.node, math.sqrt(sq),
+                scale * math.sqrt(sq))  # fmt: skip
 
 
 def _check_reported_norms(
