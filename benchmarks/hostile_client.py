@@ -104,10 +104,10 @@ def main() -> None:
             if label == "honest":
                 honest, spread = loss, ratio
                 cells.append(f"{loss:.4g} ({clipped} clipped)")
-            elif math.isfinite(loss):
+            elif math.isfinite(loss) and loss < 100 * honest:
                 cells.append(f"{loss:.4g} ({(loss - honest) / honest:+.1%})")
             else:
-                cells.append(str(loss))
+                cells.append(f"{loss:.2g}")
         print(f"| {name} | " + " | ".join(cells) + f" | {spread:.2f} |", flush=True)
 
 
