@@ -45,7 +45,8 @@ from fedadapt.strategies.core import (
 from fedadapt.strategies.core.base import AGGREGATIONS
 
 #: Default of ``max_update_norm_ratio``: an update above 5x the round's
-#: median update norm is flagged and scaled down to that median. Honest
+#: median update norm is flagged and scaled down to the median norm of the
+#: unflagged updates. Honest
 #: clients measured up to 2.7x the median (max/median per round; digits-mlp
 #: over 10 clients, Dirichlet α = 0.1 with Adam/Δ-SGD clients, α = 0.05,
 #: shards, IID; synthetic-linreg; mnist5k-cnn: docs/failures.md), so 5 leaves
@@ -97,14 +98,16 @@ class RuleHost:
     max_update_norm_ratio : float | None (default: None)
         k > 0: the detection threshold of norm bounding (Sun et al. 2019). A
         client update with ‖Δ_i‖ > k·m, m = median_j ‖Δ_j‖ of the round, is
-        scaled down to norm min(1, k)·m before it enters Δ̄ and A (counted
-        as ``clipped``, k·m recorded as the diagnostic
-        ``update-norm-bound``), so a flagged client weighs like one typical
-        client, however large its update (our choice: Sun et al. bound to a
-        fixed M, and clipping to k·m left a ×1e6 client at 22–34 % off the
-        honest loss, docs/failures.md). Updates at or below k·m are untouched:
-        a round without an outlier is aggregated exactly as without clipping.
-        With ``max_update_norm`` the smaller factor applies. None =
+        scaled down to the median norm of the updates not flagged before it
+        enters Δ̄ and A (counted as ``clipped``, k·m recorded as the
+        diagnostic ``update-norm-bound``), so a flagged client weighs like
+        one typical client, however large its update (our choice: Sun et al.
+        bound to a fixed M, and clipping to k·m left a ×1e6 client at
+        22–34 % off the honest loss, docs/failures.md;
+        :func:`~fedadapt.strategies.core.base.clip_scales`). Updates at or
+        below k·m are untouched: a round without an outlier is aggregated
+        exactly as without clipping. With ``max_update_norm`` the smaller
+        factor applies. None =
         :data:`DEFAULT_NORM_RATIO` (5), or off under ``secure_aggregation``
         (the server sees only sums there); 0 = off.
     aggregation : str (default: "mean")
