@@ -8,8 +8,9 @@ both Flower adapters call) with the rule of run-config ``strategy``.
 Printed per strategy: the central test loss after ``--rounds`` rounds of the
 honest federation, of the hostile one with the default defence
 (``max-update-norm-ratio`` 5: an update above 5x the round's median norm is
-scaled down to that median), of a client at x4 (below that bound, so never
-clipped: the most a client can weigh undetected), with the defence off, and
+scaled down to the median norm of the others), of a client at x4 (below that
+bound, so never clipped: about the most a client can weigh undetected), with
+the defence off, and
 with the robust aggregators, plus the honest runs' largest ratio
 max_i ‖Δ_i‖ / median_i ‖Δ_i‖.
 
