@@ -198,11 +198,12 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
-    Key("max-update-norm-ratio", 5.0, "Clip each client's update to this multiple "
-        "of the round's median client update norm before aggregation (norm "
-        "bounding: one hostile client cannot blow up the step; counted as clipped, "
-        "bound in the round's strategy diagnostics); 0 = off. Off with "
-        "secure-aggregation (the server sees only sums).", minimum=0.0),
+    Key("max-update-norm-ratio", 5.0, "Detection threshold of norm bounding: a "
+        "client update above this multiple of the round's median client update "
+        "norm is scaled down to the median norm of the other updates before "
+        "aggregation (one hostile client weighs like one typical client; counted "
+        "as clipped, threshold in the round's strategy diagnostics); 0 = off. Off "
+        "with secure-aggregation (the server sees only sums).", minimum=0.0),
     Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
         "steps on: mean (weighted, the papers), median or trimmed-mean "
         "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg). Not "
