@@ -426,7 +426,9 @@ def test_message_api_should_stop_as_in_flowers_nightly():
                             _evaluate_fn, should_stop)  # fmt: skip
     assert calls == [(1, [1]), (2, [1, 2])]
     assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
-    assert strategy.stop_reason is None  # the user's predicate, not the rule
+    # the run did not run all its rounds: says so, naming the user's predicate
+    assert strategy.stop_reason == "should-stop"
+    assert "round 2" in strategy.stop_message
 
 
 def test_a_rule_that_fires_in_the_last_round_is_no_early_stop():

@@ -82,7 +82,8 @@ class RunControl:
         The rule (None without ``stop_metric``).
     stop_reason : str | None
         ``"stop-target"`` or ``"stop-patience"`` when the last run ended
-        early; None when it ran all its rounds.
+        early by the stop rule, ``"should-stop"`` by ``start``'s
+        ``should_stop`` (Message API); None when it ran all its rounds.
     stop_message : str | None
         The same, as a sentence.
     completed_round : int

@@ -432,6 +432,11 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             rounds_left = current_round < num_rounds
             stop = self._decide_stop(current_round, rounds_left)
             if should_stop is not None and should_stop(current_round, result):
+                if not stop and rounds_left:
+                    self.stop_reason = "should-stop"
+                    self.stop_message = (
+                        f"should_stop returned True after round {current_round}"
+                    )
                 stop = True
             if stop:
                 log(INFO, "Stopping early after round %s", current_round)
