@@ -1,0 +1,30 @@
+"""Names on the wire between fedadapt's strategies and clients, defined once.
+
+Server (``fedadapt.strategies``) and clients (``fedadapt.client``) import
+these; neither side spells them as string literals. The names are Flower
+record and metric keys, so they match what Flower's own FedAvg sends and
+reads where the concept is shared (``arrays``, ``config``, ``metrics``,
+``num-examples``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# records of a train / evaluate message (RecordDict keys)
+ARRAYS: Final = "arrays"  #: the model (ArrayRecord), both directions
+CONFIG: Final = "config"  #: server → client settings (ConfigRecord)
+METRICS: Final = "metrics"  #: client → server numbers (MetricRecord)
+SECOND_MOMENTS: Final = "second-moments"  #: Fed-LAMB/Fed-AMS v̂ down, v up
+
+# entries of the server's train config
+LR: Final = "lr"  #: client learning rate η_l of the round
+SERVER_ROUND: Final = "server-round"  #: 1-based round number
+
+# entries of a client's metrics
+NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
+UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable arrays
+
+# a node's answer to the server's query message (seeded sampling)
+PARTITION_ID: Final = "partition-id"
+NUM_PARTITIONS: Final = "num-partitions"
