@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedadapt.deploy.process import (
+from fedadapt.tools.deploy.process import (
+    SuperLinkConnection,
     flower_env,
     free_port,
     online_supernodes,
     write_connection,
 )
-from fedadapt.submission import SuperLinkConnection
 
 
 @dataclass

@@ -28,6 +28,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,17 @@ def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
         "PATH": str(venv_bin()) + os.pathsep + os.environ.get("PATH", ""),
         **extra,
     }
+
+
+@dataclass
+class SuperLinkConnection:
+    """A SuperLink someone else runs (containers, another host): where and how."""
+
+    flwr_home: Path
+    address: str
+    connection: str = "fedadapt"
+    root_certificates: Path | None = None
+    simulation: bool = False
 
 
 def write_connection(

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedadapt.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
+from fedadapt.tools.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
 
 ESCAPE = """
 import os, sys, time

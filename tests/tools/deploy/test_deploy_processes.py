@@ -23,9 +23,13 @@ from cryptography.hazmat.primitives.serialization import (
     load_ssh_public_key,
 )
 
-from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
-from fedadapt.deploy.local import LocalDeployment
-from fedadapt.submission import submit_run
+from fedadapt.tools.deploy.certs import (
+    make_certificates,
+    make_node_keys,
+    public_key_path,
+)
+from fedadapt.tools.deploy.local import LocalDeployment
+from fedadapt.tools.submission import submit_run
 from tests.helpers import ROOT, assert_no_processes_under
 
 RUN = {
@@ -75,7 +79,7 @@ def test_node_keys_load_as_flower_loads_them(tmp_path):
 
 
 def test_certs_command_refuses_to_overwrite(tmp_path, capsys):
-    from fedadapt.cli import main
+    from fedadapt.tools.cli import main
 
     assert main(["certs", "--out", str(tmp_path), "--host", "localhost"]) == 0
     assert main(["certs", "--out", str(tmp_path), "--host", "localhost"]) == 2

@@ -2,7 +2,7 @@
 
 ``fedadapt deploy`` does the same on a real deployment started here (a
 SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
-authentication; ``fedadapt.deploy.local``); ``fedadapt certs`` and
+authentication; ``fedadapt.tools.deploy.local``); ``fedadapt certs`` and
 ``fedadapt node-keys`` make the certificates and keys for one elsewhere.
 
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.common.config import parse_config_args
 
-from fedadapt.submission import (
+from fedadapt.tools.submission import (
     RunOutcome,
     SimulationSuperLink,
     Submitted,
@@ -169,7 +169,7 @@ def simulate(args: argparse.Namespace) -> int:
 
 def deploy(args: argparse.Namespace) -> int:
     """Run the app on a SuperLink + SuperNodes started as processes here."""
-    from fedadapt.deploy.local import LocalDeployment
+    from fedadapt.tools.deploy.local import LocalDeployment
 
     app, overrides = _prepare(args)
     workdir = Path(args.workdir or app / ".flwr-deploy").resolve()
@@ -193,7 +193,7 @@ def deploy(args: argparse.Namespace) -> int:
 
 def certs(args: argparse.Namespace) -> int:
     """Write a CA and a SuperLink certificate for the given hosts."""
-    from fedadapt.deploy.certs import make_certificates
+    from fedadapt.tools.deploy.certs import make_certificates
 
     for path in make_certificates(
         Path(args.out), args.host, args.days, args.force
@@ -204,7 +204,7 @@ def certs(args: argparse.Namespace) -> int:
 
 def node_keys(args: argparse.Namespace) -> int:
     """Write SuperNode authentication key pairs."""
-    from fedadapt.deploy.certs import make_node_keys, public_key_path
+    from fedadapt.tools.deploy.certs import make_node_keys, public_key_path
 
     for path in make_node_keys(Path(args.out), args.count, args.force):
         print(f"{path}  (register {public_key_path(path)})")

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from fedadapt.config import ConfigError
-from fedadapt.experiments import (
+from fedadapt.tools.experiments import (
     SuiteError,
     cell_done,
     load_suite,
@@ -245,7 +245,7 @@ def test_shipped_suites_are_valid(path):
 def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
     """``--federation-config`` (client resources on a GPU machine) is passed to
     each cell's ``flwr run --federation-config`` beside num-supernodes."""
-    from fedadapt import submission as cli
+    from fedadapt.tools import submission as cli
 
     commands = []
 
@@ -288,7 +288,7 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
 def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys):
     """``--federation-config`` with a key Flower rejects: exit 2 and Flower's
     message, not a traceback."""
-    from fedadapt import submission as cli
+    from fedadapt.tools import submission as cli
 
     class FakeSuperLink:
         flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from fedadapt.deploy.process import free_port
+from fedadapt.tools.deploy.process import free_port
 from tests.helpers import ROOT, VENV_BIN, assert_no_processes_under
 
 pytestmark = pytest.mark.e2e

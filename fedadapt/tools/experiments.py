@@ -287,7 +287,7 @@ def run_suite(
 
     from tqdm import tqdm
 
-    from fedadapt.submission import SimulationSuperLink, submit_run
+    from fedadapt.tools.submission import SimulationSuperLink, submit_run
 
     out = (output_root / suite.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
