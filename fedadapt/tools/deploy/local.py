@@ -193,10 +193,14 @@ class LocalDeployment:
     def register(self, private_key: Path) -> None:
         """Register the public key of ``private_key`` with the SuperLink."""
         flwr(
-            ["supernode", "register", str(public_key_path(private_key)),
-             self.connection],
+            [
+                "supernode",
+                "register",
+                str(public_key_path(private_key)),
+                self.connection,
+            ],
             flower_env(self.flwr_home),
-        )  # fmt: skip
+        )
 
     def online_nodes(self) -> list[str]:
         """Node ids the SuperLink lists as online (as ``flwr`` prints them)."""

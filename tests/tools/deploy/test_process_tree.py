@@ -41,9 +41,11 @@ def _start(tree: ProcessTree, kind: str) -> int:
     of the process the tree started, which has exited)."""
     starter = subprocess.Popen(
         [sys.executable, "-c", ESCAPE, kind],
-        env=tree.env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
+        env=tree.env(dict(os.environ)),
+        stdout=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     assert starter.stdout is not None
     pid = int(starter.stdout.readline())  # printed by the escaped grandchild
     starter.stdout.close()
