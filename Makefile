@@ -35,7 +35,7 @@ LIBRARY_TESTS := tests/test_rules.py tests/test_strategies.py tests/test_legacy.
 	tests/test_fedlamb_strategy.py tests/test_screening.py tests/test_second_moments.py \
 	tests/test_trust.py tests/test_readme_rule.py tests/test_imports.py \
 	tests/test_library_plug_in.py tests/test_hostile.py tests/test_run_control.py \
-	tests/test_plug_in_user.py
+	tests/test_plug_in_user.py tests/test_layering.py
 
 # builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
 # pytest; no PyTorch) with the wheel installed without changing flwr, and runs
@@ -51,7 +51,7 @@ test-deploy: $(STAMP)
 
 # real containers: Docker engine, offline base image, compose (docs/deployment.md)
 test-docker: $(STAMP)
-	$(BIN)/python -m pytest -q -m docker -rs tests/docker
+	$(BIN)/python -m pytest -q -m docker -rs tests/tools/deploy/docker
 
 SMOKE_SUITES := feddua-synthetic-smoke delta-sgd-digits-smoke fed-lamb-digits-smoke
 

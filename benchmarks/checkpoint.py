@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def real_run(task: str, nodes: int, rounds: int, workdir: Path) -> dict[str, Any]:
     """Run ``task`` through a private SuperLink; return per-round medians."""
-    from fedadapt.submission import SimulationSuperLink, submit_run
+    from fedadapt.tools.submission import SimulationSuperLink, submit_run
 
     overrides = {
         "task": task,

@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedadapt.submission import RunOutcome, SimulationSuperLink, submit_run  # noqa: E402
+from fedadapt.tools.submission import RunOutcome, SimulationSuperLink, submit_run  # noqa: E402
 
 CONFIG: dict[str, Any] = {
     "task": "digits-mlp",
@@ -168,9 +168,9 @@ def simulation(work: Path, rounds: int) -> dict[str, Any]:
 def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
     """SuperLink + 3 SuperNodes as processes on loopback (``fedadapt deploy``)."""
     try:
-        from fedadapt.deploy.local import LocalDeployment
+        from fedadapt.tools.deploy.local import LocalDeployment
     except ImportError as error:
-        raise Skipped(f"fedadapt.deploy.local unavailable: {error}") from error
+        raise Skipped(f"fedadapt.tools.deploy.local unavailable: {error}") from error
     with LocalDeployment(work / "deploy", CLIENTS, tls=tls, auth=auth) as deployment:
         return run_apps(deployment, work, rounds)
 
@@ -252,9 +252,9 @@ def _containers(work: Path, rounds: int, image: str) -> dict[str, Any]:
             "no Docker engine answers (docker/engine.sh up, or --start-engine)"
         )
     try:
-        from fedadapt.deploy.compose import ComposeProject
+        from fedadapt.tools.deploy.compose import ComposeProject
     except ImportError as error:
-        raise Skipped(f"fedadapt.deploy.compose unavailable: {error}") from error
+        raise Skipped(f"fedadapt.tools.deploy.compose unavailable: {error}") from error
     inspect = subprocess.run(
         ["docker", "image", "inspect", image], capture_output=True, check=False
     )

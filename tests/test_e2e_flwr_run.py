@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fedadapt.submission import free_port
+from fedadapt.tools.submission import free_port
 from tests.helpers import ROOT, VENV_BIN, assert_no_processes_under
 
 pytestmark = pytest.mark.e2e

@@ -182,7 +182,7 @@ def _markdown_links(text: str) -> list[str]:
 
 
 def test_flower_refusal_is_reported_as_its_message(tmp_path, monkeypatch):
-    from fedadapt import submission as cli
+    from fedadapt.tools import submission as cli
 
     refusal = (
         '{"success": false, "error-message": "Using SuperLink: x\\n\\n'

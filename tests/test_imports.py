@@ -50,9 +50,9 @@ def test_registry_and_config_do_not_import_each_other():
 
 
 @pytest.mark.app
-def test_client_app_does_not_load_server_or_cli_modules():
+def test_client_app_does_not_load_server_or_tools_modules():
     loaded = _modules_after("import fedadapt.client.client_app")
-    packages = ("fedadapt.server", "fedadapt.submission", "fedadapt.cli",
+    packages = ("fedadapt.server", "fedadapt.tools",
                 "matplotlib", "sklearn", "ray", "yaml")  # fmt: skip
     unwanted = {m for m in loaded for p in packages if m == p or m.startswith(p + ".")}
     assert unwanted == set()

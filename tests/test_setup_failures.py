@@ -13,7 +13,6 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.superlink.grid import InMemoryGrid
 
-from fedadapt import cli
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server import run as server_run
 from fedadapt.server import server_app
@@ -23,6 +22,7 @@ from fedadapt.server.run import RoundHook
 from fedadapt.strategies import FedAvg
 from fedadapt.tasks import TASKS
 from fedadapt.tasks.datasets import DatasetCorruptError, load_torchvision
+from fedadapt.tools import cli
 from tests.helpers import make_reply
 from tests.test_datasets import make_mnist
 from tests.test_tasks import write_mnist5k_csv

@@ -106,8 +106,8 @@ def test_killed_run_resumed_with_resume_ends_with_exactly_the_same_model(
     import pickle
     import shutil
 
-    from fedadapt.cli import resume_overrides
     from fedadapt.server.run import RoundHook
+    from fedadapt.tools.cli import resume_overrides
 
     checkpoint = RoundHook.checkpoint
 

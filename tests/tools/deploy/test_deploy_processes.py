@@ -23,9 +23,13 @@ from cryptography.hazmat.primitives.serialization import (
     load_ssh_public_key,
 )
 
-from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
-from fedadapt.deploy.local import LocalDeployment
-from fedadapt.submission import submit_run
+from fedadapt.tools.deploy.certs import (
+    make_certificates,
+    make_node_keys,
+    public_key_path,
+)
+from fedadapt.tools.deploy.local import LocalDeployment
+from fedadapt.tools.submission import submit_run
 from tests.helpers import ROOT, assert_no_processes_under
 
 RUN = {
@@ -46,8 +50,10 @@ def test_server_certificate_verifies_against_the_ca_with_the_requested_names(
     files = make_certificates(tmp_path, ["superlink", "localhost", "127.0.0.1"])
     done = subprocess.run(
         ["openssl", "verify", "-CAfile", files["ca.crt"], files["server.crt"]],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     cert = x509.load_pem_x509_certificate(files["server.crt"].read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -75,7 +81,7 @@ def test_node_keys_load_as_flower_loads_them(tmp_path):
 
 
 def test_certs_command_refuses_to_overwrite(tmp_path, capsys):
-    from fedadapt.cli import main
+    from fedadapt.tools.cli import main
 
     assert main(["certs", "--out", str(tmp_path), "--host", "localhost"]) == 0
     assert main(["certs", "--out", str(tmp_path), "--host", "localhost"]) == 2
@@ -121,9 +127,12 @@ def test_tls_auth_deployment_runs_refuses_strangers_and_survives_node_loss(tmp_p
         # 1. two rounds of FedDuA on 3 SuperNodes over TLS with node auth
         out = tmp_path / "run1"
         outcome = submit_run(
-            deployment, ROOT, {**RUN, "num-server-rounds": 2, "output-dir": str(out)},
-            3, timeout=300,
-        )  # fmt: skip
+            deployment,
+            ROOT,
+            {**RUN, "num-server-rounds": 2, "output-dir": str(out)},
+            3,
+            timeout=300,
+        )
         assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
         data = _results(outcome.results)
         assert data["status"] == "completed" and len(data["rounds"]) == 2
@@ -147,9 +156,12 @@ def test_tls_auth_deployment_runs_refuses_strangers_and_survives_node_loss(tmp_p
         out = tmp_path / "run2"
         killer = _start_thread(_kill_when_training_starts, deployment, 2, out)
         outcome = submit_run(
-            deployment, ROOT, {**RUN, "num-server-rounds": 2, "output-dir": str(out)},
-            3, timeout=400,
-        )  # fmt: skip
+            deployment,
+            ROOT,
+            {**RUN, "num-server-rounds": 2, "output-dir": str(out)},
+            3,
+            timeout=400,
+        )
         killer.join(timeout=5)
         assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
         data = _results(outcome.results)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fedadapt.deploy.compose import ComposeProject
+from fedadapt.tools.deploy.compose import ComposeProject
 from tests.helpers import ROOT
 
 IMAGE = "fedadapt:cpu-test"

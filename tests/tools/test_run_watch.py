@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedadapt import submission as cli
+from fedadapt.tools import submission as cli
 
 
 class FakeSuperLink:

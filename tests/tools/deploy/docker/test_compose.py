@@ -19,13 +19,17 @@ import time
 
 import pytest
 
-from fedadapt.cli import submit_run
-from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
-from fedadapt.deploy.process import (
+from fedadapt.tools.deploy.certs import (
+    make_certificates,
+    make_node_keys,
+    public_key_path,
+)
+from fedadapt.tools.deploy.process import (
     flower_env,
     flwr,
     write_connection,
 )
+from fedadapt.tools.submission import submit_run
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.docker

@@ -123,8 +123,11 @@ def test_compose_files_parse_and_merge(overrides, tmp_path):
     env = {**os.environ, "FEDADAPT_CERTS": str(tmp_path)}
     done = subprocess.run(
         [*tool, "-p", "fadconfig", *files, "config"],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     merged = yaml.safe_load(done.stdout)["services"]
     assert set(merged) == {"superlink", "supernode-1", "supernode-2", "supernode-3"}
@@ -143,8 +146,10 @@ def test_compose_files_parse_and_merge(overrides, tmp_path):
             " ".join(s["command"]) for s in merged.values()
         )
     # the SuperLink keeps the state volume and the results mount in every variant
-    targets = {str(v).split(":")[1] if isinstance(v, str) else v["target"]
-               for v in superlink["volumes"]}  # fmt: skip
+    targets = {
+        str(v).split(":")[1] if isinstance(v, str) else v["target"]
+        for v in superlink["volumes"]
+    }
     assert {"/data", "/results"} <= targets
 
 

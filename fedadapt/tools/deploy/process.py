@@ -28,6 +28,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,17 @@ def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
         "PATH": str(venv_bin()) + os.pathsep + os.environ.get("PATH", ""),
         **extra,
     }
+
+
+@dataclass
+class SuperLinkConnection:
+    """A SuperLink someone else runs (containers, another host): where and how."""
+
+    flwr_home: Path
+    address: str
+    connection: str = "fedadapt"
+    root_certificates: Path | None = None
+    simulation: bool = False
 
 
 def write_connection(
@@ -99,8 +111,12 @@ def flwr(args: Sequence[str], env: dict[str, str], retries: int = 3, **kw: Any) 
     for attempt in range(retries + 1):
         done = subprocess.run(
             [str(venv_bin() / "flwr"), *args],
-            env=env, capture_output=True, text=True, check=False, **kw,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            **kw,
+        )
         if UNAVAILABLE not in done.stdout + done.stderr or attempt == retries:
             break
         time.sleep(2.0 * (attempt + 1))
@@ -290,8 +306,9 @@ class Daemon:
             if ready():
                 return
             time.sleep(0.3)
-        raise TimeoutError(f"{self.name}: not {what} after {timeout}s; "
-                           f"see {self.log_path}")  # fmt: skip
+        raise TimeoutError(
+            f"{self.name}: not {what} after {timeout}s; see {self.log_path}"
+        )
 
     def request_stop(self) -> None:
         """Send SIGTERM to the daemon's process group without waiting."""

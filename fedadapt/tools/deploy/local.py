@@ -5,7 +5,7 @@ optionally TLS and SuperNode authentication) and ``flower-supernode``
 processes on loopback, each SuperNode with its partition through
 ``--node-config "partition-id=<i> num-partitions=<N>"``, waits until the
 SuperLink lists every node online, and stops all of them on exit (also on
-Ctrl-C and on failure). Runs are submitted with ``fedadapt.submission.submit_run``
+Ctrl-C and on failure). Runs are submitted with ``fedadapt.tools.submission.submit_run``
 exactly as in simulation. The same commands, spread over hosts, are a
 multi-host deployment (docs/deployment.md).
 """
@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedadapt.deploy.certs import make_certificates, make_node_keys, public_key_path
-from fedadapt.deploy.process import (
+from fedadapt.tools.deploy.certs import (
+    make_certificates,
+    make_node_keys,
+    public_key_path,
+)
+from fedadapt.tools.deploy.process import (
     Daemon,
     ProcessTree,
     flower_env,
@@ -189,10 +193,14 @@ class LocalDeployment:
     def register(self, private_key: Path) -> None:
         """Register the public key of ``private_key`` with the SuperLink."""
         flwr(
-            ["supernode", "register", str(public_key_path(private_key)),
-             self.connection],
+            [
+                "supernode",
+                "register",
+                str(public_key_path(private_key)),
+                self.connection,
+            ],
             flower_env(self.flwr_home),
-        )  # fmt: skip
+        )
 
     def online_nodes(self) -> list[str]:
         """Node ids the SuperLink lists as online (as ``flwr`` prints them)."""

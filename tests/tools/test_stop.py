@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fedadapt.submission import free_port
+from fedadapt.tools.submission import free_port
 from tests.helpers import ROOT, VENV_BIN, pids_under
 
 pytestmark = pytest.mark.e2e
@@ -40,13 +40,28 @@ class TreeWatch:
         self.results = tmp_path / "out" / "r" / "results.json"
         self.seen: dict[int, str] = {}
         self.cli = subprocess.Popen(
-            [str(VENV_BIN / "fedadapt"), "simulate", "--app", str(ROOT),
-             "--num-supernodes", "2", "--flwr-home", str(self.home), "--quiet",
-             "--port", str(free_port()), *extra,
-             "--run-config", RUN_CONFIG.format(out=tmp_path / "out")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            [
+                str(VENV_BIN / "fedadapt"),
+                "simulate",
+                "--app",
+                str(ROOT),
+                "--num-supernodes",
+                "2",
+                "--flwr-home",
+                str(self.home),
+                "--quiet",
+                "--port",
+                str(free_port()),
+                *extra,
+                "--run-config",
+                RUN_CONFIG.format(out=tmp_path / "out"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
             start_new_session=True,  # signals reach only what the test sends
-        )  # fmt: skip
+        )
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()

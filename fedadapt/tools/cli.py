@@ -2,7 +2,7 @@
 
 ``fedadapt deploy`` does the same on a real deployment started here (a
 SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
-authentication; ``fedadapt.deploy.local``); ``fedadapt certs`` and
+authentication; ``fedadapt.tools.deploy.local``); ``fedadapt certs`` and
 ``fedadapt node-keys`` make the certificates and keys for one elsewhere.
 
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.common.config import parse_config_args
 
-from fedadapt.submission import (
+from fedadapt.tools.submission import (
     RunOutcome,
     SimulationSuperLink,
     Submitted,
@@ -91,8 +91,11 @@ def resume_overrides(run_dir: Path, overrides: dict[str, Any]) -> dict[str, Any]
 
 def report(outcome: RunOutcome) -> int:
     """Print how a run ended; return the process exit code (0 = success)."""
-    print(f"fedadapt: run {outcome.run_id} {outcome.status} in "
-          f"{outcome.wall_time_s:.1f}s", flush=True)  # fmt: skip
+    print(
+        f"fedadapt: run {outcome.run_id} {outcome.status} in "
+        f"{outcome.wall_time_s:.1f}s",
+        flush=True,
+    )
     if outcome.status != "finished:completed":
         print(f"fedadapt: {outcome.details}", file=sys.stderr)
         return 1
@@ -158,10 +161,15 @@ def simulate(args: argparse.Namespace) -> int:
 
     def run(superlink: SimulationSuperLink, track: Submitted) -> RunOutcome:
         return submit_run(
-            superlink, app, overrides, args.num_supernodes, args.timeout,
-            stream=not args.quiet, federation_config=args.federation_config,
+            superlink,
+            app,
+            overrides,
+            args.num_supernodes,
+            args.timeout,
+            stream=not args.quiet,
+            federation_config=args.federation_config,
             track=track,
-        )  # fmt: skip
+        )
 
     superlink = SimulationSuperLink(flwr_home, args.port, args.ray_address)
     return report(_supervised(superlink, run, args.timeout))
@@ -169,21 +177,28 @@ def simulate(args: argparse.Namespace) -> int:
 
 def deploy(args: argparse.Namespace) -> int:
     """Run the app on a SuperLink + SuperNodes started as processes here."""
-    from fedadapt.deploy.local import LocalDeployment
+    from fedadapt.tools.deploy.local import LocalDeployment
 
     app, overrides = _prepare(args)
     workdir = Path(args.workdir or app / ".flwr-deploy").resolve()
 
     def run(deployment: LocalDeployment, track: Submitted) -> RunOutcome:
-        print(f"fedadapt: SuperLink on {deployment.address} "
-              f"({'TLS' if args.tls else 'insecure'}"
-              f"{', SuperNode auth' if args.auth else ''}), "
-              f"{args.num_supernodes} SuperNodes online; logs in {workdir}",
-              flush=True)  # fmt: skip
+        print(
+            f"fedadapt: SuperLink on {deployment.address} "
+            f"({'TLS' if args.tls else 'insecure'}"
+            f"{', SuperNode auth' if args.auth else ''}), "
+            f"{args.num_supernodes} SuperNodes online; logs in {workdir}",
+            flush=True,
+        )
         return submit_run(
-            deployment, app, overrides, args.num_supernodes, args.timeout,
-            stream=not args.quiet, track=track,
-        )  # fmt: skip
+            deployment,
+            app,
+            overrides,
+            args.num_supernodes,
+            args.timeout,
+            stream=not args.quiet,
+            track=track,
+        )
 
     deployment = LocalDeployment(
         workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
@@ -193,7 +208,7 @@ def deploy(args: argparse.Namespace) -> int:
 
 def certs(args: argparse.Namespace) -> int:
     """Write a CA and a SuperLink certificate for the given hosts."""
-    from fedadapt.deploy.certs import make_certificates
+    from fedadapt.tools.deploy.certs import make_certificates
 
     for path in make_certificates(
         Path(args.out), args.host, args.days, args.force
@@ -204,7 +219,7 @@ def certs(args: argparse.Namespace) -> int:
 
 def node_keys(args: argparse.Namespace) -> int:
     """Write SuperNode authentication key pairs."""
-    from fedadapt.deploy.certs import make_node_keys, public_key_path
+    from fedadapt.tools.deploy.certs import make_node_keys, public_key_path
 
     for path in make_node_keys(Path(args.out), args.count, args.force):
         print(f"{path}  (register {public_key_path(path)})")
@@ -225,9 +240,11 @@ def positive_int(text: str) -> int:
 def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
     parser.add_argument(
-        "--num-supernodes", type=positive_int, default=nodes,
+        "--num-supernodes",
+        type=positive_int,
+        default=nodes,
         help=f"nodes of the federation, at least 1 (default: {nodes})",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--run-config", default="", help='overrides, e.g. "num-server-rounds=5 seed=1"'
     )
@@ -278,9 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     crt = commands.add_parser("certs", help="make a CA + SuperLink TLS certificate")
     crt.add_argument("--out", required=True, help="output folder")
     crt.add_argument(
-        "--host", action="append", required=True,
+        "--host",
+        action="append",
+        required=True,
         help="DNS name or IP the SuperLink is reached at (repeat)",
-    )  # fmt: skip
+    )
     crt.add_argument("--days", type=int, default=365)
     crt.add_argument("--force", action="store_true", help="replace existing files")
     keys = commands.add_parser("node-keys", help="make SuperNode auth key pairs")
@@ -290,18 +309,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for signum in (signal.SIGTERM, signal.SIGHUP):  # stop what we started
         signal.signal(signum, _exit_on_signal)
-    handlers = {"simulate": simulate, "deploy": deploy, "certs": certs,
-                "node-keys": node_keys}  # fmt: skip
+    handlers = {
+        "simulate": simulate,
+        "deploy": deploy,
+        "certs": certs,
+        "node-keys": node_keys,
+    }
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
         # only reached when the stop was verified (ProcessesLeftError otherwise)
-        print("fedadapt: interrupted; every process started was stopped",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "fedadapt: interrupted; every process started was stopped", file=sys.stderr
+        )
         return 130
     except Terminated as stop:
-        print(f"fedadapt: {stop.reason}; every process started was stopped",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"fedadapt: {stop.reason}; every process started was stopped",
+            file=sys.stderr,
+        )
         return int(stop.code or 1)
     except (ValueError, RuntimeError, TimeoutError, OSError) as error:
         print(f"fedadapt: error: {error}", file=sys.stderr)

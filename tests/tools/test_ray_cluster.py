@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from fedadapt.deploy.process import free_port
+from fedadapt.tools.deploy.process import free_port
 from tests.helpers import ROOT, VENV_BIN, assert_no_processes_under
 
 pytestmark = pytest.mark.e2e
@@ -90,13 +90,23 @@ def ray_head() -> Iterator[tuple[str, Path]]:
     temp = Path(tempfile.mkdtemp(prefix="fa-ray-", dir="/tmp"))
     port = free_port()
     start = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", f"--node-ip-address={HOST}",
-         f"--port={port}", f"--ray-client-server-port={free_port()}",
-         "--num-cpus=2", "--disable-usage-stats", "--include-dashboard=false",
-         f"--temp-dir={temp}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--head",
+            f"--node-ip-address={HOST}",
+            f"--port={port}",
+            f"--ray-client-server-port={free_port()}",
+            "--num-cpus=2",
+            "--disable-usage-stats",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         output, _ = start.communicate(timeout=120)
         assert start.returncode == 0, output
@@ -112,11 +122,25 @@ def _simulate(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen[str]:
     """Start ``fedadapt simulate`` (3 SuperNodes); its output goes to <name>.log."""
     with open(tmp_path / f"{name}.log", "w") as log:
         return subprocess.Popen(
-            [str(VENV_BIN / "fedadapt"), "simulate", "--app", str(ROOT), "--quiet",
-             "--num-supernodes", "3", "--flwr-home", str(tmp_path / f"home-{name}"),
-             "--run-config", RUN.format(out=tmp_path / "out", name=name), *extra],
-            stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                str(VENV_BIN / "fedadapt"),
+                "simulate",
+                "--app",
+                str(ROOT),
+                "--quiet",
+                "--num-supernodes",
+                "3",
+                "--flwr-home",
+                str(tmp_path / f"home-{name}"),
+                "--run-config",
+                RUN.format(out=tmp_path / "out", name=name),
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+        )
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from fedadapt.config import ConfigError
-from fedadapt.experiments import (
+from fedadapt.tools.experiments import (
     SuiteError,
     cell_done,
     load_suite,
@@ -94,15 +94,18 @@ def test_validate_command_takes_settings(tmp_path, capsys):
     ("edit", "error", "pattern"),
     [
         (("rounds: 2", "rounds: 2\nepochs: 3"), SuiteError, r"'epochs': unknown"),
-        (("client-lr: 0.01}", "client-lr: 0.01, lr-warmup: 3}"), ConfigError,
-         r"'lr-warmup': unknown key"),
+        (
+            ("client-lr: 0.01}", "client-lr: 0.01, lr-warmup: 3}"),
+            ConfigError,
+            r"'lr-warmup': unknown key",
+        ),
         (("client-lr: 0.01}", "client-lr: -1.0}"), ConfigError, r"'client-lr'"),
         (("client-lr: 0.01}", "client-lr: 0.01, seed: 3}"), SuiteError, r"adam.seed"),
         (("metric: eval-loss", "metric: f1"), SuiteError, r"'metric'"),
         (("beats: [sgd]", "beats: [sgdm]"), SuiteError, r"'claims.beats'"),
         (("num-supernodes: 3", "num-supernodes: 2"), SuiteError, r"num-supernodes"),
     ],
-)  # fmt: skip
+)
 def test_bad_suites_fail_before_running_naming_the_key(tmp_path, edit, error, pattern):
     with pytest.raises(error, match=pattern):
         load_suite(_write(tmp_path, SUITE.replace(*edit)))
@@ -160,8 +163,9 @@ def test_select_keeps_only_the_chosen_cells_under_their_own_names(tmp_path):
     part = select(suite, methods=["sgd"], seeds=[1])
     cells = part.cells(tmp_path)
     assert sorted(c.run_name for c in cells) == [
-        "sgd__client-lr-0.05__seed1", "sgd__client-lr-0.1__seed1",
-    ]  # fmt: skip
+        "sgd__client-lr-0.05__seed1",
+        "sgd__client-lr-0.1__seed1",
+    ]
     assert all(full[c.run_name] == c for c in cells)
     assert [c.seed for c in select(suite, seeds=[7]).cells(tmp_path)] == [7] * 3
     assert select(suite) == suite
@@ -223,8 +227,15 @@ def test_run_through_flower_then_resume_skips_finished_cells(tmp_path):
         "client-lr: [0.05, 0.1]", "client-lr: 0.1"
     )
     path = _write(tmp_path, text)
-    command = [str(VENV_BIN / "fedadapt-exp"), "run", str(path), "--output",
-               str(tmp_path / "out"), "--app", str(ROOT)]  # fmt: skip
+    command = [
+        str(VENV_BIN / "fedadapt-exp"),
+        "run",
+        str(path),
+        "--output",
+        str(tmp_path / "out"),
+        "--app",
+        str(ROOT),
+    ]
     first = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "2 cells, 0 already done" in first.stdout
@@ -245,7 +256,7 @@ def test_shipped_suites_are_valid(path):
 def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
     """``--federation-config`` (client resources on a GPU machine) is passed to
     each cell's ``flwr run --federation-config`` beside num-supernodes."""
-    from fedadapt import submission as cli
+    from fedadapt.tools import submission as cli
 
     commands = []
 
@@ -276,8 +287,16 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
         lambda *a: {"status": "finished:failed", "status-details": ""},
     )
     path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
-    code = main(["run", str(path), "--output", str(tmp_path / "out"),
-                 "--federation-config", "client-resources-num-gpus=0.5"])  # fmt: skip
+    code = main(
+        [
+            "run",
+            str(path),
+            "--output",
+            str(tmp_path / "out"),
+            "--federation-config",
+            "client-resources-num-gpus=0.5",
+        ]
+    )
     assert code == 1  # every (fake) run failed
     assert len(commands) == 3
     for command in commands:
@@ -288,7 +307,7 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
 def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys):
     """``--federation-config`` with a key Flower rejects: exit 2 and Flower's
     message, not a traceback."""
-    from fedadapt import submission as cli
+    from fedadapt.tools import submission as cli
 
     class FakeSuperLink:
         flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"
@@ -309,7 +328,15 @@ def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
     monkeypatch.setattr(cli, "flwr", refusing_flwr)
     path = _write(tmp_path)
-    code = main(["run", str(path), "--output", str(tmp_path / "out"),
-                 "--federation-config", "no-such-field=1"])  # fmt: skip
+    code = main(
+        [
+            "run",
+            str(path),
+            "--output",
+            str(tmp_path / "out"),
+            "--federation-config",
+            "no-such-field=1",
+        ]
+    )
     assert code == 2
     assert "Unknown simulation config field" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedadapt.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
+from fedadapt.tools.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
 
 ESCAPE = """
 import os, sys, time
@@ -41,9 +41,11 @@ def _start(tree: ProcessTree, kind: str) -> int:
     of the process the tree started, which has exited)."""
     starter = subprocess.Popen(
         [sys.executable, "-c", ESCAPE, kind],
-        env=tree.env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
+        env=tree.env(dict(os.environ)),
+        stdout=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     assert starter.stdout is not None
     pid = int(starter.stdout.readline())  # printed by the escaped grandchild
     starter.stdout.close()

@@ -49,9 +49,18 @@ import yaml
 from fedadapt.config import KEYS, ConfigError, validate_run_config
 
 SUITE_KEYS = {
-    "name", "description", "num-supernodes", "rounds", "seeds", "metric", "base",
-    "methods", "claims", "timeout", "last",
-}  # fmt: skip
+    "name",
+    "description",
+    "num-supernodes",
+    "rounds",
+    "seeds",
+    "metric",
+    "base",
+    "methods",
+    "claims",
+    "timeout",
+    "last",
+}
 CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
 METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
 RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
@@ -109,10 +118,14 @@ class Suite:
                 for seed in self.seeds:
                     cell = Cell(method, point, seed, {})
                     overrides = {
-                        **self.base, **fixed, **dict(point), "seed": seed,
+                        **self.base,
+                        **fixed,
+                        **dict(point),
+                        "seed": seed,
                         "num-server-rounds": self.rounds,
-                        "output-dir": str(output_dir), "run-name": cell.run_name,
-                    }  # fmt: skip
+                        "output-dir": str(output_dir),
+                        "run-name": cell.run_name,
+                    }
                     cells.append(Cell(method, point, seed, overrides))
         return cells
 
@@ -148,29 +161,44 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
     settings = dict(settings or {})
     for key in settings:
         _require(key in KEYS, f"--set {key}", "not a run-config key")
-        _require(key not in RUN_OWNED, f"--set {key}",
-                 "set by the suite (seeds, rounds) and the runner")  # fmt: skip
+        _require(
+            key not in RUN_OWNED,
+            f"--set {key}",
+            "set by the suite (seeds, rounds) and the runner",
+        )
     for key in data:
         _require(key in SUITE_KEYS, key, f"unknown. Valid keys: {sorted(SUITE_KEYS)}")
     for key in ("name", "methods", "base"):
         _require(key in data, key, "missing")
-    _require(isinstance(data["methods"], dict) and bool(data["methods"]), "methods",
-             "expected a non-empty mapping of method name to overrides")  # fmt: skip
+    _require(
+        isinstance(data["methods"], dict) and bool(data["methods"]),
+        "methods",
+        "expected a non-empty mapping of method name to overrides",
+    )
     metric = data.get("metric", "eval-loss")
     _require(metric in METRICS, "metric", f"one of {sorted(METRICS)}")
     seeds = data.get("seeds", [0])
-    _require(isinstance(seeds, list) and all(isinstance(s, int) for s in seeds),
-             "seeds", "expected a list of integers")  # fmt: skip
+    _require(
+        isinstance(seeds, list) and all(isinstance(s, int) for s in seeds),
+        "seeds",
+        "expected a list of integers",
+    )
     for owned in RUN_OWNED:
         for where, overrides in [("base", data["base"]), *data["methods"].items()]:
-            _require(owned not in (overrides or {}), f"{where}.{owned}",
-                     "set by the suite (seeds, rounds) and the runner")  # fmt: skip
+            _require(
+                owned not in (overrides or {}),
+                f"{where}.{owned}",
+                "set by the suite (seeds, rounds) and the runner",
+            )
     claims = data.get("claims", []) or []
     for claim in claims:
         for key in claim:
             _require(key in CLAIM_KEYS, f"claims.{key}", f"valid: {sorted(CLAIM_KEYS)}")
-        _require(claim.get("method") in data["methods"], "claims.method",
-                 f"{claim.get('method')!r} is not a method of this suite")  # fmt: skip
+        _require(
+            claim.get("method") in data["methods"],
+            "claims.method",
+            f"{claim.get('method')!r} is not a method of this suite",
+        )
         for other in claim.get("beats", []):
             _require(other in data["methods"], "claims.beats", f"unknown {other!r}")
     if settings:
@@ -224,14 +252,19 @@ def select(
     if methods is not None:
         _require(bool(methods), "--methods", "expected at least one method")
         for method in methods:
-            _require(method in suite.methods, "--methods",
-                     f"unknown method {method!r}; the suite has "
-                     f"{sorted(suite.methods)}")  # fmt: skip
+            _require(
+                method in suite.methods,
+                "--methods",
+                f"unknown method {method!r}; the suite has {sorted(suite.methods)}",
+            )
         chosen = {m: spec for m, spec in suite.methods.items() if m in methods}
     if seeds is not None:
         _require(bool(seeds), "--seeds", "expected at least one seed")
-        _require(len(set(seeds)) == len(seeds), "--seeds",
-                 f"a seed given twice would run a cell twice: {seeds}")  # fmt: skip
+        _require(
+            len(set(seeds)) == len(seeds),
+            "--seeds",
+            f"a seed given twice would run a cell twice: {seeds}",
+        )
     part = dataclasses.replace(
         suite, methods=chosen, seeds=list(suite.seeds if seeds is None else seeds)
     )
@@ -287,15 +320,21 @@ def run_suite(
 
     from tqdm import tqdm
 
-    from fedadapt.submission import SimulationSuperLink, submit_run
+    from fedadapt.tools.submission import SimulationSuperLink, submit_run
 
     out = (output_root / suite.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cells = suite.cells(out)
-    todo = [c for c in cells if not cell_done(out / c.run_name / "results.json",
-                                                suite.rounds)]  # fmt: skip
-    print(f"{suite.name}: {len(cells)} cells, {len(cells) - len(todo)} already done; "
-          f"Flower's logs in {out / '.flwr'}", flush=True)  # fmt: skip
+    todo = [
+        c
+        for c in cells
+        if not cell_done(out / c.run_name / "results.json", suite.rounds)
+    ]
+    print(
+        f"{suite.name}: {len(cells)} cells, {len(cells) - len(todo)} already done; "
+        f"Flower's logs in {out / '.flwr'}",
+        flush=True,
+    )
     failed = 0
     if not todo:
         return 0
@@ -306,9 +345,13 @@ def run_suite(
             # folder (a live one is still refused: docs/failures.md)
             overrides = {**cell.overrides, "overwrite": True}
             return cell, submit_run(
-                superlink, app, overrides, suite.num_supernodes,
-                suite.timeout, federation_config=federation_config,
-            )  # fmt: skip
+                superlink,
+                app,
+                overrides,
+                suite.num_supernodes,
+                suite.timeout,
+                federation_config=federation_config,
+            )
 
         bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
@@ -318,8 +361,10 @@ def run_suite(
                 bar.set_postfix_str(f"{cell.method} {cell.point_label} done")
                 if not outcome.ok:
                     failed += 1
-                    tqdm.write(f"FAILED {cell.run_name}: {outcome.status} "
-                               f"{outcome.details} {outcome.problems}")  # fmt: skip
+                    tqdm.write(
+                        f"FAILED {cell.run_name}: {outcome.status} "
+                        f"{outcome.details} {outcome.problems}"
+                    )
         bar.close()
     return failed
 
@@ -365,14 +410,21 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
         tail = [value for _, value in series[-suite.last :]]
         point["final"].append(sum(tail) / len(tail))
         point["curves"].append(series)
-    summary: dict[str, Any] = {"suite": suite.name, "metric": suite.metric,
-                               "methods": {}}  # fmt: skip
+    summary: dict[str, Any] = {
+        "suite": suite.name,
+        "metric": suite.metric,
+        "methods": {},
+    }
     for method, points in methods.items():
         stats = {
-            label: {"mean": _mean_std(p["final"])[0], "std": _mean_std(p["final"])[1],
-                    "seeds": len(p["final"]), "curves": p["curves"]}
+            label: {
+                "mean": _mean_std(p["final"])[0],
+                "std": _mean_std(p["final"])[1],
+                "seeds": len(p["final"]),
+                "curves": p["curves"],
+            }
             for label, p in points.items()
-        }  # fmt: skip
+        }
         best = better(stats, key=lambda label: stats[label]["mean"])
         summary["methods"][method] = {"best": best, "points": stats}
     summary["claims"] = [check_claim(c, summary, suite.metric) for c in suite.claims]
@@ -420,17 +472,24 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(suite, output_root)
     lines = [
-        f"# {suite.name}", "", suite.description, "",
+        f"# {suite.name}",
+        "",
+        suite.description,
+        "",
         f"Final {suite.metric} after {suite.rounds} rounds (mean of the last "
         f"{suite.last} evaluations), mean ± std over seeds {suite.seeds}; for "
-        "grids, the best grid point per method.", "",
-        "| method | best grid point | final metric | seeds |", "|---|---|---|---|",
-    ]  # fmt: skip
+        "grids, the best grid point per method.",
+        "",
+        "| method | best grid point | final metric | seeds |",
+        "|---|---|---|---|",
+    ]
     fig, ax = plt.subplots(figsize=(7, 4))
     for method, info in summary["methods"].items():
         best = info["points"][info["best"]]
-        lines.append(f"| {method} | {info['best']} | {best['mean']:.4g} ± "
-                     f"{best['std']:.2g} | {best['seeds']} |")  # fmt: skip
+        lines.append(
+            f"| {method} | {info['best']} | {best['mean']:.4g} ± "
+            f"{best['std']:.2g} | {best['seeds']} |"
+        )
         rounds = [r for r, _ in best["curves"][0]]
         mean = [
             sum(c[i][1] for c in best["curves"]) / len(best["curves"])
@@ -440,12 +499,16 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
     if summary["claims"]:
         lines += ["", "## Claims", ""]
         for claim in summary["claims"]:
-            lines.append(f"- **{claim['status']}**: {claim['method']} beats "
-                         f"{', '.join(claim.get('beats', []))} "
-                         f"({'; '.join(claim['details'])})"
-                         + (f" — {claim['note']}" if claim.get("note") else "")
-                         + (f" — {claim['known-deviation']}"
-                            if claim.get("known-deviation") else ""))  # fmt: skip
+            remarks = "".join(
+                f" — {claim[key]}"
+                for key in ("note", "known-deviation")
+                if claim.get(key)
+            )
+            lines.append(
+                f"- **{claim['status']}**: {claim['method']} beats "
+                f"{', '.join(claim.get('beats', []))} "
+                f"({'; '.join(claim['details'])}){remarks}"
+            )
     ax.set_xlabel("round")
     ax.set_ylabel(suite.metric)
     if METRICS[suite.metric] == "min":
@@ -529,14 +592,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.monotonic()
         try:
             failed = run_suite(
-                suite, output, args.app.resolve(), args.federation_config,
+                suite,
+                output,
+                args.app.resolve(),
+                args.federation_config,
                 args.parallel,
-            )  # fmt: skip
+            )
         except RuntimeError as error:  # flwr refused the run (e.g. a bad setting)
             print(f"fedadapt-exp: {error}", file=sys.stderr)
             return 2
-        print(f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
-              f"{failed} failed")  # fmt: skip
+        print(
+            f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
+            f"{failed} failed"
+        )
         if failed:
             return 1
     summary = write_report(suite, output)

@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedadapt.deploy.process import (
+from fedadapt.tools.deploy.process import (
+    SuperLinkConnection,
     flower_env,
     free_port,
     online_supernodes,
     write_connection,
 )
-from fedadapt.submission import SuperLinkConnection
 
 
 @dataclass
@@ -81,9 +81,13 @@ class ComposeProject:
             command += ["-f", str(path)]
         command += list(args)
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, check=False,
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
             env=self.env(),
-        )  # fmt: skip
+        )
         if done.returncode != 0:
             output = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             raise RuntimeError(
@@ -115,9 +119,11 @@ class ComposeProject:
         """Wait until the SuperLink answers and lists ``count`` SuperNodes online."""
         env = flower_env(connection.flwr_home)
         write_connection(
-            connection.flwr_home, connection.connection, connection.address,
+            connection.flwr_home,
+            connection.connection,
+            connection.address,
             connection.root_certificates,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             online = online_supernodes(env, connection.connection)
@@ -133,7 +139,9 @@ class ComposeProject:
         for kind in ("ps -a", "volume ls", "network ls"):
             out = subprocess.run(
                 ["docker", *kind.split(), "-q", "--filter", label],
-                capture_output=True, text=True, check=False,
-            ).stdout.split()  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.split()
             found += [f"{kind}: {x}" for x in out]
         return found

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedadapt.deploy.process import (
+from fedadapt.server.run_folder import settle
+from fedadapt.tools.deploy.process import (
     Daemon,
     ProcessTree,
+    SuperLinkConnection,
     flower_env,
     flwr,
     free_port,
@@ -29,7 +31,6 @@ from fedadapt.deploy.process import (
     venv_bin,
     write_connection,
 )
-from fedadapt.server.run_folder import settle
 
 __all__ = [
     "RunOutcome",
@@ -58,17 +59,6 @@ STATUS_POLL_S = 10.0
 #: says it ended badly (a ServerApp killed with -9 is never reported by
 #: Flower): then the run is stopped and reported failed.
 ENDED_GRACE_S = 10.0
-
-
-@dataclass
-class SuperLinkConnection:
-    """A SuperLink someone else runs (containers, another host): where and how."""
-
-    flwr_home: Path
-    address: str
-    connection: str = "fedadapt"
-    root_certificates: Path | None = None
-    simulation: bool = False
 
 
 class SimulationSuperLink:
