@@ -42,8 +42,16 @@ from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_choice, check_scalar
+from fedadapt.client.optim._foreach import _check_foreach, _default_foreach
 
-__all__ = ["DeltaSGD", "StepInfo", "delta_sgd", "preserve_buffers", "step_size"]
+__all__ = [
+    "DeltaSGD",
+    "StepInfo",
+    "delta_sgd",
+    "delta_sgd_norms",
+    "preserve_buffers",
+    "step_size",
+]
 
 MODES = ("same_batch", "consecutive")
 FIRST_STEPS = ("paper", "official")
@@ -241,22 +249,13 @@ def step_size(
     FloatingPointError
         A norm is NaN or infinite (a gradient or parameter is).
     """
+    _check_norms(norms, step=step)
     growth = math.sqrt(1.0 + delta * theta)  # sqrt(1 + δ θ_{k-1})
     if step == 0:
-        (g_norm,) = norms
-        if not math.isfinite(g_norm):
-            raise FloatingPointError(
-                f"DeltaSGD: non-finite gradient at local step 0 (‖g‖={g_norm})"
-            )
         if first_step == "paper":  # line 6
             return StepInfo(0, lr, theta, "first", math.nan)
         return StepInfo(0, lr * growth, growth, "first", math.nan)
     dx, dg = norms
-    if not (math.isfinite(dx) and math.isfinite(dg)):
-        raise FloatingPointError(
-            f"DeltaSGD: non-finite norm at local step {step} (‖Δx‖={dx}, "
-            f"‖Δg‖={dg}): a gradient or parameter is NaN/Inf"
-        )
     grown = growth * lr  # sqrt(1 + δ θ_{k-1}) η_{k-1}
     if dx > 0.0 and dg > 0.0:
         smooth = gamma * dx / (2.0 * dg)  # γ‖Δx‖ / (2‖Δg‖)
@@ -265,6 +264,36 @@ def step_size(
     else:  # the first term is 0/0 or +inf: take +inf
         smooth, branch, eta = math.inf, "growth", grown
     return StepInfo(step, eta, eta / lr, branch, smooth)  # line 10
+
+
+def _check_norms(norms: Sequence[float], *, step: int) -> None:
+    """Raise unless the norms of local step ``step`` are finite.
+
+    Parameters
+    ----------
+    norms : sequence of float
+        ``(‖g̃(x_0)‖,)`` at ``step == 0``, else ``(‖Δx‖, ‖Δg‖)``.
+    step : int
+        Local step index ``k`` within the round.
+
+    Raises
+    ------
+    FloatingPointError
+        A norm is NaN or infinite (a gradient or parameter is).
+    """
+    if step == 0:
+        (g_norm,) = norms
+        if not math.isfinite(g_norm):
+            raise FloatingPointError(
+                f"DeltaSGD: non-finite gradient at local step 0 (‖g‖={g_norm})"
+            )
+        return
+    dx, dg = norms
+    if not (math.isfinite(dx) and math.isfinite(dg)):
+        raise FloatingPointError(
+            f"DeltaSGD: non-finite norm at local step {step} (‖Δx‖={dx}, "
+            f"‖Δg‖={dg}): a gradient or parameter is NaN/Inf"
+        )
 
 
 # ------------------------------------------------------------ device kernels
@@ -418,29 +447,50 @@ _single_tensor_delta_sgd = _Kernels(_single_tensor_norms, _single_tensor_update)
 _multi_tensor_delta_sgd = _Kernels(_multi_tensor_norms, _multi_tensor_update)
 
 
-_PLAIN_TENSORS = (Tensor, nn.Parameter)
-
-
-def _default_foreach(params: Sequence[Tensor]) -> bool:
-    """Pick the implementation of ``foreach=None``: foreach for plain tensors.
-
-    Like torch's ``_default_to_fused_or_foreach``, tensor subclasses take the
-    single-tensor path. Unlike it, CPU tensors take the foreach path too:
-    torch avoids it there because its CPU foreach kernels are loops over the
-    tensors, but for Δ-SGD's few operations per tensor that loop in C++ still
-    beats the Python loop of the single-tensor path (the optimizer's share of
-    a step on the MNIST CNN of ``benchmarks/optimizers.py``, 8 tensors: about
-    1.2x less time). Foreach on every device is also what this optimizer did
-    before it had a single-tensor path, so the default keeps its numbers and
-    speed unchanged.
-    """
-    return all(type(p) in _PLAIN_TENSORS for p in params)
-
-
 def _kernels(foreach: bool | None, params: Sequence[Tensor]) -> _Kernels:
     if foreach is None:
         foreach = _default_foreach(params)
     return _multi_tensor_delta_sgd if foreach else _single_tensor_delta_sgd
+
+
+def delta_sgd_norms(
+    params: list[Tensor],
+    grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
+    *,
+    step: int,
+    weight_decay: float = 0.0,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""The norms that set the step size of one group, on the device (no sync).
+
+    The first half of :func:`delta_sgd`: ``(‖g̃(x_0)‖,)`` at step 0, else
+    ``(‖Δx‖, ‖Δg‖)`` with ``Δx = x_k - x_{k-1}`` and
+    ``Δg = g̃(x_k) - g̃(x_{k-1}) + λΔx`` (arXiv:2306.11201, Algorithm 1 line 9;
+    global L2 norms over every tensor, combined in float64). Callers that step
+    several groups read all their norms back at once and pass each group's to
+    :func:`delta_sgd` as ``norms``, as :meth:`DeltaSGD.step` does.
+
+    Parameters
+    ----------
+    params, grads, prev_params, prev_grads : list of Tensor
+        As in :func:`delta_sgd` (``prev_*`` unused at step 0).
+    step : int
+        Local step index ``k``.
+    weight_decay : float, default 0.0
+        Coupled L2 weight decay λ.
+    foreach : bool or None, default None
+        As in :func:`delta_sgd`.
+
+    Returns
+    -------
+    Tensor
+        A 1-d tensor of one or two norms on the first parameter's device.
+    """
+    return _kernels(foreach, params).norms(
+        params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
+    )
 
 
 def _to_host(norms: Sequence[Tensor]) -> list[list[float]]:
@@ -459,8 +509,8 @@ def _to_host(norms: Sequence[Tensor]) -> list[list[float]]:
 def delta_sgd(
     params: list[Tensor],
     grads: list[Tensor],
-    prev_params: list[Tensor],
-    prev_grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
     *,
     step: int,
     lr: float,
@@ -471,6 +521,7 @@ def delta_sgd(
     step_eps: float = 0.0,
     weight_decay: float = 0.0,
     foreach: bool | None = None,
+    norms: Sequence[float] | None = None,
 ) -> StepInfo:
     r"""Take one Δ-SGD step of one parameter group in place; return its step size.
 
@@ -487,12 +538,13 @@ def delta_sgd(
     params, grads : list of Tensor
         The group's parameters ``x_k`` with a gradient (updated in place) and
         their gradients ``g̃(x_k)``.
-    prev_params, prev_grads : list of Tensor
+    prev_params, prev_grads : list of Tensor or None
         ``x_{k-1}`` and ``g̃(x_{k-1})``, aligned with ``params``: the stored
         gradient of the previous step (consecutive mode) or the gradient at
         ``x_{k-1}`` on the current batch (same-batch mode). Read from step 1
-        on; overwritten with ``x_k`` and ``g̃(x_k)`` at every step, so that
-        in consecutive mode they are the next step's inputs.
+        on unless ``norms`` is given; overwritten with ``x_k`` and ``g̃(x_k)``
+        at every step, so that in consecutive mode they are the next step's
+        inputs. ``None``: not kept (only with ``norms`` or at step 0).
     step : int
         Local step index ``k`` (0 at the start of a round).
     lr, theta : float
@@ -503,7 +555,12 @@ def delta_sgd(
         Coupled L2 weight decay λ (see :class:`DeltaSGD`).
     foreach : bool or None, default None
         ``True``: the ``torch._foreach_*`` implementation; ``False``: one
-        operation per tensor; ``None``: see :class:`DeltaSGD`. Same values.
+        operation per tensor; ``None``: foreach on CUDA and for small CPU
+        tensors (the policy shared with Fed-LAMB,
+        ``fedadapt.client.optim._foreach._default_foreach``). Same values.
+    norms : sequence of float, optional
+        This group's :func:`delta_sgd_norms`, already read back to the host;
+        ``None`` computes them here (one host synchronisation).
 
     Returns
     -------
@@ -517,11 +574,17 @@ def delta_sgd(
         Non-finite gradient, parameter difference or norm; nothing is changed.
     """
     kernels = _kernels(foreach, params)
-    norms = kernels.norms(
-        params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
-    )
+    if norms is None:
+        if step > 0 and (prev_params is None or prev_grads is None):
+            raise ValueError(
+                "delta_sgd: prev_params and prev_grads are needed from step 1 on "
+                "(or pass this step's norms)"
+            )
+        norms = kernels.norms(
+            params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
+        ).tolist()
     info = step_size(
-        norms.tolist(),
+        norms,
         step=step,
         lr=lr,
         theta=theta,
@@ -587,6 +650,7 @@ class _Plan:
 
     __slots__ = (
         "buffers",
+        "foreach",
         "grads",
         "group",
         "index",
@@ -608,6 +672,8 @@ class _Plan:
         self.params = params
         self.grads = grads
         self.buffers = buffers
+        foreach = group["foreach"]
+        self.foreach: bool = _default_foreach(params) if foreach is None else foreach
         self.olds: list[Tensor | None] | None = None  # same_batch g(x_{k-1})
         self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
@@ -779,8 +845,6 @@ class DeltaSGD(Optimizer):
             first_step = preset.get("first_step", "paper")
         if step_eps is None:
             step_eps = preset.get("step_eps", 0.0)
-        if foreach is not None and not isinstance(foreach, bool):
-            raise ValueError(f"Invalid foreach: {foreach!r} (expected None or a bool)")
         defaults = {
             "lr": lr,
             "gamma": gamma,
@@ -793,7 +857,7 @@ class DeltaSGD(Optimizer):
         }
         _validate_hyperparameters(defaults)
         self.compat = compat
-        self.foreach = foreach
+        self.foreach = _check_foreach(foreach)  # the groups' default (not in defaults)
         self._module = module
         self._history: list[list[StepInfo]] = []
         # Per group index: this round's x_{k-1} / g_{k-1} buffers (not state).
@@ -807,6 +871,7 @@ class DeltaSGD(Optimizer):
         """Add a group; validates its hyperparameters and sets ``η0 = lr``."""
         for name, value in self.defaults.items():
             param_group.setdefault(name, value)
+        param_group["foreach"] = _check_foreach(param_group.get("foreach", self.foreach))
         _validate_hyperparameters(param_group)
         param_group["eta0"] = param_group["lr"]
         param_group["theta"] = param_group["theta0"]
@@ -825,6 +890,7 @@ class DeltaSGD(Optimizer):
             group.setdefault("eta0", group["lr"])
             group.setdefault("theta", group["theta0"])
             group.setdefault("k", 0)
+            group.setdefault("foreach", self.foreach)
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's ``state_dict``, with copies of the state tensors.
@@ -991,74 +1057,59 @@ class DeltaSGD(Optimizer):
 
         plans = self._plans()
         # Same-batch: g̃_{B_k}(x_{k-1}) for every same_batch group with k ≥ 1.
-        extra = [
-            plan
-            for plan in plans
-            if plan.group["mode"] == "same_batch" and plan.group["k"] > 0
-        ]
+        extra = [p for p in plans if p.group["mode"] == "same_batch" and p.group["k"]]
         if extra:
             assert closure is not None  # checked above
             self._grads_at_previous_iterate(closure, extra)
         if not plans:
             return loss
-
-        # Norms of every group on the device, then one host synchronisation.
-        kernels = [_kernels(self.foreach, plan.params) for plan in plans]
-        norms = []
-        for plan, kernel in zip(plans, kernels, strict=True):
-            group = plan.group
-            prevs, olds = self._previous(plan) if group["k"] > 0 else (None, None)
-            norms.append(
-                kernel.norms(
-                    plan.params,
-                    plan.grads,
-                    prevs,
-                    olds,
-                    step=group["k"],
-                    weight_decay=group["weight_decay"],
-                )
-            )
-        values = _to_host(norms)
-
-        # Step sizes of every group; raise before changing anything.
-        infos = []
-        for plan, value in zip(plans, values, strict=True):
-            group, k = plan.group, plan.group["k"]
+        # The norms of every group, read back in one host synchronisation and
+        # checked before any group moves.
+        norms = _to_host([self._norms(plan) for plan in plans])
+        for plan, value in zip(plans, norms, strict=True):
             try:
-                info = step_size(
-                    value,
-                    step=k,
-                    lr=group["eta0"] if k == 0 else group["lr"],
-                    theta=group["theta0"] if k == 0 else group["theta"],
-                    gamma=group["gamma"],
-                    delta=group["delta"],
-                    first_step=group["first_step"],
-                    step_eps=group["step_eps"],
-                )
+                _check_norms(value, step=plan.group["k"])
             except FloatingPointError as err:
                 raise FloatingPointError(
                     f"{err} (param group {plan.index}); parameters and state left "
                     "unchanged"
                 ) from None
-            infos.append(info)
-
-        # Keep x_k (and g_k in consecutive mode), then x ← x - η(g + λx).
-        for plan, kernel, info in zip(plans, kernels, infos, strict=True):
-            group = plan.group
+        for plan, value in zip(plans, norms, strict=True):
+            group, k = plan.group, plan.group["k"]
             keep_params, keep_grads = self._keep_buffers(plan)
-            kernel.update(
+            info = delta_sgd(
                 plan.params,
                 plan.grads,
-                eta=info.eta,
+                keep_params,
+                keep_grads,
+                step=k,
+                lr=group["eta0"] if k == 0 else group["lr"],
+                theta=group["theta0"] if k == 0 else group["theta"],
+                gamma=group["gamma"],
+                delta=group["delta"],
+                first_step=group["first_step"],
+                step_eps=group["step_eps"],
                 weight_decay=group["weight_decay"],
-                keep_params=keep_params,
-                keep_grads=keep_grads,
+                foreach=plan.foreach,
+                norms=value,
             )
-            group["lr"] = info.eta
-            group["theta"] = info.theta
-            group["k"] += 1
+            group["lr"], group["theta"], group["k"] = info.eta, info.theta, k + 1
             self.history[plan.index].append(info)
         return loss
+
+    def _norms(self, plan: _Plan) -> Tensor:
+        """:func:`delta_sgd_norms` of one group, on the device."""
+        k = plan.group["k"]
+        prevs, olds = self._previous(plan) if k > 0 else (None, None)
+        return delta_sgd_norms(
+            plan.params,
+            plan.grads,
+            prevs,
+            olds,
+            step=k,
+            weight_decay=plan.group["weight_decay"],
+            foreach=plan.foreach,
+        )
 
     def _plans(self) -> list[_Plan]:
         """Each group with a parameter that has a gradient at ``x_k``."""
