@@ -15,16 +15,13 @@ growth factor δ that the experiments use::
     θ_k = η_k / η_{k-1}                                                (line 10)
 
 Layout, as in ``torch.optim.SGD`` and ``torch.optim.Adam``: :class:`DeltaSGD`
-handles parameter groups, state, the closure and validation; the functional
-:func:`delta_sgd` takes one step of one group. The whole step-size rule (lines
-6, 9 and 10 with δ, the zero-norm guard and the official code's variants) is
-one function, :func:`step_size`, on host floats. Around it, the device work
-comes in two implementations with the same values: ``_single_tensor_delta_sgd``
-(one operation per tensor) and ``_multi_tensor_delta_sgd``
-(``torch._foreach_*``, a fixed number of operations whatever the number of
-tensors). Because the min of line 9 needs global norms before anything moves,
-each implementation is a pair of kernels: ``norms`` before the host decision
-and ``update`` after it.
+handles parameter groups, state, the closure and validation, and its
+``step()`` calls the functional :func:`delta_sgd` once per group. The
+functional is :func:`delta_sgd_norms` (on the device), :func:`step_size` (the
+whole rule, on host floats) and the update; the device work comes in two
+implementations with the same values: ``_single_tensor_delta_sgd`` (one
+operation per tensor) and ``_multi_tensor_delta_sgd`` (``torch._foreach_*``).
+Design notes: docs/algorithms.md, "Δ-SGD: design notes".
 
 Δ-SGD needs nothing from the server and keeps no state across rounds: call
 :meth:`DeltaSGD.reset` (or build a new optimizer) at the start of each round.
@@ -463,7 +460,7 @@ def delta_sgd_norms(
     weight_decay: float = 0.0,
     foreach: bool | None = None,
 ) -> Tensor:
-    r"""The norms that set the step size of one group, on the device (no sync).
+    r"""Return the norms that set one group's step size, on the device (no sync).
 
     The first half of :func:`delta_sgd`: ``(‖g̃(x_0)‖,)`` at step 0, else
     ``(‖Δx‖, ‖Δg‖)`` with ``Δx = x_k - x_{k-1}`` and
@@ -689,74 +686,48 @@ class DeltaSGD(Optimizer):
         θ_k = η_k / η_{k-1}
         x_{k+1} = x_k - η_k g̃(x_k)
 
-    One η per parameter group; both norms are global L2 norms over all
-    parameters of the group that have a gradient (the paper's ``x`` is the
-    whole model), so splitting a tensor does not change the step sizes.
+    One η per parameter group, from global norms over the group.
+    :meth:`step` gathers each group's lists and calls :func:`delta_sgd`.
+    Design notes (modes, closure contract, BatchNorm, cost, choices):
+    docs/algorithms.md, "Δ-SGD: design notes".
 
     Parameters
     ----------
     params : iterable
-        Parameters or parameter-group dicts. Every hyperparameter below can be
-        overridden per group.
+        Parameters or parameter-group dicts; every option below except
+        ``compat`` and ``module`` can be set per group.
     lr : float, default 0.2
-        Initial step size ``η0`` (the paper's default, arXiv:2306.11201 §3.1
-        footnote: γ = 2, η0 = 0.2, θ0 = 1 in all experiments). It is kept in
-        ``param_groups[i]["eta0"]``; ``param_groups[i]["lr"]`` holds the
-        *current* adaptive step size ``η_{k-1}`` (torch convention, so LR
-        loggers see it).
+        Initial step size η0 (arXiv:2306.11201 §3.1 footnote), kept in
+        ``group["eta0"]``; ``group["lr"]`` holds the current ``η_{k-1}``.
     gamma : float, default 2.0
-        The paper's "amplifier" γ > 0 of the first term (Algorithm 1 line 9).
-        The official code's ``damping`` is ``2/γ``: it divides ``‖Δx‖`` by
-        ``damping ‖Δg‖``.
+        Amplifier γ > 0 (Algorithm 1 line 9).
     delta : float, default 0.1
-        Growth factor δ ≥ 0 of the second term (Appendix B.1; δ = 0.1 in the
-        paper's Table 1). The official code calls it ``amplifier``.
+        Growth factor δ ≥ 0 (Appendix B.1, Table 1).
     theta0 : float, default 1.0
-        Initial ratio θ0 ≥ 0 (Algorithm 1 line 6). Must be finite: the paper
-        asks for θ0 > 0, and 0 is accepted because it only makes the first
-        growth term ``η_{k-1}``.
+        Initial ratio θ0 ≥ 0 (Algorithm 1 line 6).
     mode : {"same_batch", "consecutive"}, default "same_batch"
-        Which gradient ``g̃(x_{k-1})`` is compared with. Algorithm 1 leaves
-        it open (the remark after it: "one can use the same or different
-        batches"); the paper's experiments and official code use the same
-        batch. ``"same_batch"``: recompute the gradient at the previous
-        iterate on the *current* batch; costs **two forward/backward passes
-        per step** and requires ``closure``; keeps two parameter-sized buffers
-        (``x_{k-1}`` and a spare that receives ``x_k``). ``"consecutive"``:
-        reuse the stored gradient of the previous step (previous batch); one
-        pass; keeps ``x_{k-1}`` and ``g_{k-1}``.
+        ``g̃(x_{k-1})`` on the current batch (two passes per step, needs
+        ``step(closure)``; the paper's experiments) or the previous batch's
+        stored gradient (one pass).
     first_step : {"paper", "official"}, optional
-        ``"paper"`` (default, Algorithm 1 line 6): the first step uses ``η0``.
-        ``"official"``: the official code starts with the previous iterate
-        equal to the current one, so its zero-norm guard sets the first step
-        to ``η0 sqrt(1 + δθ0)`` and ``θ = sqrt(1 + δθ0)``. ``None`` takes the
-        ``compat`` preset, else ``"paper"``.
+        Step size of the first step: line 6, or the official code's
+        ``η0 sqrt(1 + δθ0)``. ``None``: the ``compat`` preset, else "paper".
     step_eps : float, optional
-        Added to the step size (not to a denominator) whenever the min is
-        taken, as the official code's ``--lr_eps``. ``None`` takes the
-        preset, else 0.
+        Added to ``η_k`` whenever the min is taken (the official
+        ``--lr_eps``). ``None``: the preset, else 0.
     weight_decay : float, default 0.0
-        Coupled L2 weight decay λ ≥ 0 (torch SGD style): the update direction
-        is ``g + λx`` and ``‖Δg‖`` is taken of that direction,
-        ``‖(g_k - g_{k-1}) + λ(x_k - x_{k-1})‖``, i.e. the smoothness of the
-        regularised objective. The paper has no weight decay and the official
-        client uses 0, so this choice never affects a reproduction.
+        Coupled L2 weight decay λ ≥ 0 (our choice; the paper has none).
     compat : {None, "auto-tuned-FL"}, default None
-        Preset: ``"auto-tuned-FL"`` sets ``first_step="official"`` and
-        ``step_eps=1e-8`` unless they are given explicitly.
+        Preset of the official code: ``first_step="official"``,
+        ``step_eps=1e-8``, unless given explicitly.
     module : torch.nn.Module, optional
-        Keyword-only. The model whose buffers (BatchNorm running statistics)
-        must not be changed by the extra ``same_batch`` pass: they are
-        snapshot before and restored after it (:func:`preserve_buffers`),
-        matching the official code, which discards ``prev_net``'s statistics.
-        Without it the closure is responsible for that.
+        Keyword-only. Model whose buffers (BatchNorm statistics) the extra
+        ``same_batch`` pass must not change (:func:`preserve_buffers`).
     foreach : bool or None, default None
-        Keyword-only. ``True``: the ``torch._foreach_*`` implementation;
-        ``False``: one operation per tensor; both give the same values (bit
-        for bit on CPU). ``None``: foreach for plain tensors on every device,
-        the single-tensor path for tensor subclasses (see
-        :func:`_default_foreach`). An optimizer-wide setting, not a group
-        hyperparameter (``defaults`` and ``state_dict`` keep their keys).
+        Keyword-only. Default of the group option ``foreach``: ``True`` the
+        ``torch._foreach_*`` implementation, ``False`` one operation per
+        tensor (same values), ``None`` foreach on CUDA and for small CPU
+        tensors (the policy shared with Fed-LAMB). Not in ``defaults``.
 
     Attributes
     ----------
@@ -765,60 +736,6 @@ class DeltaSGD(Optimizer):
         current round; :meth:`reset` clears it. Not part of ``state_dict``.
     last_step_info : list of (StepInfo or None)
         Per group, the latest entry of ``history``.
-
-    Notes
-    -----
-    **Closure contract** (like :class:`torch.optim.LBFGS`): ``closure`` must
-    zero the gradients, recompute the loss on the current batch, call
-    ``backward()`` and return the loss::
-
-        def closure():
-            optimizer.zero_grad()
-            loss = criterion(model(inputs), targets)
-            loss.backward()
-            return loss
-
-        loss = optimizer.step(closure)
-
-    In ``same_batch`` mode, from the second step of a round on, ``step``
-    calls the closure twice: once at ``x_k`` (its loss is returned and its
-    gradients are used for the update) and once with the parameters of *all*
-    ``same_batch`` groups temporarily set to ``x_{k-1}``. Afterwards ``x_k``
-    and the gradients ``g̃(x_k)`` are restored. The closure must therefore
-    use the same batch on every call (it normally captures it) and must not
-    step anything else; both passes run in whatever train/eval mode the
-    model is in, so dropout masks differ (as in the official code). The first
-    step of a round needs a single pass (its step size does not depend on a
-    gradient difference). Gradient scaling with ``torch.amp.GradScaler`` is
-    not supported in this mode (the scaler does not accept closures).
-
-    In ``consecutive`` mode ``closure`` is optional; with ``None`` the
-    existing ``.grad`` is used, as in SGD.
-
-    Zero ``‖Δx‖`` or ``‖Δg‖`` selects the growth term, so finite inputs never
-    give NaN weights. Non-finite gradients or norms raise
-    :class:`FloatingPointError` before anything is changed, in any group:
-    the parameters stay at ``x_k`` with their gradients, and the optimizer
-    state is intact.
-
-    One host synchronisation per step (the norms of every group, for the
-    min). On the foreach path (the default for plain tensors) the
-    arithmetic uses ``torch._foreach_*`` kernels, so a step issues a fixed
-    number of operations whatever the number of tensors (7 in
-    ``consecutive`` mode, 13 plus the closure calls in ``same_batch`` mode
-    with a ``module`` holding buffers of two dtypes, for one parameter group
-    without weight decay); the bookkeeping of the extra ``same_batch`` pass
-    uses foreach copies on either path. ``x_{k-1}`` and ``g_{k-1}`` live in
-    buffers allocated at the first step of a round and refreshed in place
-    (``state[p]["prev_param"]``, ``["prev_grad"]``); :meth:`state_dict`
-    therefore returns copies of them and :meth:`load_state_dict` copies what
-    it loads.
-
-    The arithmetic is Algorithm 1 as written. ``first_step`` and ``step_eps``
-    default to ``None`` (resolved as documented) so that an explicit value
-    can override the ``compat`` preset. With ``first_step="official"`` the
-    extra pass of the first step is skipped, because the official code's
-    ``‖Δx‖ = 0`` already forces the growth branch.
     """
 
     def __init__(
@@ -871,7 +788,9 @@ class DeltaSGD(Optimizer):
         """Add a group; validates its hyperparameters and sets ``η0 = lr``."""
         for name, value in self.defaults.items():
             param_group.setdefault(name, value)
-        param_group["foreach"] = _check_foreach(param_group.get("foreach", self.foreach))
+        param_group["foreach"] = _check_foreach(
+            param_group.get("foreach", self.foreach)
+        )
         _validate_hyperparameters(param_group)
         param_group["eta0"] = param_group["lr"]
         param_group["theta"] = param_group["theta0"]
@@ -1024,7 +943,7 @@ class DeltaSGD(Optimizer):
         closure : callable, optional
             Zeroes the gradients, recomputes the loss on the current batch,
             calls ``backward()`` and returns the loss. Required in
-            ``same_batch`` mode (see the class notes); optional in
+            ``same_batch`` mode (see docs/algorithms.md); optional in
             ``consecutive`` mode.
 
         Returns
