@@ -613,10 +613,19 @@ class _GroupBuffers:
     ``state["prev_grad"]`` (g_{k-1}, consecutive mode, else ``None``): the
     same tensor objects as in the optimizer state. ``spare`` (same_batch) is
     scratch space for x_k during the extra pass, not part of the state; after
-    a step it swaps roles with ``prev``.
+    a step it swaps roles with ``prev``. ``default_foreach`` is
+    ``_default_foreach(params)``, kept so that it is not recomputed every step.
     """
 
-    __slots__ = ("mode", "params", "prev", "prev_grad", "spare", "states")
+    __slots__ = (
+        "default_foreach",
+        "mode",
+        "params",
+        "prev",
+        "prev_grad",
+        "spare",
+        "states",
+    )
 
     def __init__(
         self,
@@ -625,7 +634,9 @@ class _GroupBuffers:
         states: list[dict[str, Any]],
         prev: list[Tensor],
         prev_grad: list[Tensor] | None,
+        default_foreach: bool,
     ) -> None:
+        self.default_foreach = default_foreach
         self.mode = mode
         self.params = params
         self.states = states
@@ -647,6 +658,7 @@ class _Plan:
 
     __slots__ = (
         "buffers",
+        "default_foreach",
         "foreach",
         "grads",
         "group",
@@ -669,8 +681,11 @@ class _Plan:
         self.params = params
         self.grads = grads
         self.buffers = buffers
-        foreach = group["foreach"]
-        self.foreach: bool = _default_foreach(params) if foreach is None else foreach
+        self.default_foreach = (
+            _default_foreach(params) if buffers is None else buffers.default_foreach
+        )
+        foreach = group["foreach"]  # the group's option; None: the default
+        self.foreach: bool = self.default_foreach if foreach is None else foreach
         self.olds: list[Tensor | None] | None = None  # same_batch g(x_{k-1})
         self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
@@ -1109,7 +1124,9 @@ class DeltaSGD(Optimizer):
             else:
                 for s in states:
                     s.pop("prev_grad", None)
-            buffers = _GroupBuffers(group["mode"], params, states, prev, prev_grad)
+            buffers = _GroupBuffers(
+                group["mode"], params, states, prev, prev_grad, plan.default_foreach
+            )
             self._buffers[plan.index] = buffers
         elif plan.spare_holds_x:
             assert buffers.spare is not None
