@@ -1,9 +1,10 @@
 r"""FROZEN BASELINE, do not edit: ``DeltaSGD`` as it was before #28 item 5.
 
 A verbatim copy of ``fedadapt/client/optim/deltasgd.py`` at main fdd8048 (its
-module docstring left out), kept only so that ``benchmarks/optimizers.py --ab``
-times the old ``DeltaSGD.step`` against the new one in the same run. Not
-imported by the package or the tests.
+module docstring left out), kept only so that ``benchmarks/optimizers.py``
+(the rows "(old step)") and ``benchmarks/deltasgd_step_ab.py`` time the old
+``DeltaSGD.step`` against the new one in the same run. Not imported by the
+package or the tests.
 """
 
 from __future__ import annotations
