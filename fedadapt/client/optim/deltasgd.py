@@ -522,11 +522,11 @@ def delta_sgd(
 ) -> StepInfo:
     r"""Take one Δ-SGD step of one parameter group in place; return its step size.
 
-    Functional form of :class:`DeltaSGD` (arXiv:2306.11201, Algorithm 1 lines
-    8-10)::
+    Functional form of :class:`DeltaSGD`, whose ``step()`` calls it once per
+    group (arXiv:2306.11201, Algorithm 1 lines 8-10)::
 
-        (‖Δx‖, ‖Δg‖)  on the device             (‖g̃(x_0)‖ at step 0)
-        η_k, θ_k = step_size(...)               on the host: one sync
+        norms = delta_sgd_norms(...)   on the device, unless ``norms`` is given
+        η_k, θ_k = step_size(norms)     on the host: one sync
         prev_params ← x_k,  prev_grads ← g̃(x_k)
         x_{k+1} = x_k - η_k (g̃(x_k) + λ x_k)
 
