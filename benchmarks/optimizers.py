@@ -10,6 +10,10 @@ Times one full local step, forward and backward included, of
   ``mode="consecutive"`` (one pass),
 * :class:`fedadapt.client.optim.FedLAMB` and :class:`~fedadapt.client.optim.FedAMS`
   (library defaults, ``load_second_moments(None)`` once before stepping),
+* the A/B of issue #28 item 5: both Δ-SGD rows again with the step as it was
+  before (``DeltaSGD`` from ``benchmarks/deltasgd_baseline.py``, a frozen copy,
+  marked "(old step)"); the "new/old" column is the paired ratio of the
+  current step to the old one (target <= 1.05x),
 
 on two models, defined here as stand-ins until the tasks issue adds them to
 ``fedadapt.tasks``:
@@ -19,7 +23,9 @@ on two models, defined here as stand-ins until the tasks issue adds them to
   dropout; FC 50->10), input 1x28x28, 21,840 parameters;
 * ``resnet18``: ResNet-18, CIFAR variant (3x3 stem conv with 64 channels, no
   max-pool, stages [2, 2, 2, 2] of BasicBlocks with BatchNorm, average pool 4,
-  linear 512->10), input 3x32x32, 11,173,962 parameters.
+  linear 512->10), input 3x32x32, 11,173,962 parameters;
+* ``resnet18-w1``: the same at width 1 (2,991 parameters in the same 62
+  tensors), a launch-bound proxy where the optimizer's overhead dominates.
 
 Every optimizer uses the same closure-style step: the closure zeroes the
 gradients, runs the forward pass and the cross-entropy loss, calls
@@ -33,7 +39,9 @@ round (the order rotates every round), so that machine noise hits all of them
 alike; each first takes ``--warmup`` untimed steps (this also takes Δ-SGD past
 its single-pass first step), then ``--steps`` timed steps. A step is timed
 with ``time.perf_counter`` (after ``torch.cuda.synchronize()`` on both sides
-on CUDA). The table reports the median ms/step with its interquartile range,
+on CUDA), or with ``--clock cpu`` by the process's CPU time (for CPU runs with
+``--threads 1`` on a loaded machine, where wall time mostly measures
+waiting). The table reports the median ms/step with its interquartile range,
 and the ratio to SGD (and, for Fed-LAMB / Fed-AMS, to Adam) as the median over
 rounds of the paired per-round ratio, which is robust to load that changes
 during the run; the ratios of the medians are in the JSON too. Threads:
@@ -51,7 +59,13 @@ Usage (from the repository root)::
 Defaults: ``cnn-mnist`` 20 warm-up + 200 timed steps, ``resnet18`` 5 warm-up +
 10 timed steps (``--steps`` / ``--warmup`` set both models). Targets (issue
 #5): Δ-SGD same-batch <= 2.1x SGD, consecutive <= 1.1x SGD, Fed-LAMB / Fed-AMS
-<= 1.2x Adam; the script prints whether each is met, and exits 0 either way.
+<= 1.2x Adam; (issue #28) each Δ-SGD step <= 1.05x its old step. The script
+prints whether each is met, and exits 0 either way. ``--optimizers`` runs a
+subset, e.g. the A/B alone::
+
+    python benchmarks/optimizers.py --models cnn-mnist --steps 600 \
+        --optimizers SGD "DeltaSGD same_batch" "DeltaSGD same_batch (old step)" \
+        "DeltaSGD consecutive" "DeltaSGD consecutive (old step)"
 """
 
 from __future__ import annotations
@@ -77,6 +91,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.deltasgd_baseline import DeltaSGD as OldDeltaSGD  # noqa: E402
 from fedadapt.client.optim import DeltaSGD, FedAMS, FedLAMB  # noqa: E402
 
 BATCH = 32
@@ -169,6 +184,11 @@ class ModelSpec:
 MODELS = {
     "cnn-mnist": ModelSpec("cnn-mnist", CNNMnist, (1, 28, 28), 20, 200, 5, 30),
     "resnet18": ModelSpec("resnet18", ResNet18Cifar, (3, 32, 32), 5, 10, 2, 3),
+    # Launch-bound proxy: ResNet-18's 62 tensors at width 1 (2,991 parameters),
+    # so the optimizer's own overhead dominates the step.
+    "resnet18-w1": ModelSpec(
+        "resnet18-w1", lambda: ResNet18Cifar(width=1), (3, 32, 32), 20, 200, 5, 30
+    ),
 }
 
 # --- optimizers ----------------------------------------------------------------
@@ -186,15 +206,34 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     ),
     "FedLAMB": lambda m: FedLAMB(m.parameters(), lr=1e-3),
     "FedAMS": lambda m: FedAMS(m.parameters(), lr=1e-3),
+    # The A/B baseline: the frozen copy of DeltaSGD before #28 item 5.
+    "DeltaSGD same_batch (old step)": lambda m: OldDeltaSGD(
+        m.parameters(), lr=0.01, mode="same_batch", module=m
+    ),
+    "DeltaSGD consecutive (old step)": lambda m: OldDeltaSGD(
+        m.parameters(), lr=0.01, mode="consecutive"
+    ),
 }
 SGD, ADAM = "SGD", "Adam (foreach)"
+#: Row -> its old-step row (the A/B of issue #28 item 5).
+OLD_STEP = {
+    "DeltaSGD same_batch": "DeltaSGD same_batch (old step)",
+    "DeltaSGD consecutive": "DeltaSGD consecutive (old step)",
+}
 # (row, baseline, max ratio)
 TARGETS = (
     ("DeltaSGD same_batch", SGD, 2.1),
     ("DeltaSGD consecutive", SGD, 1.1),
     ("FedLAMB", ADAM, 1.2),
     ("FedAMS", ADAM, 1.2),
+    *((new, old, 1.05) for new, old in OLD_STEP.items()),
 )
+
+
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+}
 
 
 @dataclass
@@ -232,9 +271,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _one_step(
-    runner: Runner, x: torch.Tensor, y: torch.Tensor, device: torch.device
+    runner: Runner,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Run one closure-style step; return its wall time in seconds."""
+    """Run one closure-style step; return its time in seconds on ``clock``."""
     model, opt = runner.model, runner.opt
 
     def closure() -> torch.Tensor:
@@ -247,13 +290,13 @@ def _one_step(
         return loss
 
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     if opt is None:
         loss = closure()
     else:
         loss = opt.step(closure)
     _sync(device)
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
     if not torch.isfinite(loss):
         raise FloatingPointError(f"{runner.name}: non-finite loss")
     return elapsed
@@ -266,6 +309,7 @@ def bench_model(
     warmup: int,
     steps: int,
     seed: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     """Benchmark every optimizer in ``names`` (plus the floor) on one model."""
     torch.manual_seed(seed)
@@ -297,7 +341,7 @@ def bench_model(
         shift = i % len(runners)  # rotate the order: no fixed position
         for runner in runners[shift:] + runners[:shift]:
             try:
-                elapsed = _one_step(runner, x, y, device)
+                elapsed = _one_step(runner, x, y, device, clock)
             except FloatingPointError:
                 runner.restart()  # the sample is dropped
                 continue
@@ -332,6 +376,7 @@ def bench_model(
                 "restarts": r.restarts,
                 "ratio_sgd": paired(r.name, SGD),
                 "ratio_adam": paired(r.name, ADAM),
+                "ratio_old_step": paired(r.name, OLD_STEP.get(r.name, "")),
                 "ratio_sgd_of_medians": ms / med[SGD] if SGD in med else None,
                 "ratio_adam_of_medians": ms / med[ADAM] if ADAM in med else None,
             }
@@ -371,11 +416,12 @@ def format_table(result: dict[str, Any]) -> str:
     """Markdown table of one model's results."""
     lines = [
         f"{result['model']} ({result['parameters']:,} parameters, batch "
-        f"{result['batch']}, {result['warmup']} warm-up + {result['steps']} timed "
+        f"{result['batch']}, {result.get('clock', 'wall')} clock, "
+        f"{result['warmup']} warm-up + {result['steps']} timed "
         "steps)",
         "",
-        "| optimizer | ms/step (median) | IQR (ms) | vs SGD | vs Adam |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| optimizer | ms/step (median) | IQR (ms) | vs SGD | vs Adam | new/old |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
         vs_adam = row["optimizer"] in ("FedLAMB", "FedAMS")
@@ -384,7 +430,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"| {row['optimizer']}{extra} | {row['ms_median']:.2f} | "
             f"{row['ms_q1']:.2f}-{row['ms_q3']:.2f} | "
             f"{_fmt_ratio(row['ratio_sgd'])} | "
-            f"{_fmt_ratio(row['ratio_adam']) if vs_adam else ''} |"
+            f"{_fmt_ratio(row['ratio_adam']) if vs_adam else ''} | "
+            f"{_fmt_ratio(row['ratio_old_step'])} |"
         )
     lines.append("")
     for t in result["targets"]:
@@ -444,7 +491,23 @@ def main(argv: list[str] | None = None) -> int:
         help="models to run (default: all)",
     )
     parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=tuple(OPTIMIZERS),
+        default=list(OPTIMIZERS),
+        metavar="NAME",
+        help="optimizers to run (default: all): " + ", ".join(OPTIMIZERS),
+    )
+    parser.add_argument(
         "--threads", type=int, help="torch.set_num_threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="wall: time.perf_counter (default); cpu: time.process_time, "
+        "this process's CPU time, for a CPU run with --threads 1 on a loaded "
+        "machine (waiting for a core does not count)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write results to this file")
@@ -453,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 1")
     if args.warmup is not None and args.warmup < 1:
         parser.error("--warmup must be >= 1 (Δ-SGD's first step is single-pass)")
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU work only: use it with --device cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
 
@@ -477,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         warmup = args.warmup or (spec.quick_warmup if args.quick else spec.warmup)
         steps = args.steps or (spec.quick_steps if args.quick else spec.steps)
         t0 = time.perf_counter()
-        result = bench_model(spec, list(OPTIMIZERS), device, warmup, steps, args.seed)
+        result = bench_model(
+            spec, args.optimizers, device, warmup, steps, args.seed, CLOCKS[args.clock]
+        )
+        result["clock"] = args.clock
         result["wall_s"] = time.perf_counter() - t0
         results.append(result)
         print()

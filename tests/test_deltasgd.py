@@ -994,3 +994,170 @@ def test_default_path_is_foreach_for_plain_tensors(monkeypatch):
         x.grad = torch.ones(3)
         opt.step()
     assert calls == ["_multi_tensor_delta_sgd"] * 2
+
+
+# ------------------------------- step() is the functional; foreach per group
+
+
+def _mse_batches(n=3):
+    g = torch.Generator().manual_seed(4)
+    return [
+        (torch.randn(16, 5, generator=g), torch.randn(16, 3, generator=g))
+        for _ in range(n)
+    ]
+
+
+def _grads_at(model, inputs, targets):
+    """g̃(x) of ``model``'s current parameters on one batch (fresh tensors)."""
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(inputs), targets).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_step_and_functional_give_identical_trajectories(foreach, mode, wd):
+    """``DeltaSGD.step`` equals ``delta_sgd`` driven by hand, bit for bit."""
+    batches = _mse_batches()
+    model = _mlp()
+    opt = DeltaSGD(
+        model.parameters(), lr=2.0, mode=mode, weight_decay=wd, foreach=foreach
+    )
+    # By hand: x_k in ``ref``; the same-batch gradient at x_{k-1} from ``back``.
+    ref, back = _mlp(), _mlp()
+    params = list(ref.parameters())
+    prev_params = [torch.empty_like(p) for p in params]
+    prev_grads = [torch.empty_like(p) for p in params]
+    lr, theta = 2.0, 1.0
+    for k in range(15):
+        inputs, targets = batches[k % len(batches)]
+
+        def closure(inputs=inputs, targets=targets):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+        grads = _grads_at(ref, inputs, targets)
+        if mode == "same_batch" and k > 0:
+            with torch.no_grad():
+                for q, x_prev in zip(back.parameters(), prev_params, strict=True):
+                    q.copy_(x_prev)
+            prev_grads = _grads_at(back, inputs, targets)
+        with torch.no_grad():
+            info = delta_sgd(
+                params,
+                grads,
+                prev_params,
+                prev_grads,
+                step=k,
+                lr=lr,
+                theta=theta,
+                weight_decay=wd,
+                foreach=foreach,
+            )
+        lr, theta = info.eta, info.theta
+        got = opt.history[0][-1]
+        assert got[:4] == info[:4]  # step, η, θ, branch: equal floats
+        assert got.smooth_term == info.smooth_term or k == 0  # NaN at k = 0
+        for p, q in zip(model.parameters(), params, strict=True):
+            assert torch.equal(p.detach(), q.detach())
+    assert "smoothness" in {h.branch for h in opt.history[0]}  # the norms set η
+
+
+def _spy_both_paths(monkeypatch):
+    """Record the path of each group's norms and update, in call order."""
+    calls = []
+    for name in ("_single_tensor_delta_sgd", "_multi_tensor_delta_sgd"):
+        kernels = getattr(deltasgd, name)
+        path = name.split("_")[1]  # "single" / "multi"
+
+        def norms(*args, _k=kernels, _p=path, **kwargs):
+            calls.append(("norms", _p, len(args[0])))
+            return _k.norms(*args, **kwargs)
+
+        def update(*args, _k=kernels, _p=path, **kwargs):
+            calls.append(("update", _p, len(args[0])))
+            return _k.update(*args, **kwargs)
+
+        monkeypatch.setattr(deltasgd, name, deltasgd._Kernels(norms, update))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["same_batch", "consecutive"])
+def test_group_level_foreach_is_honoured(monkeypatch, mode):
+    """``foreach`` is a group option; the constructor's is the groups' default."""
+    calls = _spy_both_paths(monkeypatch)
+    model = _mlp()
+    first, *rest = model.parameters()  # 1 tensor, then 3
+    opt = DeltaSGD(
+        [{"params": [first], "foreach": False}, {"params": rest}],
+        lr=2.0,
+        mode=mode,
+        foreach=True,
+    )
+    inputs, targets = _mse_batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    # Both groups' norms (one host read), then both updates, every step.
+    step = [
+        ("norms", "single", 1),
+        ("norms", "multi", 3),
+        ("update", "single", 1),
+        ("update", "multi", 3),
+    ]
+    assert calls == step * 3
+    assert [g["foreach"] for g in opt.param_groups] == [False, True]
+    # A group option survives state_dict; a bad one is rejected.
+    first2, *rest2 = _mlp().parameters()
+    clone = DeltaSGD([{"params": [first2]}, {"params": rest2}], mode=mode)
+    assert [g["foreach"] for g in clone.param_groups] == [None, None]
+    clone.load_state_dict(opt.state_dict())
+    assert [g["foreach"] for g in clone.param_groups] == [False, True]
+    with pytest.raises(ValueError, match="Invalid foreach"):
+        DeltaSGD([{"params": [first2], "foreach": 1}])
+
+
+def test_default_foreach_is_one_policy_shared_with_fedlamb(monkeypatch):
+    """``foreach=None``: Fed-LAMB's policy, so large CPU tensors loop."""
+    from fedadapt.client.optim import fedlamb
+
+    assert deltasgd._default_foreach is fedlamb._default_foreach
+    calls = _spy_both_paths(monkeypatch)
+    big = torch.zeros(300, 300, requires_grad=True)  # 90,000 > 32,768 elements
+    small = torch.zeros(3, requires_grad=True)
+    opt = DeltaSGD([{"params": [big]}, {"params": [small]}], mode="consecutive")
+    big.grad, small.grad = torch.ones(300, 300), torch.ones(3)
+    opt.step()
+    assert [c[1] for c in calls] == ["single", "multi", "single", "multi"]
+
+
+def test_functional_norms_argument_and_missing_previous_iterate():
+    """``norms=`` skips the device norms; without them ``prev_*`` are needed."""
+    params = [torch.tensor([1.0, -2.0], dtype=torch.float64)]
+    grads = [torch.tensor([0.5, 0.25], dtype=torch.float64)]
+    prev = [torch.tensor([1.5, -1.0], dtype=torch.float64)]
+    prev_g = [torch.tensor([0.0, 1.0], dtype=torch.float64)]
+    norms = deltasgd.delta_sgd_norms(params, grads, prev, prev_g, step=3).tolist()
+    assert norms == [math.hypot(0.5, 1.0), math.hypot(0.5, 0.75)]
+    kw = {"step": 3, "lr": 0.1, "theta": 2.0}
+    a = [p.clone() for p in params]
+    info_a = delta_sgd(
+        a, grads, [q.clone() for q in prev], [h.clone() for h in prev_g], **kw
+    )
+    b = [p.clone() for p in params]
+    info_b = delta_sgd(b, grads, None, None, norms=norms, **kw)
+    assert info_a[:4] == info_b[:4] and torch.equal(a[0], b[0])
+    assert torch.equal(b[0], params[0] - info_b.eta * grads[0])
+    with pytest.raises(ValueError, match="prev_params and prev_grads"):
+        delta_sgd([p.clone() for p in params], grads, None, None, **kw)

@@ -565,6 +565,17 @@ def test_default_foreach_path(monkeypatch):
     assert calls == [2]
 
 
+def test_default_foreach_tensor_subclass_takes_for_loop():
+    """The policy shared with Δ-SGD: tensor subclasses loop, as in torch."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    small = torch.zeros(3)
+    assert fedlamb._default_foreach([small])
+    assert not fedlamb._default_foreach([small.as_subclass(Marked)])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cls", [FedLAMB, FedAMS])

@@ -50,9 +50,13 @@ def _delta_sgd(
     gradients of Algorithm 1 line 9 on the current batch.
     """
     return DeltaSGD(
-        model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
-        delta=cfg["delta-sgd-delta"], mode="same_batch", module=model,
-    )  # fmt: skip
+        model.parameters(),
+        lr=lr,
+        gamma=cfg["delta-sgd-gamma"],
+        delta=cfg["delta-sgd-delta"],
+        mode="same_batch",
+        module=model,
+    )
 
 
 @OPTIMIZERS.register("delta-sgd-consecutive")
@@ -65,9 +69,12 @@ def _delta_sgd_consecutive(
     after it allows different batches): half the passes of ``delta-sgd``.
     """
     return DeltaSGD(
-        model.parameters(), lr=lr, gamma=cfg["delta-sgd-gamma"],
-        delta=cfg["delta-sgd-delta"], mode="consecutive",
-    )  # fmt: skip
+        model.parameters(),
+        lr=lr,
+        gamma=cfg["delta-sgd-gamma"],
+        delta=cfg["delta-sgd-delta"],
+        mode="consecutive",
+    )
 
 
 @OPTIMIZERS.register("fed-lamb")
@@ -76,9 +83,11 @@ def _fed_lamb(
 ) -> torch.optim.Optimizer:
     """Fed-LAMB client (arXiv:2110.00532 Algorithm 1; needs strategy fed-lamb)."""
     return FedLAMB(
-        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"]),
+        model.parameters(),
+        lr=lr,
+        betas=(cfg["client-beta-1"], cfg["client-beta-2"]),
         weight_decay=cfg["fed-lamb-lambda"],
-    )  # fmt: skip
+    )
 
 
 @OPTIMIZERS.register("fed-ams")

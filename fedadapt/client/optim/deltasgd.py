@@ -15,16 +15,13 @@ growth factor δ that the experiments use::
     θ_k = η_k / η_{k-1}                                                (line 10)
 
 Layout, as in ``torch.optim.SGD`` and ``torch.optim.Adam``: :class:`DeltaSGD`
-handles parameter groups, state, the closure and validation; the functional
-:func:`delta_sgd` takes one step of one group. The whole step-size rule (lines
-6, 9 and 10 with δ, the zero-norm guard and the official code's variants) is
-one function, :func:`step_size`, on host floats. Around it, the device work
-comes in two implementations with the same values: ``_single_tensor_delta_sgd``
-(one operation per tensor) and ``_multi_tensor_delta_sgd``
-(``torch._foreach_*``, a fixed number of operations whatever the number of
-tensors). Because the min of line 9 needs global norms before anything moves,
-each implementation is a pair of kernels: ``norms`` before the host decision
-and ``update`` after it.
+handles parameter groups, state, the closure and validation, and its
+``step()`` calls the functional :func:`delta_sgd` once per group. The
+functional is :func:`delta_sgd_norms` (on the device), :func:`step_size` (the
+whole rule, on host floats) and the update; the device work comes in two
+implementations with the same values: ``_single_tensor_delta_sgd`` (one
+operation per tensor) and ``_multi_tensor_delta_sgd`` (``torch._foreach_*``).
+Design notes: docs/algorithms.md, "Δ-SGD: design notes".
 
 Δ-SGD needs nothing from the server and keeps no state across rounds: call
 :meth:`DeltaSGD.reset` (or build a new optimizer) at the start of each round.
@@ -42,8 +39,16 @@ from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_choice, check_scalar
+from fedadapt.client.optim._foreach import _check_foreach, _default_foreach
 
-__all__ = ["DeltaSGD", "StepInfo", "delta_sgd", "preserve_buffers", "step_size"]
+__all__ = [
+    "DeltaSGD",
+    "StepInfo",
+    "delta_sgd",
+    "delta_sgd_norms",
+    "preserve_buffers",
+    "step_size",
+]
 
 MODES = ("same_batch", "consecutive")
 FIRST_STEPS = ("paper", "official")
@@ -241,22 +246,13 @@ def step_size(
     FloatingPointError
         A norm is NaN or infinite (a gradient or parameter is).
     """
+    _check_norms(norms, step=step)
     growth = math.sqrt(1.0 + delta * theta)  # sqrt(1 + δ θ_{k-1})
     if step == 0:
-        (g_norm,) = norms
-        if not math.isfinite(g_norm):
-            raise FloatingPointError(
-                f"DeltaSGD: non-finite gradient at local step 0 (‖g‖={g_norm})"
-            )
         if first_step == "paper":  # line 6
             return StepInfo(0, lr, theta, "first", math.nan)
         return StepInfo(0, lr * growth, growth, "first", math.nan)
     dx, dg = norms
-    if not (math.isfinite(dx) and math.isfinite(dg)):
-        raise FloatingPointError(
-            f"DeltaSGD: non-finite norm at local step {step} (‖Δx‖={dx}, "
-            f"‖Δg‖={dg}): a gradient or parameter is NaN/Inf"
-        )
     grown = growth * lr  # sqrt(1 + δ θ_{k-1}) η_{k-1}
     if dx > 0.0 and dg > 0.0:
         smooth = gamma * dx / (2.0 * dg)  # γ‖Δx‖ / (2‖Δg‖)
@@ -265,6 +261,36 @@ def step_size(
     else:  # the first term is 0/0 or +inf: take +inf
         smooth, branch, eta = math.inf, "growth", grown
     return StepInfo(step, eta, eta / lr, branch, smooth)  # line 10
+
+
+def _check_norms(norms: Sequence[float], *, step: int) -> None:
+    """Raise unless the norms of local step ``step`` are finite.
+
+    Parameters
+    ----------
+    norms : sequence of float
+        ``(‖g̃(x_0)‖,)`` at ``step == 0``, else ``(‖Δx‖, ‖Δg‖)``.
+    step : int
+        Local step index ``k`` within the round.
+
+    Raises
+    ------
+    FloatingPointError
+        A norm is NaN or infinite (a gradient or parameter is).
+    """
+    if step == 0:
+        (g_norm,) = norms
+        if not math.isfinite(g_norm):
+            raise FloatingPointError(
+                f"DeltaSGD: non-finite gradient at local step 0 (‖g‖={g_norm})"
+            )
+        return
+    dx, dg = norms
+    if not (math.isfinite(dx) and math.isfinite(dg)):
+        raise FloatingPointError(
+            f"DeltaSGD: non-finite norm at local step {step} (‖Δx‖={dx}, "
+            f"‖Δg‖={dg}): a gradient or parameter is NaN/Inf"
+        )
 
 
 # ------------------------------------------------------------ device kernels
@@ -418,29 +444,50 @@ _single_tensor_delta_sgd = _Kernels(_single_tensor_norms, _single_tensor_update)
 _multi_tensor_delta_sgd = _Kernels(_multi_tensor_norms, _multi_tensor_update)
 
 
-_PLAIN_TENSORS = (Tensor, nn.Parameter)
-
-
-def _default_foreach(params: Sequence[Tensor]) -> bool:
-    """Pick the implementation of ``foreach=None``: foreach for plain tensors.
-
-    Like torch's ``_default_to_fused_or_foreach``, tensor subclasses take the
-    single-tensor path. Unlike it, CPU tensors take the foreach path too:
-    torch avoids it there because its CPU foreach kernels are loops over the
-    tensors, but for Δ-SGD's few operations per tensor that loop in C++ still
-    beats the Python loop of the single-tensor path (the optimizer's share of
-    a step on the MNIST CNN of ``benchmarks/optimizers.py``, 8 tensors: about
-    1.2x less time). Foreach on every device is also what this optimizer did
-    before it had a single-tensor path, so the default keeps its numbers and
-    speed unchanged.
-    """
-    return all(type(p) in _PLAIN_TENSORS for p in params)
-
-
 def _kernels(foreach: bool | None, params: Sequence[Tensor]) -> _Kernels:
     if foreach is None:
         foreach = _default_foreach(params)
     return _multi_tensor_delta_sgd if foreach else _single_tensor_delta_sgd
+
+
+def delta_sgd_norms(
+    params: list[Tensor],
+    grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
+    *,
+    step: int,
+    weight_decay: float = 0.0,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Return the norms that set one group's step size, on the device (no sync).
+
+    The first half of :func:`delta_sgd`: ``(‖g̃(x_0)‖,)`` at step 0, else
+    ``(‖Δx‖, ‖Δg‖)`` with ``Δx = x_k - x_{k-1}`` and
+    ``Δg = g̃(x_k) - g̃(x_{k-1}) + λΔx`` (arXiv:2306.11201, Algorithm 1 line 9;
+    global L2 norms over every tensor, combined in float64). Callers that step
+    several groups read all their norms back at once and pass each group's to
+    :func:`delta_sgd` as ``norms``, as :meth:`DeltaSGD.step` does.
+
+    Parameters
+    ----------
+    params, grads, prev_params, prev_grads : list of Tensor
+        As in :func:`delta_sgd` (``prev_*`` unused at step 0).
+    step : int
+        Local step index ``k``.
+    weight_decay : float, default 0.0
+        Coupled L2 weight decay λ.
+    foreach : bool or None, default None
+        As in :func:`delta_sgd`.
+
+    Returns
+    -------
+    Tensor
+        A 1-d tensor of one or two norms on the first parameter's device.
+    """
+    return _kernels(foreach, params).norms(
+        params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
+    )
 
 
 def _to_host(norms: Sequence[Tensor]) -> list[list[float]]:
@@ -459,8 +506,8 @@ def _to_host(norms: Sequence[Tensor]) -> list[list[float]]:
 def delta_sgd(
     params: list[Tensor],
     grads: list[Tensor],
-    prev_params: list[Tensor],
-    prev_grads: list[Tensor],
+    prev_params: Sequence[Tensor] | None,
+    prev_grads: Sequence[Tensor] | None,
     *,
     step: int,
     lr: float,
@@ -471,14 +518,15 @@ def delta_sgd(
     step_eps: float = 0.0,
     weight_decay: float = 0.0,
     foreach: bool | None = None,
+    norms: Sequence[float] | None = None,
 ) -> StepInfo:
     r"""Take one Δ-SGD step of one parameter group in place; return its step size.
 
-    Functional form of :class:`DeltaSGD` (arXiv:2306.11201, Algorithm 1 lines
-    8-10)::
+    Functional form of :class:`DeltaSGD`, whose ``step()`` calls it once per
+    group (arXiv:2306.11201, Algorithm 1 lines 8-10)::
 
-        (‖Δx‖, ‖Δg‖)  on the device             (‖g̃(x_0)‖ at step 0)
-        η_k, θ_k = step_size(...)               on the host: one sync
+        norms = delta_sgd_norms(...)   on the device, unless ``norms`` is given
+        η_k, θ_k = step_size(norms)     on the host: one sync
         prev_params ← x_k,  prev_grads ← g̃(x_k)
         x_{k+1} = x_k - η_k (g̃(x_k) + λ x_k)
 
@@ -487,12 +535,13 @@ def delta_sgd(
     params, grads : list of Tensor
         The group's parameters ``x_k`` with a gradient (updated in place) and
         their gradients ``g̃(x_k)``.
-    prev_params, prev_grads : list of Tensor
+    prev_params, prev_grads : list of Tensor or None
         ``x_{k-1}`` and ``g̃(x_{k-1})``, aligned with ``params``: the stored
         gradient of the previous step (consecutive mode) or the gradient at
         ``x_{k-1}`` on the current batch (same-batch mode). Read from step 1
-        on; overwritten with ``x_k`` and ``g̃(x_k)`` at every step, so that
-        in consecutive mode they are the next step's inputs.
+        on unless ``norms`` is given; overwritten with ``x_k`` and ``g̃(x_k)``
+        at every step, so that in consecutive mode they are the next step's
+        inputs. ``None``: not kept (only with ``norms`` or at step 0).
     step : int
         Local step index ``k`` (0 at the start of a round).
     lr, theta : float
@@ -503,7 +552,12 @@ def delta_sgd(
         Coupled L2 weight decay λ (see :class:`DeltaSGD`).
     foreach : bool or None, default None
         ``True``: the ``torch._foreach_*`` implementation; ``False``: one
-        operation per tensor; ``None``: see :class:`DeltaSGD`. Same values.
+        operation per tensor; ``None``: foreach on CUDA and for small CPU
+        tensors (the policy shared with Fed-LAMB,
+        ``fedadapt.client.optim._foreach._default_foreach``). Same values.
+    norms : sequence of float, optional
+        This group's :func:`delta_sgd_norms`, already read back to the host;
+        ``None`` computes them here (one host synchronisation).
 
     Returns
     -------
@@ -517,11 +571,17 @@ def delta_sgd(
         Non-finite gradient, parameter difference or norm; nothing is changed.
     """
     kernels = _kernels(foreach, params)
-    norms = kernels.norms(
-        params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
-    )
+    if norms is None:
+        if step > 0 and (prev_params is None or prev_grads is None):
+            raise ValueError(
+                "delta_sgd: prev_params and prev_grads are needed from step 1 on "
+                "(or pass this step's norms)"
+            )
+        norms = kernels.norms(
+            params, grads, prev_params, prev_grads, step=step, weight_decay=weight_decay
+        ).tolist()
     info = step_size(
-        norms.tolist(),
+        norms,
         step=step,
         lr=lr,
         theta=theta,
@@ -553,10 +613,19 @@ class _GroupBuffers:
     ``state["prev_grad"]`` (g_{k-1}, consecutive mode, else ``None``): the
     same tensor objects as in the optimizer state. ``spare`` (same_batch) is
     scratch space for x_k during the extra pass, not part of the state; after
-    a step it swaps roles with ``prev``.
+    a step it swaps roles with ``prev``. ``default_foreach`` is
+    ``_default_foreach(params)``, kept so that it is not recomputed every step.
     """
 
-    __slots__ = ("mode", "params", "prev", "prev_grad", "spare", "states")
+    __slots__ = (
+        "default_foreach",
+        "mode",
+        "params",
+        "prev",
+        "prev_grad",
+        "spare",
+        "states",
+    )
 
     def __init__(
         self,
@@ -565,7 +634,9 @@ class _GroupBuffers:
         states: list[dict[str, Any]],
         prev: list[Tensor],
         prev_grad: list[Tensor] | None,
+        default_foreach: bool,
     ) -> None:
+        self.default_foreach = default_foreach
         self.mode = mode
         self.params = params
         self.states = states
@@ -587,6 +658,8 @@ class _Plan:
 
     __slots__ = (
         "buffers",
+        "default_foreach",
+        "foreach",
         "grads",
         "group",
         "index",
@@ -608,6 +681,11 @@ class _Plan:
         self.params = params
         self.grads = grads
         self.buffers = buffers
+        self.default_foreach = (
+            _default_foreach(params) if buffers is None else buffers.default_foreach
+        )
+        foreach = group["foreach"]  # the group's option; None: the default
+        self.foreach: bool = self.default_foreach if foreach is None else foreach
         self.olds: list[Tensor | None] | None = None  # same_batch g(x_{k-1})
         self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
@@ -623,74 +701,48 @@ class DeltaSGD(Optimizer):
         θ_k = η_k / η_{k-1}
         x_{k+1} = x_k - η_k g̃(x_k)
 
-    One η per parameter group; both norms are global L2 norms over all
-    parameters of the group that have a gradient (the paper's ``x`` is the
-    whole model), so splitting a tensor does not change the step sizes.
+    One η per parameter group, from global norms over the group.
+    :meth:`step` gathers each group's lists and calls :func:`delta_sgd`.
+    Design notes (modes, closure contract, BatchNorm, cost, choices):
+    docs/algorithms.md, "Δ-SGD: design notes".
 
     Parameters
     ----------
     params : iterable
-        Parameters or parameter-group dicts. Every hyperparameter below can be
-        overridden per group.
+        Parameters or parameter-group dicts; every option below except
+        ``compat`` and ``module`` can be set per group.
     lr : float, default 0.2
-        Initial step size ``η0`` (the paper's default, arXiv:2306.11201 §3.1
-        footnote: γ = 2, η0 = 0.2, θ0 = 1 in all experiments). It is kept in
-        ``param_groups[i]["eta0"]``; ``param_groups[i]["lr"]`` holds the
-        *current* adaptive step size ``η_{k-1}`` (torch convention, so LR
-        loggers see it).
+        Initial step size η0 (arXiv:2306.11201 §3.1 footnote), kept in
+        ``group["eta0"]``; ``group["lr"]`` holds the current ``η_{k-1}``.
     gamma : float, default 2.0
-        The paper's "amplifier" γ > 0 of the first term (Algorithm 1 line 9).
-        The official code's ``damping`` is ``2/γ``: it divides ``‖Δx‖`` by
-        ``damping ‖Δg‖``.
+        Amplifier γ > 0 (Algorithm 1 line 9).
     delta : float, default 0.1
-        Growth factor δ ≥ 0 of the second term (Appendix B.1; δ = 0.1 in the
-        paper's Table 1). The official code calls it ``amplifier``.
+        Growth factor δ ≥ 0 (Appendix B.1, Table 1).
     theta0 : float, default 1.0
-        Initial ratio θ0 ≥ 0 (Algorithm 1 line 6). Must be finite: the paper
-        asks for θ0 > 0, and 0 is accepted because it only makes the first
-        growth term ``η_{k-1}``.
+        Initial ratio θ0 ≥ 0 (Algorithm 1 line 6).
     mode : {"same_batch", "consecutive"}, default "same_batch"
-        Which gradient ``g̃(x_{k-1})`` is compared with. Algorithm 1 leaves
-        it open (the remark after it: "one can use the same or different
-        batches"); the paper's experiments and official code use the same
-        batch. ``"same_batch"``: recompute the gradient at the previous
-        iterate on the *current* batch; costs **two forward/backward passes
-        per step** and requires ``closure``; keeps two parameter-sized buffers
-        (``x_{k-1}`` and a spare that receives ``x_k``). ``"consecutive"``:
-        reuse the stored gradient of the previous step (previous batch); one
-        pass; keeps ``x_{k-1}`` and ``g_{k-1}``.
+        ``g̃(x_{k-1})`` on the current batch (two passes per step, needs
+        ``step(closure)``; the paper's experiments) or the previous batch's
+        stored gradient (one pass).
     first_step : {"paper", "official"}, optional
-        ``"paper"`` (default, Algorithm 1 line 6): the first step uses ``η0``.
-        ``"official"``: the official code starts with the previous iterate
-        equal to the current one, so its zero-norm guard sets the first step
-        to ``η0 sqrt(1 + δθ0)`` and ``θ = sqrt(1 + δθ0)``. ``None`` takes the
-        ``compat`` preset, else ``"paper"``.
+        Step size of the first step: line 6, or the official code's
+        ``η0 sqrt(1 + δθ0)``. ``None``: the ``compat`` preset, else "paper".
     step_eps : float, optional
-        Added to the step size (not to a denominator) whenever the min is
-        taken, as the official code's ``--lr_eps``. ``None`` takes the
-        preset, else 0.
+        Added to ``η_k`` whenever the min is taken (the official
+        ``--lr_eps``). ``None``: the preset, else 0.
     weight_decay : float, default 0.0
-        Coupled L2 weight decay λ ≥ 0 (torch SGD style): the update direction
-        is ``g + λx`` and ``‖Δg‖`` is taken of that direction,
-        ``‖(g_k - g_{k-1}) + λ(x_k - x_{k-1})‖``, i.e. the smoothness of the
-        regularised objective. The paper has no weight decay and the official
-        client uses 0, so this choice never affects a reproduction.
+        Coupled L2 weight decay λ ≥ 0 (our choice; the paper has none).
     compat : {None, "auto-tuned-FL"}, default None
-        Preset: ``"auto-tuned-FL"`` sets ``first_step="official"`` and
-        ``step_eps=1e-8`` unless they are given explicitly.
+        Preset of the official code: ``first_step="official"``,
+        ``step_eps=1e-8``, unless given explicitly.
     module : torch.nn.Module, optional
-        Keyword-only. The model whose buffers (BatchNorm running statistics)
-        must not be changed by the extra ``same_batch`` pass: they are
-        snapshot before and restored after it (:func:`preserve_buffers`),
-        matching the official code, which discards ``prev_net``'s statistics.
-        Without it the closure is responsible for that.
+        Keyword-only. Model whose buffers (BatchNorm statistics) the extra
+        ``same_batch`` pass must not change (:func:`preserve_buffers`).
     foreach : bool or None, default None
-        Keyword-only. ``True``: the ``torch._foreach_*`` implementation;
-        ``False``: one operation per tensor; both give the same values (bit
-        for bit on CPU). ``None``: foreach for plain tensors on every device,
-        the single-tensor path for tensor subclasses (see
-        :func:`_default_foreach`). An optimizer-wide setting, not a group
-        hyperparameter (``defaults`` and ``state_dict`` keep their keys).
+        Keyword-only. Default of the group option ``foreach``: ``True`` the
+        ``torch._foreach_*`` implementation, ``False`` one operation per
+        tensor (same values), ``None`` foreach on CUDA and for small CPU
+        tensors (the policy shared with Fed-LAMB). Not in ``defaults``.
 
     Attributes
     ----------
@@ -699,60 +751,6 @@ class DeltaSGD(Optimizer):
         current round; :meth:`reset` clears it. Not part of ``state_dict``.
     last_step_info : list of (StepInfo or None)
         Per group, the latest entry of ``history``.
-
-    Notes
-    -----
-    **Closure contract** (like :class:`torch.optim.LBFGS`): ``closure`` must
-    zero the gradients, recompute the loss on the current batch, call
-    ``backward()`` and return the loss::
-
-        def closure():
-            optimizer.zero_grad()
-            loss = criterion(model(inputs), targets)
-            loss.backward()
-            return loss
-
-        loss = optimizer.step(closure)
-
-    In ``same_batch`` mode, from the second step of a round on, ``step``
-    calls the closure twice: once at ``x_k`` (its loss is returned and its
-    gradients are used for the update) and once with the parameters of *all*
-    ``same_batch`` groups temporarily set to ``x_{k-1}``. Afterwards ``x_k``
-    and the gradients ``g̃(x_k)`` are restored. The closure must therefore
-    use the same batch on every call (it normally captures it) and must not
-    step anything else; both passes run in whatever train/eval mode the
-    model is in, so dropout masks differ (as in the official code). The first
-    step of a round needs a single pass (its step size does not depend on a
-    gradient difference). Gradient scaling with ``torch.amp.GradScaler`` is
-    not supported in this mode (the scaler does not accept closures).
-
-    In ``consecutive`` mode ``closure`` is optional; with ``None`` the
-    existing ``.grad`` is used, as in SGD.
-
-    Zero ``‖Δx‖`` or ``‖Δg‖`` selects the growth term, so finite inputs never
-    give NaN weights. Non-finite gradients or norms raise
-    :class:`FloatingPointError` before anything is changed, in any group:
-    the parameters stay at ``x_k`` with their gradients, and the optimizer
-    state is intact.
-
-    One host synchronisation per step (the norms of every group, for the
-    min). On the foreach path (the default for plain tensors) the
-    arithmetic uses ``torch._foreach_*`` kernels, so a step issues a fixed
-    number of operations whatever the number of tensors (7 in
-    ``consecutive`` mode, 13 plus the closure calls in ``same_batch`` mode
-    with a ``module`` holding buffers of two dtypes, for one parameter group
-    without weight decay); the bookkeeping of the extra ``same_batch`` pass
-    uses foreach copies on either path. ``x_{k-1}`` and ``g_{k-1}`` live in
-    buffers allocated at the first step of a round and refreshed in place
-    (``state[p]["prev_param"]``, ``["prev_grad"]``); :meth:`state_dict`
-    therefore returns copies of them and :meth:`load_state_dict` copies what
-    it loads.
-
-    The arithmetic is Algorithm 1 as written. ``first_step`` and ``step_eps``
-    default to ``None`` (resolved as documented) so that an explicit value
-    can override the ``compat`` preset. With ``first_step="official"`` the
-    extra pass of the first step is skipped, because the official code's
-    ``‖Δx‖ = 0`` already forces the growth branch.
     """
 
     def __init__(
@@ -779,8 +777,6 @@ class DeltaSGD(Optimizer):
             first_step = preset.get("first_step", "paper")
         if step_eps is None:
             step_eps = preset.get("step_eps", 0.0)
-        if foreach is not None and not isinstance(foreach, bool):
-            raise ValueError(f"Invalid foreach: {foreach!r} (expected None or a bool)")
         defaults = {
             "lr": lr,
             "gamma": gamma,
@@ -793,7 +789,7 @@ class DeltaSGD(Optimizer):
         }
         _validate_hyperparameters(defaults)
         self.compat = compat
-        self.foreach = foreach
+        self.foreach = _check_foreach(foreach)  # the groups' default (not in defaults)
         self._module = module
         self._history: list[list[StepInfo]] = []
         # Per group index: this round's x_{k-1} / g_{k-1} buffers (not state).
@@ -807,6 +803,9 @@ class DeltaSGD(Optimizer):
         """Add a group; validates its hyperparameters and sets ``η0 = lr``."""
         for name, value in self.defaults.items():
             param_group.setdefault(name, value)
+        param_group["foreach"] = _check_foreach(
+            param_group.get("foreach", self.foreach)
+        )
         _validate_hyperparameters(param_group)
         param_group["eta0"] = param_group["lr"]
         param_group["theta"] = param_group["theta0"]
@@ -825,6 +824,7 @@ class DeltaSGD(Optimizer):
             group.setdefault("eta0", group["lr"])
             group.setdefault("theta", group["theta0"])
             group.setdefault("k", 0)
+            group.setdefault("foreach", self.foreach)
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's ``state_dict``, with copies of the state tensors.
@@ -958,7 +958,7 @@ class DeltaSGD(Optimizer):
         closure : callable, optional
             Zeroes the gradients, recomputes the loss on the current batch,
             calls ``backward()`` and returns the loss. Required in
-            ``same_batch`` mode (see the class notes); optional in
+            ``same_batch`` mode (see docs/algorithms.md); optional in
             ``consecutive`` mode.
 
         Returns
@@ -991,74 +991,59 @@ class DeltaSGD(Optimizer):
 
         plans = self._plans()
         # Same-batch: g̃_{B_k}(x_{k-1}) for every same_batch group with k ≥ 1.
-        extra = [
-            plan
-            for plan in plans
-            if plan.group["mode"] == "same_batch" and plan.group["k"] > 0
-        ]
+        extra = [p for p in plans if p.group["mode"] == "same_batch" and p.group["k"]]
         if extra:
             assert closure is not None  # checked above
             self._grads_at_previous_iterate(closure, extra)
         if not plans:
             return loss
-
-        # Norms of every group on the device, then one host synchronisation.
-        kernels = [_kernels(self.foreach, plan.params) for plan in plans]
-        norms = []
-        for plan, kernel in zip(plans, kernels, strict=True):
-            group = plan.group
-            prevs, olds = self._previous(plan) if group["k"] > 0 else (None, None)
-            norms.append(
-                kernel.norms(
-                    plan.params,
-                    plan.grads,
-                    prevs,
-                    olds,
-                    step=group["k"],
-                    weight_decay=group["weight_decay"],
-                )
-            )
-        values = _to_host(norms)
-
-        # Step sizes of every group; raise before changing anything.
-        infos = []
-        for plan, value in zip(plans, values, strict=True):
-            group, k = plan.group, plan.group["k"]
+        # The norms of every group, read back in one host synchronisation and
+        # checked before any group moves.
+        norms = _to_host([self._norms(plan) for plan in plans])
+        for plan, value in zip(plans, norms, strict=True):
             try:
-                info = step_size(
-                    value,
-                    step=k,
-                    lr=group["eta0"] if k == 0 else group["lr"],
-                    theta=group["theta0"] if k == 0 else group["theta"],
-                    gamma=group["gamma"],
-                    delta=group["delta"],
-                    first_step=group["first_step"],
-                    step_eps=group["step_eps"],
-                )
+                _check_norms(value, step=plan.group["k"])
             except FloatingPointError as err:
                 raise FloatingPointError(
                     f"{err} (param group {plan.index}); parameters and state left "
                     "unchanged"
                 ) from None
-            infos.append(info)
-
-        # Keep x_k (and g_k in consecutive mode), then x ← x - η(g + λx).
-        for plan, kernel, info in zip(plans, kernels, infos, strict=True):
-            group = plan.group
+        for plan, value in zip(plans, norms, strict=True):
+            group, k = plan.group, plan.group["k"]
             keep_params, keep_grads = self._keep_buffers(plan)
-            kernel.update(
+            info = delta_sgd(
                 plan.params,
                 plan.grads,
-                eta=info.eta,
+                keep_params,
+                keep_grads,
+                step=k,
+                lr=group["eta0"] if k == 0 else group["lr"],
+                theta=group["theta0"] if k == 0 else group["theta"],
+                gamma=group["gamma"],
+                delta=group["delta"],
+                first_step=group["first_step"],
+                step_eps=group["step_eps"],
                 weight_decay=group["weight_decay"],
-                keep_params=keep_params,
-                keep_grads=keep_grads,
+                foreach=plan.foreach,
+                norms=value,
             )
-            group["lr"] = info.eta
-            group["theta"] = info.theta
-            group["k"] += 1
+            group["lr"], group["theta"], group["k"] = info.eta, info.theta, k + 1
             self.history[plan.index].append(info)
         return loss
+
+    def _norms(self, plan: _Plan) -> Tensor:
+        """:func:`delta_sgd_norms` of one group, on the device."""
+        k = plan.group["k"]
+        prevs, olds = self._previous(plan) if k > 0 else (None, None)
+        return delta_sgd_norms(
+            plan.params,
+            plan.grads,
+            prevs,
+            olds,
+            step=k,
+            weight_decay=plan.group["weight_decay"],
+            foreach=plan.foreach,
+        )
 
     def _plans(self) -> list[_Plan]:
         """Each group with a parameter that has a gradient at ``x_k``."""
@@ -1139,7 +1124,9 @@ class DeltaSGD(Optimizer):
             else:
                 for s in states:
                     s.pop("prev_grad", None)
-            buffers = _GroupBuffers(group["mode"], params, states, prev, prev_grad)
+            buffers = _GroupBuffers(
+                group["mode"], params, states, prev, prev_grad, plan.default_foreach
+            )
             self._buffers[plan.index] = buffers
         elif plan.spare_holds_x:
             assert buffers.spare is not None

@@ -58,6 +58,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_scalar
+from fedadapt.client.optim._foreach import _check_foreach, _default_foreach
 
 __all__ = ["FedAMS", "FedLAMB", "fed_lamb"]
 
@@ -65,12 +66,6 @@ __all__ = ["FedAMS", "FedLAMB", "fed_lamb"]
 def _check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"Invalid {name}: {value!r} (expected a bool)")
-    return value
-
-
-def _check_foreach(value: Any) -> bool | None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"Invalid foreach: {value!r} (expected None or a bool)")
     return value
 
 
@@ -111,36 +106,6 @@ def _trust_ratios(
     phi = w_norm if phi_bounds is None else w_norm.clamp(phi_bounds[0], phi_bounds[1])
     ok = torch.minimum(w_norm, u_norm) > 0
     return torch.where(ok, phi / u_norm, 1.0)
-
-
-#: ``foreach=None`` on CPU takes the foreach path when the parameters hold at
-#: most this many elements per tensor on average (see :func:`_default_foreach`).
-_CPU_FOREACH_MAX_MEAN_NUMEL = 2**15
-
-
-def _default_foreach(params: Sequence[Tensor]) -> bool:
-    """Pick the path of ``foreach=None``: foreach on CUDA and for small CPU tensors.
-
-    On CUDA, torch's default (the foreach path). On CPU the foreach kernels
-    loop over the tensors once per operation: they save the per-tensor
-    dispatch of the for-loop path (about 10 operations per tensor) but lose
-    its cache locality (there each tensor goes through every operation while
-    it is in cache). Measured on 2 CPU cores with the ResNet-18 structure (62
-    tensors), foreach vs for-loop per step: 2.1x faster at 48 elements per
-    tensor on average, 1.2x faster at 11k, even at 45k, 1.3x slower at 180k
-    (11.2 M parameters); on the MNIST CNN (8 tensors, 2.7k on average) 1.2x
-    faster. Hence foreach when the mean is at most
-    ``_CPU_FOREACH_MAX_MEAN_NUMEL`` (32,768). Both paths give bit-identical
-    values on CPU.
-    """
-    if not params:
-        return False
-    if all(p.is_cuda for p in params):
-        return True
-    if all(p.device.type == "cpu" for p in params):
-        total = sum(p.numel() for p in params)
-        return total <= _CPU_FOREACH_MAX_MEAN_NUMEL * len(params)
-    return False
 
 
 def fed_lamb(
@@ -194,8 +159,9 @@ def fed_lamb(
     foreach : bool or None, optional
         Use the ``torch._foreach_*`` path; ``None`` picks it when all tensors
         are on CUDA, or all on CPU with at most 32,768 elements per tensor on
-        average (faster there, see ``_default_foreach``). Both paths compute the
-        same values. Defaults to None.
+        average (faster there; the policy shared with Δ-SGD,
+        ``fedadapt.client.optim._foreach._default_foreach``). Both paths
+        compute the same values. Defaults to None.
     """
     if foreach is None:
         foreach = _default_foreach(params)
