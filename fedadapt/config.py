@@ -385,7 +385,7 @@ def render_pyproject_table() -> str:
 
 
 def _toml_key(name: str) -> str:
-    """A bare TOML key, quoted when dotted (one flat key, as Flower reads it)."""
+    """Return ``name`` as a TOML key, quoted when dotted (one flat key)."""
     return f'"{name}"' if "." in name else name
 
 

@@ -177,9 +177,9 @@ def test_class_signature_and_doc_list_the_declared_params(name):
 
 
 def test_every_declared_param_has_a_run_config_key_in_pyproject():
-    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"][
-        "app"
-    ]["config"]
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"
+    ]
     for name in ALGORITHMS.names():
         algorithm = ALGORITHMS.get(name)
         for p in algorithm.params:

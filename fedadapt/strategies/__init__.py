@@ -21,10 +21,10 @@ A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 nothing here imports torch.
 """
 
+from fedadapt.registry import Registry
 from fedadapt.strategies._message_api import RuleStrategy
 from fedadapt.strategies._records import records_from_bytes, records_to_bytes
 from fedadapt.strategies._screening import FederationFailedError, reject_reason
-from fedadapt.registry import Registry
 from fedadapt.strategies.core import RoundStatistics, ServerRule
 from fedadapt.strategies.declaration import Algorithm, Param
 from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM, FedAvg, FedAvgM

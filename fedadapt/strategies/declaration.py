@@ -79,7 +79,9 @@ class Param:
         if kind is str:
             if not isinstance(value, str):
                 raise ValueError(f"Invalid {self.name}: {value!r} (expected a string)")
-            return check_choice(self.name, value, self.choices) if self.choices else value
+            if self.choices is None:
+                return value
+            return check_choice(self.name, value, self.choices)
         number = check_scalar(
             self.name, value, low=self.low, high=self.high,
             low_inclusive=not self.low_open, high_inclusive=not self.high_open,
@@ -98,7 +100,8 @@ class Param:
 
     def describe(self) -> str:
         """Return the doc line with its bounds or choices and the default's source."""
-        return " ".join(filter(None, (self.doc, self.domain(), f"Default: {self.source}.")))
+        parts = (self.doc, self.domain(), f"Default: {self.source}.")
+        return " ".join(part for part in parts if part)
 
     def domain(self) -> str:
         """Return the accepted values in words, e.g. ``In [0, 1).``."""
@@ -183,7 +186,7 @@ class Algorithm:
         if unknown:
             raise TypeError(f"{self.title}: unknown parameters {sorted(unknown)}")
         checked = {p.name: p.check(values[p.name]) for p in self.params}
-        rule_kwargs = {
+        rule_kwargs: dict[str, Any] = {
             self.rule_names.get(n, n): v
             for n, v in checked.items()
             if n not in self.adapter
@@ -191,7 +194,9 @@ class Algorithm:
         options = {n: v for n, v in checked.items() if n in self.adapter}
         return self.rule(**rule_kwargs), options
 
-    def from_run_config(self, cfg: Mapping[str, Any]) -> tuple[ServerRule, dict[str, Any]]:
+    def from_run_config(
+        self, cfg: Mapping[str, Any]
+    ) -> tuple[ServerRule, dict[str, Any]]:
         """Return (rule, adapter options) from a run config's ``<name>.*`` keys."""
         return self.build({p.name: cfg[self.key(p)] for p in self.params})
 
@@ -238,7 +243,8 @@ class Algorithm:
             values = {n: kwargs.pop(n, d) for n, d in defaults.items()}
             kept = {n: values.pop(n) for n in compat}
             rule, options = algorithm.build(values)
-            super(cls, self).__init__(rule, **options, **kwargs)
+            parent: Any = super(cls, self)
+            parent.__init__(rule, **options, **kwargs)
             for name, value in kept.items():
                 setattr(self, name, value)
 
@@ -266,14 +272,13 @@ class Algorithm:
         __init__.__qualname__ = f"{self.title}.__init__"
         __init__.__module__ = module
         doc = self.docstring(legacy=legacy, flower=flower)
-        cls = type(
+        cls: type[Any] = type(
             self.title,
             (base,),
             {"__init__": __init__, "__doc__": doc, "__module__": module,
              "algorithm": self},
         )  # fmt: skip
         return cls
-
 
 
 def message_class(algorithm: Algorithm, module: str) -> type[Any]:

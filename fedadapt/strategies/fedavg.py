@@ -100,11 +100,24 @@ FEDAVGM = Algorithm(
     summary="FedAvg with server learning rate and heavy-ball momentum (as Flower's).",
     rule=FedAvgRule,
     params=(
-        Param("server_learning_rate", 1.0, "Server learning rate η_g.",
-              "Flower's FedAvgM", low=0.0, low_open=True),
-        Param("server_momentum", 0.0, "Heavy-ball server momentum β (FedDuA's "
-              "FedAvgM baseline states none; its suites use 0.9).",
-              "Flower's FedAvgM", low=0.0, high=1.0, high_open=True),
+        Param(
+            "server_learning_rate",
+            1.0,
+            "Server learning rate η_g.",
+            "Flower's FedAvgM",
+            low=0.0,
+            low_open=True,
+        ),
+        Param(
+            "server_momentum",
+            0.0,
+            "Heavy-ball server momentum β (FedDuA's "
+            "FedAvgM baseline states none; its suites use 0.9).",
+            "Flower's FedAvgM",
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
         weighting("num_examples", "Flower's FedAvgM (the papers: uniform)"),
     ),
     rule_names={"server_learning_rate": "server_lr"},

@@ -142,14 +142,29 @@ class FedExPRule(ServerRule):
             self._momentum.load_state_dict(state["momentum"])
 
 
-_EPSILON = Param("epsilon", 1e-3, "ε in the denominator 2(‖Δ̄‖² + ε).",
-                 "FedExP's experiments and official code", low=0.0)
-_EPS_FORM = Param("eps_form", "paper", "paper: ε as in the formula; times_S: "
-                  "ε·|S_t|, as the official code.", "FedExP Algorithm 1",
-                  choices=EPS_FORMS)
-_EPS_DECAY = Param("eps_decay", 1.0, "Per-round decay of ε: ε_t = ε·eps_decay^t "
-                   "(the official code: 0.998**2).", "FedExP Algorithm 1 (no decay)",
-                   low=0.0, high=1.0, low_open=True)
+_EPSILON = Param(
+    "epsilon",
+    1e-3,
+    "ε in the denominator 2(‖Δ̄‖² + ε).",
+    "FedExP's experiments and official code",
+    low=0.0,
+)
+_EPS_FORM = Param(
+    "eps_form",
+    "paper",
+    "paper: ε as in the formula; times_S: ε·|S_t|, as the official code.",
+    "FedExP Algorithm 1",
+    choices=EPS_FORMS,
+)
+_EPS_DECAY = Param(
+    "eps_decay",
+    1.0,
+    "Per-round decay of ε: ε_t = ε·eps_decay^t (the official code: 0.998**2).",
+    "FedExP Algorithm 1 (no decay)",
+    low=0.0,
+    high=1.0,
+    low_open=True,
+)
 _UNIFORM = "FedExP Algorithm 1 (uniform mean)"
 
 FEDEXP = Algorithm(
@@ -159,11 +174,22 @@ FEDEXP = Algorithm(
     rule=FedExPRule,
     params=(
         _EPSILON,
-        Param("server_momentum", 0.0, "β; > 0 gives FedExPM (see strategy "
-              "fedexpm).", "FedExP (no momentum)", low=0.0, high=1.0,
-              high_open=True),
-        Param("form", "original", "original (with max(1,·)) or dua (FedDuA §2, "
-              "without).", "FedExP Algorithm 1", choices=FORMS),
+        Param(
+            "server_momentum",
+            0.0,
+            "β; > 0 gives FedExPM (see strategy fedexpm).",
+            "FedExP (no momentum)",
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+        Param(
+            "form",
+            "original",
+            "original (with max(1,·)) or dua (FedDuA §2, without).",
+            "FedExP Algorithm 1",
+            choices=FORMS,
+        ),
         _EPS_FORM,
         _EPS_DECAY,
         weighting("uniform", _UNIFORM),
