@@ -168,13 +168,17 @@ class FedDuARule(ServerRule):
                 s += square
         direction = self.v if self.s is None else self._precondition(self.v, self.s)
         q = math.fsum(float(np.vdot(self.v[k], u)) for k, u in direction.items())
-        denominator = q + self.epsilon_g
+        denominator = q + self.step_epsilon(stats)
         eta = self.m / denominator if denominator > 0 else 0.0
         new = {
             k: x + np.multiply(direction[k], eta, out=self.scratch(direction[k]))
             for k, x in current.items()
         }
         return new, {"server-lr": eta, "q": q, "m": self.m}
+
+    def step_epsilon(self, stats: RoundStatistics) -> float:
+        """Return the ε_g of this update (FedExPM uses FedExP's decayed ε)."""
+        return self.epsilon_g
 
     def _precondition(self, v: Arrays, s: Arrays) -> Arrays:
         """Return G^{-1}v = v/(√s + ε), with 0/0 := 0 (DUA Alg. 1 line 15).

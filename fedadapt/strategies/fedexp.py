@@ -43,7 +43,6 @@ from fedadapt._validation import check_choice, check_scalar
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
-    ServerRule,
     is_batchnorm_buffer,
     sq_norm,
 )
@@ -60,8 +59,14 @@ FORMS = ("original", "dua")
 EPS_FORMS = ("paper", "times_S")
 
 
-class FedExPRule(ServerRule):
+class FedExPRule(FedDuARule):
     """FedExP / FedExPM.
+
+    A :class:`FedDuARule` with G ≡ I whose momentum step (FedExPM,
+    ``server_momentum > 0``) is FedDuAdam's with β1 = ``server_momentum``
+    and ε_g = this round's FedExP ε (:meth:`step_epsilon`); without
+    momentum its own FedExP step. ``epsilon`` is FedExP's ε (FedDuA's
+    preconditioner ε is unused under G ≡ I).
 
     Parameters
     ----------
@@ -94,25 +99,23 @@ class FedExPRule(ServerRule):
         weighting: str = "uniform",
         plain_average: Callable[[str], bool] | None = is_batchnorm_buffer,
     ) -> None:
-        super().__init__(weighting=weighting, plain_average=plain_average)
-        self.epsilon = check_scalar("epsilon", epsilon, low=0)
-        self.server_momentum = check_scalar(
+        momentum = check_scalar(
             "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
         )
+        super().__init__(
+            variant="adam",
+            beta_1=momentum,
+            preconditioner="identity",
+            weighting=weighting,
+            plain_average=plain_average,
+        )
+        self.epsilon = check_scalar("epsilon", epsilon, low=0)
+        self.server_momentum = momentum
         self.form = check_choice("form", form, FORMS)
         self.eps_form = check_choice("eps_form", eps_form, EPS_FORMS)
         self.eps_decay = check_scalar(
             "eps_decay", eps_decay, low=0, high=1, low_inclusive=False
         )
-        self._momentum: FedDuARule | None = None
-        if self.server_momentum > 0:
-            self._momentum = FedDuARule(
-                variant="adam",
-                beta_1=self.server_momentum,
-                preconditioner="identity",
-                weighting=weighting,
-                plain_average=plain_average,
-            )
 
     def current_epsilon(self, num_clients: int) -> float:
         """Return ε for this update (decayed, times |S_t| in code form)."""
@@ -123,10 +126,9 @@ class FedExPRule(ServerRule):
         self, current: Arrays, stats: RoundStatistics
     ) -> tuple[Arrays, dict[str, float]]:
         """Apply one FedExP (or FedExPM) step."""
+        if self.server_momentum > 0:
+            return super().update(current, stats)
         eps = self.current_epsilon(stats.num_clients)
-        if self._momentum is not None:
-            self._momentum.epsilon_g = eps
-            return self._momentum.update(current, stats)
         denominator = 2.0 * (sq_norm(stats.mean_update) + eps)
         assert stats.mean_sq_norm is not None, "FedExP's step needs A"
         raw = float(stats.mean_sq_norm) / denominator if denominator > 0 else 0.0
@@ -134,12 +136,19 @@ class FedExPRule(ServerRule):
         new = {k: x + eta * stats.mean_update[k] for k, x in current.items()}
         return new, {"server-lr": eta, "epsilon": eps}
 
+    def step_epsilon(self, stats: RoundStatistics) -> float:
+        """Return FedExPM's ε_g: this round's FedExP ε."""
+        return self.current_epsilon(stats.num_clients)
+
     def _state(self) -> dict[str, Any]:
-        return {"momentum": self._momentum.state_dict() if self._momentum else None}
+        # the format of the nested FedDuA rule of earlier versions
+        return {"momentum": super()._state() if self.server_momentum > 0 else None}
 
     def _load(self, state: Mapping[str, Any]) -> None:
-        if self._momentum is not None:
-            self._momentum.load_state_dict(state["momentum"])
+        if self.server_momentum > 0:
+            momentum = dict(state["momentum"])
+            momentum.pop("num_updates", None)  # earlier versions' nested rule
+            super()._load(momentum)
 
 
 _EPSILON = Param(
