@@ -290,6 +290,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     config: RunConfig = defaults()
     for name, value in run_config.items():
         config[name] = KEYS[name].check(value)
+    _check_strategy_keys(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
             "local-epochs", "local-epochs and local-steps are both 0: no local work"
@@ -346,6 +347,24 @@ def _unknown_key_message(key: str) -> str:
             f"(one key per strategy that has it: {', '.join(new)})"
         )
     return f"unknown key. Valid keys: {', '.join(sorted(KEYS))}"
+
+
+def _check_strategy_keys(config: RunConfig) -> None:
+    """Refuse another strategy's hyperparameter set away from its default.
+
+    It would do nothing, silently. (Flower passes every key of pyproject's
+    table, so only a changed value shows that a user set it.)
+    """
+    prefix = config["strategy"] + "."
+    for key in STRATEGY_KEYS:
+        if key.name.startswith(prefix) or config[key.name] == key.default:
+            continue
+        raise ConfigError(
+            key.name,
+            f"set to {config[key.name]!r}, but strategy={config['strategy']!r} "
+            f"does not read it (only {prefix}* keys); remove it or set strategy="
+            f"{key.name.split('.', 1)[0]!r}",
+        )
 
 
 def _check_stop_metric_is_reported(config: RunConfig) -> None:

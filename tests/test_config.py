@@ -103,6 +103,14 @@ def test_an_old_shared_key_names_its_new_keys(old, new):
         assert key in str(info.value)
 
 
+def test_another_strategys_key_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="does not read it") as info:
+        validate_run_config({"strategy": "fedadam", "feddua.epsilon-g": 0.1})
+    assert info.value.key == "feddua.epsilon-g"
+    # its default (what Flower passes for every key) is fine
+    validate_run_config({"strategy": "fedadam", "feddua.epsilon-g": 0.0})
+
+
 def _other_value(param):
     """A valid value of ``param`` other than its default (an independent pick)."""
     if isinstance(param.default, bool):
