@@ -168,14 +168,6 @@ class Algorithm:
         name = param if isinstance(param, str) else param.name
         return f"{self.name}.{name.replace('_', '-')}"
 
-    def keys(self) -> dict[str, Param]:
-        """Return {run-config key: param} of every declared param."""
-        return {self.key(p): p for p in self.params}
-
-    def defaults(self, legacy: bool = False) -> dict[str, Scalar]:
-        """Return {param name: default} (of the legacy classes with ``legacy``)."""
-        return {p.name: p.python_default(legacy) for p in self.params}
-
     def build(self, values: Mapping[str, Any]) -> tuple[ServerRule, dict[str, Any]]:
         """Return (rule, adapter options) from {param name: value}.
 
@@ -239,7 +231,7 @@ class Algorithm:
         defaults = {p.name: p.python_default(legacy) for p in declared}
         compat = {p.name for p in self.compat}
 
-        def __init__(self: Any, **kwargs: Any) -> None:  # noqa: N807
+        def __init__(self: Any, **kwargs: Any) -> None:
             values = {n: kwargs.pop(n, d) for n, d in defaults.items()}
             kept = {n: values.pop(n) for n in compat}
             rule, options = algorithm.build(values)
