@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedadapt.errors import ConfigError
+from fedadapt.strategies import ALGORITHMS, Algorithm, Param
 
 __all__ = [
     "KEYS",
@@ -59,6 +60,7 @@ class Key:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
     choices: Callable[[], list[str]] | tuple[str, ...] | None = None
 
     def valid_choices(self) -> list[str] | None:
@@ -96,8 +98,17 @@ class Key:
                 raise ConfigError(
                     self.name, f"must be {bound} {self.minimum:g}, got {value!r}"
                 )
-        if self.maximum is not None and value > self.maximum:
-            raise ConfigError(self.name, f"must be <= {self.maximum:g}, got {value!r}")
+        if self.maximum is not None:
+            too_large = (
+                value >= self.maximum
+                if self.exclusive_maximum
+                else value > self.maximum
+            )
+            if too_large:
+                bound = "<" if self.exclusive_maximum else "<="
+                raise ConfigError(
+                    self.name, f"must be {bound} {self.maximum:g}, got {value!r}"
+                )
         choices = self.valid_choices()
         if choices is not None and value not in choices:
             raise ConfigError(
@@ -107,10 +118,11 @@ class Key:
         return value
 
 
-RUN_CONFIG: tuple[Key, ...] = (
+_APP_KEYS: tuple[Key, ...] = (
     Key("task", "digits-mlp", "Dataset + model + loss (see Tasks).",
         choices=_registry_names("task")),
-    Key("strategy", "fedavg", "Server strategy.", choices=_registry_names("strategy")),
+    Key("strategy", "fedavg", "Server strategy; its hyperparameters are the "
+        "`<strategy>.*` keys below.", choices=tuple(ALGORITHMS.names())),
     Key("client-optimizer", "sgd", "Optimizer of local training.",
         choices=_registry_names("client-optimizer")),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
@@ -168,29 +180,8 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("client-grad-clip", 0.0, "Clip each local loss gradient to this L2 norm "
         "(over all parameters, before weight decay); 0 = off (DUA/FedExP image "
         "tasks: 10).", minimum=0.0),
-    Key("server-lr", 0.0, "Server learning rate η_g; 0 = the strategy's default "
-        "(fedavg/fedavgm 1.0, fedadam/fedadagrad 0.1, fedyogi 0.01). fedexp/feddua "
-        "have none.", minimum=0.0),
-    Key("server-momentum", 0.9, "Server momentum β of fedavgm and fedexpm.",
-        minimum=0.0, maximum=0.999),
-    Key("beta-1", 0.9, "β1 of fedadam, fedyogi, feddua (adam variant).",
-        minimum=0.0, maximum=0.999),
-    Key("beta-2", 0.99, "β2 of fedadam, fedyogi, feddua (adam variant).",
-        minimum=0.0, maximum=0.9999),
-    Key("tau", 1e-3, "τ (adaptivity) of fedadam, fedadagrad, fedyogi.", minimum=0.0),
-    Key("epsilon", 1e-9, "ε of feddua's preconditioner diag(√s + ε).", minimum=0.0),
-    Key("epsilon-g", 1e-3, "ε_g of feddua's step size; ε of fedexp/fedexpm.",
-        minimum=0.0),
-    Key("feddua-variant", "adam", "FedDuA variant.", choices=("adam", "adagrad")),
-    Key("fedexp-form", "original", "FedExP step: original (max(1, ·)) or dua "
-        "(DUA §2, without the max).", choices=("original", "dua")),
-    Key("bias-correction", "flower", "FedAdam bias correction: flower (drop-in), "
-        "none (the papers), torch.", choices=("flower", "none", "torch")),
-    Key("weighting", "default", "Client weights: default (papers' uniform for "
-        "fedexp/feddua, num-examples otherwise), uniform, num-examples.",
-        choices=("default", "uniform", "num-examples")),
-    Key("average-last-two", True, "fedexp/feddua: evaluate and report "
-        "(w_t + w_{t+1})/2 as the papers do; training continues from w_{t+1}."),
+)  # fmt: skip
+_RUN_KEYS: tuple[Key, ...] = (
     Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
         "the clients' reported update-sq-norm as given and reject (counted) replies "
         "without one. false = the server computes each norm from the arrays, uses "
@@ -242,7 +233,42 @@ RUN_CONFIG: tuple[Key, ...] = (
         minimum=0.0, exclusive_minimum=True),
 )  # fmt: skip
 
+
+def _strategy_key(algorithm: Algorithm, param: Param) -> Key:
+    """Return the run-config key of one declared hyperparameter."""
+    default = param.default
+    return Key(
+        algorithm.key(param), default,
+        f"{algorithm.title}: {param.doc} Default: {param.source}.",
+        minimum=param.low, maximum=param.high, exclusive_minimum=param.low_open,
+        exclusive_maximum=param.high_open, choices=param.choices,
+    )  # fmt: skip
+
+
+#: ``<strategy>.<param>`` keys, generated from the algorithms' declarations
+STRATEGY_KEYS: tuple[Key, ...] = tuple(
+    _strategy_key(algorithm, param)
+    for algorithm in (ALGORITHMS.get(n) for n in ALGORITHMS.names())
+    for param in algorithm.params
+)
+RUN_CONFIG: tuple[Key, ...] = (*_APP_KEYS, *STRATEGY_KEYS, *_RUN_KEYS)
 KEYS: dict[str, Key] = {key.name: key for key in RUN_CONFIG}
+#: Shared strategy keys before #28 → the parameter that replaced each
+#: (its key is ``<strategy>.<param>`` for the strategies that declare it)
+_RENAMED = {
+    "server-lr": ("eta", "server_learning_rate"),
+    "server-momentum": ("server_momentum",),
+    "beta-1": ("beta_1",),
+    "beta-2": ("beta_2",),
+    "tau": ("tau",),
+    "epsilon": ("epsilon",),
+    "epsilon-g": ("epsilon_g", "epsilon"),
+    "feddua-variant": ("variant",),
+    "fedexp-form": ("form",),
+    "bias-correction": ("bias_correction",),
+    "average-last-two": ("average_last_two",),
+    "weighting": ("weighting",),
+}
 #: client optimizers whose second moments only the fed-lamb strategy handles
 SECOND_MOMENT_OPTIMIZERS = ("fed-lamb", "fed-ams")
 
@@ -260,12 +286,11 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     """
     unknown = sorted(set(run_config) - set(KEYS))
     if unknown:
-        raise ConfigError(
-            unknown[0], f"unknown key. Valid keys: {', '.join(sorted(KEYS))}"
-        )
+        raise ConfigError(unknown[0], _unknown_key_message(unknown[0]))
     config: RunConfig = defaults()
     for name, value in run_config.items():
         config[name] = KEYS[name].check(value)
+    _check_strategy_keys(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
             "local-epochs", "local-epochs and local-steps are both 0: no local work"
@@ -308,6 +333,40 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     return config
 
 
+def _unknown_key_message(key: str) -> str:
+    """Say which key replaced a renamed one, else list the valid keys."""
+    if key in _RENAMED:
+        params = _RENAMED[key]
+        new = [
+            k.name
+            for k in STRATEGY_KEYS
+            if k.name.split(".", 1)[1].replace("-", "_") in params
+        ]
+        return (
+            f"unknown key: {key} is now <strategy>.{params[0].replace('_', '-')} "
+            f"(one key per strategy that has it: {', '.join(new)})"
+        )
+    return f"unknown key. Valid keys: {', '.join(sorted(KEYS))}"
+
+
+def _check_strategy_keys(config: RunConfig) -> None:
+    """Refuse another strategy's hyperparameter set away from its default.
+
+    It would do nothing, silently. (Flower passes every key of pyproject's
+    table, so only a changed value shows that a user set it.)
+    """
+    prefix = config["strategy"] + "."
+    for key in STRATEGY_KEYS:
+        if key.name.startswith(prefix) or config[key.name] == key.default:
+            continue
+        raise ConfigError(
+            key.name,
+            f"set to {config[key.name]!r}, but strategy={config['strategy']!r} "
+            f"does not read it (only {prefix}* keys); remove it or set strategy="
+            f"{key.name.split('.', 1)[0]!r}",
+        )
+
+
 def _check_stop_metric_is_reported(config: RunConfig) -> None:
     """Refuse a stop-metric that this run config never evaluates."""
     metric = config["stop-metric"]
@@ -339,7 +398,14 @@ def _toml_value(value: Scalar) -> str:
 
 def render_pyproject_table() -> str:
     """Return the body of ``[tool.flwr.app.config]``."""
-    return "\n".join(f"{k.name} = {_toml_value(k.default)}" for k in RUN_CONFIG)
+    return "\n".join(
+        f"{_toml_key(k.name)} = {_toml_value(k.default)}" for k in RUN_CONFIG
+    )
+
+
+def _toml_key(name: str) -> str:
+    """Return ``name`` as a TOML key, quoted when dotted (one flat key)."""
+    return f'"{name}"' if "." in name else name
 
 
 def render_markdown_table() -> str:
@@ -378,7 +444,7 @@ def render_task_confs() -> dict[str, str]:
             f"# flwr run . <connection> --run-config conf/tasks/{name}.toml "
             f'--federation-config "num-supernodes={nodes}"',
             f'task = "{name}"',
-            *(f"{k} = {_toml_value(v)}" for k, v in setup.items()),
+            *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in setup.items()),
         ]
         files[f"conf/tasks/{name}.toml"] = "\n".join(lines) + "\n"
     return files

@@ -1,8 +1,8 @@
 """Name → implementation registries selected through run-config.
 
 Each registry lives beside what it registers (tasks in :mod:`fedadapt.tasks`,
-client optimizers in :mod:`fedadapt.client.optim`, strategies in
-:mod:`fedadapt.server.strategy_factory`). A later feature adds a name with
+client optimizers in :mod:`fedadapt.client.optim`, strategies with their
+declarations in :mod:`fedadapt.strategies`). A later feature adds a name with
 ``@REGISTRY.register("name")``; the apps never change.
 """
 
@@ -21,7 +21,7 @@ _REGISTRIES = {
     "task": "fedadapt.tasks:TASKS",
     "partition": "fedadapt.tasks.partition:PARTITIONS",
     "client-optimizer": "fedadapt.client.optim:OPTIMIZERS",
-    "strategy": "fedadapt.server.strategy_factory:STRATEGIES",
+    "strategy": "fedadapt.strategies:ALGORITHMS",
 }
 
 

@@ -16,6 +16,7 @@ from fedadapt.config import (
     validate_run_config,
 )
 from fedadapt.server.strategy_factory import build_strategy, sampling_kwargs
+from fedadapt.strategies import ALGORITHMS
 from tests.helpers import ROOT
 
 
@@ -85,71 +86,138 @@ def test_sampling_gives_exactly_clients_per_round(cfg, num_nodes, wanted):
     assert max(int(num_nodes * kw["fraction_train"]), kw["min_train_nodes"]) == wanted
 
 
-def test_fedavg_rejects_a_server_learning_rate(cfg):
-    with pytest.raises(
-        ConfigError, match=r"'server-lr'.*requires 0 \(default\) or 1.0"
-    ):
-        build_strategy(cfg(server_lr=0.5), 10)
-    with pytest.raises(ConfigError, match=r"'server-lr': feddua sets its own"):
-        build_strategy(cfg(strategy="feddua", server_lr=0.5), 10)
-
-
 @pytest.mark.parametrize(
-    ("name", "cls", "public"),
+    ("old", "new"),
     [
-        ("fedavg", "FedAvg", {}),
-        ("fedavgm", "FedAvgM", {"server_learning_rate": 1.0, "server_momentum": 0.9}),
-        ("fedadam", "FedAdam", {"eta": 0.1, "tau": 1e-3}),
-        ("fedadagrad", "FedAdagrad", {"eta": 0.1, "tau": 1e-3}),
-        ("fedyogi", "FedYogi", {"eta": 0.01}),
-        ("fedexp", "FedExP", {}),
-        ("fedexpm", "FedExP", {"server_momentum": 0.9}),
-        ("feddua", "FedDuA", {"epsilon_g": 1e-3}),
-        ("fed-lamb", "FedLAMB", {"eps": 1e-8}),
+        ("server-lr", ["fedavgm.server-learning-rate", "fedadam.eta", "fedyogi.eta"]),
+        ("epsilon-g", ["feddua.epsilon-g", "fedexp.epsilon", "fedexpm.epsilon"]),
+        ("feddua-variant", ["feddua.variant"]),
+        ("weighting", ["fedavg.weighting", "feddua.weighting"]),
     ],
 )
-@pytest.mark.parametrize("api", ["message", "legacy"])
-def test_every_strategy_builds_from_run_config(cfg, name, cls, public, api):
-    """The factory builds the rule the public class builds with the same
-    hyperparameters (run-config defaults), inside either API's adapter."""
+def test_an_old_shared_key_names_its_new_keys(old, new):
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        validate_run_config({old: 0.5})
+    assert info.value.key == old
+    for key in new:
+        assert key in str(info.value)
+
+
+def test_another_strategys_key_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="does not read it") as info:
+        validate_run_config({"strategy": "fedadam", "feddua.epsilon-g": 0.1})
+    assert info.value.key == "feddua.epsilon-g"
+    # its default (what Flower passes for every key) is fine
+    validate_run_config({"strategy": "fedadam", "feddua.epsilon-g": 0.0})
+
+
+def _other_value(param):
+    """A valid value of ``param`` other than its default (an independent pick)."""
+    if isinstance(param.default, bool):
+        return not param.default
+    if param.choices:
+        return next(c for c in param.choices if c != param.default)
+    for value in (0.5, 0.25, 0.7, 2.0):
+        if value != param.default:
+            try:
+                return param.check(value)
+            except ValueError:
+                continue
+    raise AssertionError(param)
+
+
+def _settings(strategy, algorithm):
+    rule = strategy.rule
+    out = {"repr": repr(rule), "average_last_two": strategy.average_last_two}
+    for p in algorithm.params:
+        if p.name in algorithm.adapter:
+            out[p.name] = getattr(strategy, p.name)
+        else:
+            out[p.name] = getattr(rule, algorithm.rule_names.get(p.name, p.name))
+    return out
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+@pytest.mark.parametrize("changed", [False, True])
+def test_classes_and_app_build_the_declared_settings(cfg, name, changed):
+    """For every declared param, the Message-API class, the legacy class and the
+    app's factory build rules with identical settings from the same values:
+    the declared defaults, or a non-default value for every param at once."""
+    from flwr.common import ndarrays_to_parameters
+
     from fedadapt import strategies
-    from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
     from fedadapt.strategies import legacy
 
+    algorithm = ALGORITHMS.get(name)
+    values = {p.name: (_other_value(p) if changed else p.default)
+              for p in algorithm.params}  # fmt: skip
     optimizer = "fed-lamb" if name == "fed-lamb" else "sgd"
-    config = cfg(strategy=name, client_optimizer=optimizer, clients_per_round=4)
-    if api == "legacy":
-        from flwr.common import ndarrays_to_parameters
+    keys = {algorithm.key(n): v for n, v in values.items()}
+    config = cfg(strategy=name, client_optimizer=optimizer, **keys)
+    app = build_strategy(config, 10)
+    app_legacy = build_strategy(
+        config, api="legacy", initial_parameters=ndarrays_to_parameters([])
+    )
+    message = getattr(strategies, algorithm.title)(**values)
+    old_api = getattr(legacy, algorithm.title)(**values)
+    for strategy in (app, app_legacy, message, old_api):
+        got = _settings(strategy, algorithm)
+        assert got == _settings(message, algorithm)
+        assert {k: got[k] for k in values} == values
+    if not changed:  # the classes' own defaults are the declared ones
+        assert _settings(getattr(strategies, algorithm.title)(), algorithm) == (
+            _settings(message, algorithm)
+        )
 
-        init = ndarrays_to_parameters([])
-        strategy = build_strategy(config, api="legacy", initial_parameters=init)
-        assert type(strategy) is LegacyRunStrategy
-        assert strategy.min_fit_clients == 4
-        assert strategy.num_fit_clients(10) == (4, 4)
-        expected = getattr(legacy, cls)(**public)
-    else:
-        strategy = build_strategy(config, 10)
-        assert type(strategy) is RunStrategy
-        assert strategy.min_train_nodes == 4
-        expected = getattr(strategies, cls)(**public)
-    assert repr(strategy.rule) == repr(expected.rule)
-    assert strategy.average_last_two == expected.average_last_two
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_class_signature_and_doc_list_the_declared_params(name):
+    import inspect
+
+    from fedadapt import strategies
+
+    algorithm = ALGORITHMS.get(name)
+    cls = getattr(strategies, algorithm.title)
+    signature = inspect.signature(cls)
+    for p in algorithm.params:
+        assert signature.parameters[p.name].default == p.default
+        assert f"{p.name} : " in cls.__doc__ and p.source in cls.__doc__
+
+
+def test_every_declared_param_has_a_run_config_key_in_pyproject():
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"
+    ]
+    for name in ALGORITHMS.names():
+        algorithm = ALGORITHMS.get(name)
+        for p in algorithm.params:
+            assert table[f"{name}.{p.name.replace('_', '-')}"] == p.default
 
 
 def test_run_config_reaches_the_rules(cfg):
     dua = build_strategy(
-        cfg(strategy="feddua", feddua_variant="adagrad", epsilon_g=0.0,
-            weighting="num-examples"), 10
+        cfg(strategy="feddua", **{"feddua.variant": "adagrad",
+            "feddua.epsilon-g": 0.0, "feddua.weighting": "num_examples",
+            "feddua.preconditioner": "identity"}), 10
     )  # fmt: skip
     assert (dua.rule.variant, dua.rule.epsilon_g, dua.rule.weighting) == (
         "adagrad", 0.0, "num_examples"
     )  # fmt: skip
-    expm = build_strategy(cfg(strategy="fedexpm", server_momentum=0.5), 10)
+    assert dua.rule.preconditioner == "identity"
+    expm = build_strategy(
+        cfg(strategy="fedexpm", **{"fedexpm.server-momentum": 0.5}), 10
+    )
     assert expm.rule.server_momentum == 0.5
     assert build_strategy(cfg(strategy="fedexp"), 10).rule.server_momentum == 0.0
+    exp = build_strategy(
+        cfg(strategy="fedexp", **{"fedexp.eps-form": "times_S",
+                                  "fedexp.eps-decay": 0.5}), 10
+    )  # fmt: skip
+    assert (exp.rule.eps_form, exp.rule.eps_decay) == ("times_S", 0.5)
     adam = build_strategy(
-        cfg(strategy="fedadam", server_lr=0.02, bias_correction="none"), 10
-    )
+        cfg(strategy="fedadam", **{"fedadam.eta": 0.02,
+                                   "fedadam.bias-correction": "none"}), 10
+    )  # fmt: skip
     assert (adam.rule.eta, adam.rule.bias_correction) == (0.02, "none")
 
 

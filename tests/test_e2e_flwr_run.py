@@ -37,7 +37,8 @@ def test_flwr_run_three_supernodes_two_rounds(tmp_path):
     out = tmp_path / "out"
     done = _simulate(
         tmp_path,
-        f"num-server-rounds=2 clients-per-round=3 output-dir='{out}' run-name='e2e'",
+        f"num-server-rounds=2 clients-per-round=3 output-dir='{out}' run-name='e2e' "
+        "fedavg.weighting='uniform'",  # a strategy's <strategy>.<param> key
     )
     assert done.returncode == 0, done.stdout + done.stderr
     results = out / "e2e" / "results.json"
@@ -45,6 +46,8 @@ def test_flwr_run_three_supernodes_two_rounds(tmp_path):
     data = json.loads(results.read_text())
     assert data["status"] == "completed"
     assert data["config"]["num-server-rounds"] == 2
+    assert data["config"]["fedavg.weighting"] == "uniform"
+    assert data["config"]["feddua.epsilon-g"] == 0.0  # pyproject's dotted keys
     assert [r["round"] for r in data["rounds"]] == [1, 2]
     assert all(r["replies"]["used"] == 3 for r in data["rounds"])
     losses = [data["initial"]["eval"]["loss"]] + [

@@ -44,9 +44,12 @@ def _modules_after(statement: str) -> set[str]:
     return set(done.stdout.split())
 
 
-def test_registry_and_config_do_not_import_each_other():
+def test_no_import_loop_between_config_registry_and_the_app():
+    """config reads the strategies' declarations, never the app's factory."""
     assert "fedadapt.config" not in _modules_after("import fedadapt.registry")
-    assert "fedadapt.registry" not in _modules_after("import fedadapt.config")
+    loaded = _modules_after("import fedadapt.config")
+    assert "fedadapt.server" not in loaded
+    assert "fedadapt.config" not in _modules_after("import fedadapt.strategies")
 
 
 @pytest.mark.app

@@ -12,8 +12,8 @@ import inspect
 import numpy as np
 import pytest
 
+from fedadapt.strategies import fedlamb as _second_moments
 from fedadapt.strategies.core import aggregate_second_moments
-from fedadapt.strategies.core import fedlamb as _second_moments
 
 
 def _clients(rng, n, shapes, dtype=np.float64):

@@ -57,7 +57,7 @@ def test_each_strategy_runs_through_flower(tmp_path, strategy):
     from fedadapt.server.run import central_evaluator
     from fedadapt.tasks import TASKS
 
-    overrides = {"feddua-variant": "adagrad"} if strategy == "feddua" else {}
+    overrides = {"feddua.variant": "adagrad"} if strategy == "feddua" else {}
     run_in_process(
         {
             "output-dir": str(tmp_path),

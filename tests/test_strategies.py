@@ -271,7 +271,10 @@ def test_round_offset_shifts_rounds_seen_by_clients_and_reports():
         (lambda: ours.FedDuA(epsilon=-1.0), "Invalid epsilon"),
         (lambda: ours.FedExP(epsilon=-1.0), "Invalid epsilon"),
         (lambda: ours.FedExP(server_momentum=-0.1), "Invalid server_momentum"),
-        (lambda: ours.FedAvgM(server_learning_rate=0.0), "Invalid server_lr"),
+        (
+            lambda: ours.FedAvgM(server_learning_rate=0.0),
+            "Invalid server_learning_rate",
+        ),
     ],
 )
 def test_invalid_hyperparameters_raise_at_construction(build, pattern):

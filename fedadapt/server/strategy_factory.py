@@ -1,6 +1,7 @@
 """Build the strategy named by run-config ``strategy``, for either Flower API.
 
-A registry entry maps the run config to ``(rule, options)``: the
+The algorithm's declaration (:data:`fedadapt.strategies.ALGORITHMS`) maps its
+run-config keys ``<strategy>.<param>`` to ``(rule, options)``: the
 framework-free :class:`~fedadapt.strategies.core.ServerRule` and the
 adapter's options (``average_last_two``). :func:`build_strategy` puts the
 rule into the Message API's :class:`~fedadapt.server.policy.RunStrategy` or
@@ -11,36 +12,15 @@ sampling arguments of that API, so both ServerApps sample
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fedadapt.config import ConfigError
-from fedadapt.registry import Registry
 from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
-from fedadapt.strategies.core import (
-    FedAdagradRule,
-    FedAdamRule,
-    FedAvgRule,
-    FedDuARule,
-    FedExPRule,
-    FedLAMBRule,
-    FedYogiRule,
-    ServerRule,
-)
+from fedadapt.strategies import ALGORITHMS
+from fedadapt.strategies.core import ServerRule
 
 StrategySpec = tuple[ServerRule, dict[str, Any]]
-StrategyFactory = Callable[[Mapping[str, Any]], StrategySpec]
-
-STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
-
-#: η_g used when run-config ``server-lr`` is 0 (Flower's defaults)
-DEFAULT_SERVER_LR = {
-    "fedavg": 1.0,
-    "fedavgm": 1.0,
-    "fedadam": 0.1,
-    "fedadagrad": 0.1,
-    "fedyogi": 0.01,
-}
 
 
 def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
@@ -68,13 +48,6 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
         "min_evaluate_nodes": evaluate,
         "min_available_nodes": train,
     }
-
-
-def _weighting(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the weighting argument when the run config overrides the rule's."""
-    if cfg["weighting"] == "default":
-        return {}
-    return {"weighting": cfg["weighting"].replace("-", "_")}
 
 
 def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,113 +120,4 @@ def build_strategy(
 
 def build_rule(cfg: Mapping[str, Any]) -> StrategySpec:
     """Return the rule of run-config ``strategy`` and its adapter options."""
-    return STRATEGIES.get(cfg["strategy"])(cfg)
-
-
-def server_lr(cfg: Mapping[str, Any], name: str) -> float:
-    """Return η_g for strategy ``name`` (run-config ``server-lr``, 0 = default)."""
-    lr = float(cfg["server-lr"])
-    if name not in DEFAULT_SERVER_LR:
-        if lr != 0.0:
-            raise ConfigError(
-                "server-lr",
-                f"{name} sets its own server step size; leave server-lr at 0",
-            )
-        return 0.0
-    if name == "fedavg" and lr not in (0.0, 1.0):
-        raise ConfigError(
-            "server-lr",
-            "fedavg has no server step and requires 0 (default) or 1.0; use fedavgm "
-            "for a server learning rate",
-        )
-    return lr or DEFAULT_SERVER_LR[name]
-
-
-@STRATEGIES.register("fedavg")
-def _fedavg(cfg: Mapping[str, Any]) -> StrategySpec:
-    server_lr(cfg, "fedavg")
-    return FedAvgRule(**_weighting(cfg)), {}
-
-
-@STRATEGIES.register("fedavgm")
-def _fedavgm(cfg: Mapping[str, Any]) -> StrategySpec:
-    rule = FedAvgRule(
-        server_lr=server_lr(cfg, "fedavgm"),
-        server_momentum=cfg["server-momentum"],
-        **_weighting(cfg),
-    )
-    return rule, {}
-
-
-@STRATEGIES.register("fedadam")
-def _fedadam(cfg: Mapping[str, Any]) -> StrategySpec:
-    rule = FedAdamRule(
-        eta=server_lr(cfg, "fedadam"),
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        tau=cfg["tau"],
-        bias_correction=cfg["bias-correction"],
-        **_weighting(cfg),
-    )
-    return rule, {}
-
-
-@STRATEGIES.register("fedadagrad")
-def _fedadagrad(cfg: Mapping[str, Any]) -> StrategySpec:
-    rule = FedAdagradRule(
-        eta=server_lr(cfg, "fedadagrad"), tau=cfg["tau"], **_weighting(cfg)
-    )
-    return rule, {}
-
-
-@STRATEGIES.register("fedyogi")
-def _fedyogi(cfg: Mapping[str, Any]) -> StrategySpec:
-    rule = FedYogiRule(
-        eta=server_lr(cfg, "fedyogi"),
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        tau=cfg["tau"],
-        **_weighting(cfg),
-    )
-    return rule, {}
-
-
-def _fedexp_family(cfg: Mapping[str, Any], name: str) -> StrategySpec:
-    server_lr(cfg, name)
-    rule = FedExPRule(
-        epsilon=cfg["epsilon-g"],
-        server_momentum=cfg["server-momentum"] if name == "fedexpm" else 0.0,
-        form=cfg["fedexp-form"],
-        **_weighting(cfg),
-    )
-    return rule, {"average_last_two": cfg["average-last-two"]}
-
-
-@STRATEGIES.register("fedexp")
-def _fedexp(cfg: Mapping[str, Any]) -> StrategySpec:
-    return _fedexp_family(cfg, "fedexp")
-
-
-@STRATEGIES.register("fedexpm")
-def _fedexpm(cfg: Mapping[str, Any]) -> StrategySpec:
-    return _fedexp_family(cfg, "fedexpm")
-
-
-@STRATEGIES.register("feddua")
-def _feddua(cfg: Mapping[str, Any]) -> StrategySpec:
-    server_lr(cfg, "feddua")
-    rule = FedDuARule(
-        variant=cfg["feddua-variant"],
-        beta_1=cfg["beta-1"],
-        beta_2=cfg["beta-2"],
-        epsilon=cfg["epsilon"],
-        epsilon_g=cfg["epsilon-g"],
-        **_weighting(cfg),
-    )
-    return rule, {"average_last_two": cfg["average-last-two"]}
-
-
-@STRATEGIES.register("fed-lamb")
-def _fed_lamb(cfg: Mapping[str, Any]) -> StrategySpec:
-    server_lr(cfg, "fed-lamb")
-    return FedLAMBRule(**_weighting(cfg)), {}
+    return ALGORITHMS.get(cfg["strategy"]).from_run_config(cfg)

@@ -8,34 +8,60 @@ Legacy API (``ServerApp(server_fn=...)`` + ``NumPyClient``)::
 
     from fedadapt.strategies.legacy import FedDuA, ...
 
-The update rules themselves live in :mod:`fedadapt.strategies.core` (NumPy
-only). Your own rule: subclass :class:`ServerRule` and wrap it in
-:class:`RuleStrategy` (or ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
+Each algorithm is one file (``fedavg.py``, ``fedopt.py``, ``fedexp.py``,
+``feddua.py``, ``fedlamb.py``): its NumPy-only update rule and one
+:class:`~fedadapt.strategies.declaration.Algorithm` declaration of its
+hyperparameters, from which both classes, the app's run-config keys
+(``<strategy>.<param>``) and the docs tables are generated;
+:data:`ALGORITHMS` lists them by run-config name. Your own rule: subclass
+:class:`ServerRule` and wrap it in :class:`RuleStrategy` (or
+``fedadapt.strategies.legacy.LegacyRuleStrategy``).
 A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 :class:`FederationFailedError`. Importable with flwr and numpy alone:
 nothing here imports torch.
 """
 
+from fedadapt.registry import Registry
 from fedadapt.strategies._message_api import RuleStrategy
 from fedadapt.strategies._records import records_from_bytes, records_to_bytes
 from fedadapt.strategies._screening import FederationFailedError, reject_reason
 from fedadapt.strategies.core import RoundStatistics, ServerRule
-from fedadapt.strategies.fedavg import FedAvg, FedAvgM
-from fedadapt.strategies.feddua import FedDuA
-from fedadapt.strategies.fedexp import FedExP
-from fedadapt.strategies.fedlamb import FedLAMB
-from fedadapt.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
+from fedadapt.strategies.declaration import Algorithm, Param
+from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM, FedAvg, FedAvgM
+from fedadapt.strategies.feddua import FEDDUA, FedDuA
+from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM, FedExP, FedExPM
+from fedadapt.strategies.fedlamb import FED_LAMB, FedLAMB
+from fedadapt.strategies.fedopt import (
+    FEDADAGRAD,
+    FEDADAM,
+    FEDYOGI,
+    FedAdagrad,
+    FedAdam,
+    FedYogi,
+)
+
+#: The declared algorithms by run-config ``strategy`` name (in this order in
+#: the docs); ``ALGORITHMS.register(name)(algorithm)`` adds one.
+ALGORITHMS: Registry[Algorithm] = Registry("strategy")
+for _algorithm in (
+    FEDAVG, FEDAVGM, FEDADAM, FEDADAGRAD, FEDYOGI, FEDEXP, FEDEXPM, FEDDUA, FED_LAMB
+):  # fmt: skip
+    ALGORITHMS.register(_algorithm.name)(_algorithm)
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
     "FedDuA",
     "FedExP",
+    "FedExPM",
     "FedLAMB",
     "FedYogi",
     "FederationFailedError",
+    "Param",
     "RoundStatistics",
     "RuleStrategy",
     "ServerRule",

