@@ -110,10 +110,11 @@ FEDAVGM = Algorithm(
         ),
         Param(
             "server_momentum",
-            0.0,
-            "Heavy-ball server momentum β (FedDuA's "
-            "FedAvgM baseline states none; its suites use 0.9).",
-            "Flower's FedAvgM",
+            0.9,
+            "Heavy-ball server momentum β. Flower's FedAvgM defaults to 0.0, "
+            "which is FedAvg; pass 0.0 for Flower's arrays.",
+            "the usual heavy-ball β that FedDuA's FedAvgM baseline runs with "
+            "(DUA §5.1 states none; spec A-F14)",
             low=0.0,
             high=1.0,
             high_open=True,
