@@ -127,7 +127,7 @@ def test_array_view_equals_flowers_numpy_and_is_read_only(array):
     """array_view gives what Array.numpy() gives (np.load), as a read-only view."""
     from flwr.app import Array
 
-    from fedadapt.strategies._screening import array_view
+    from fedadapt.strategies.arrays import array_view
 
     item = Array(array)
     view, loaded = array_view(item), item.numpy()
@@ -143,7 +143,7 @@ def test_array_view_of_truncated_or_padded_bytes_fails_like_numpy(cut):
     """Data shorter than the header says raise as np.load does; extra bytes too."""
     from flwr.app import Array
 
-    from fedadapt.strategies._screening import array_view
+    from fedadapt.strategies.arrays import array_view
 
     item = Array(np.arange(6.0))
     short = Array(item.dtype, item.shape, item.stype, item.data[:-cut])

@@ -18,13 +18,14 @@ nothing here imports torch.
 
 from fedadapt.strategies._message_api import RuleStrategy
 from fedadapt.strategies._records import records_from_bytes, records_to_bytes
-from fedadapt.strategies._screening import FederationFailedError, reject_reason
+from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.strategies.core import RoundStatistics, ServerRule
 from fedadapt.strategies.fedavg import FedAvg, FedAvgM
 from fedadapt.strategies.feddua import FedDuA
 from fedadapt.strategies.fedexp import FedExP
 from fedadapt.strategies.fedlamb import FedLAMB
 from fedadapt.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
+from fedadapt.strategies.screening import reject_reason
 
 __all__ = [
     "FedAdagrad",

@@ -4,7 +4,7 @@ Paper: "FedDuA: Doubly Adaptive Federated Learning" (Takakura), Algorithm 1
 and eq. (3). The rule is :class:`fedadapt.strategies.core.FedDuARule`; this
 class only builds it. The server computes each client's ‖Δ_i‖² itself and
 checks a reported ``update-sq-norm`` against it; ``secure_aggregation=True``
-uses the reports as given (see :class:`~fedadapt.strategies._screening.RuleHost`).
+uses the reports as given (see :class:`~fedadapt.strategies.adapter.RuleHost`).
 """
 
 from __future__ import annotations
