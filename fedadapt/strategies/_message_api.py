@@ -45,7 +45,7 @@ from fedadapt.strategies._control import (
 )
 from fedadapt.strategies.adapter import RuleHost, ScreeningKwargs, evaluation_average
 from fedadapt.strategies.arrays import LazyArrays
-from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.core import Arrays, ServerRule, Trainable
 from fedadapt.strategies.screening import (
     EvaluateReply,
     TrainReply,
@@ -114,12 +114,12 @@ def _to_record(arrays: Arrays) -> ArrayRecord:
     return ArrayRecord({k: _to_array(v) for k, v in arrays.items()})
 
 
-def _describe_trainable(trainable: object) -> str:
+def _describe_trainable(trainable: Trainable | None) -> str:
     if trainable is None:
         return "the rule's default (float arrays; FedExP/FedDuA: not BatchNorm buffers)"
     if callable(trainable):
         return f"those {getattr(trainable, '__name__', repr(trainable))} accepts"
-    return f"{len(trainable)} named arrays"  # type: ignore[arg-type]
+    return f"{len(trainable)} named arrays"
 
 
 def _recipients(messages: Iterable[Message]) -> dict[str, int]:
