@@ -170,19 +170,3 @@ def test_reply_whose_header_contradicts_its_metadata_is_rejected():
     assert report["used"] == 1 and report["rejected"] == 1
     assert "do not match its metadata" in report["rejections"][0]
     np.testing.assert_array_equal(arrays["w"].numpy(), np.ones((2, 3)))
-
-
-@pytest.mark.parametrize("array", [*ODD_ARRAYS, np.arange(10.0)[::2]])
-def test_results_are_serialised_byte_for_byte_as_flower_does(array):
-    """Issue #20: the one-copy serialisation writes np.save's exact bytes."""
-    from flwr.app import Array
-
-    from fedadapt.strategies._message_api import _to_array
-
-    ours, flowers = _to_array(array), Array(array)
-    assert ours.data == flowers.data
-    assert (ours.dtype, tuple(ours.shape), ours.stype) == (
-        flowers.dtype,
-        tuple(flowers.shape),
-        flowers.stype,
-    )

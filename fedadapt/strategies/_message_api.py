@@ -16,9 +16,8 @@ import io
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO
-from typing import Any, Unpack
+from typing import Unpack
 
-import numpy as np
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -27,13 +26,11 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
-from numpy.typing import NDArray
 
 from fedadapt.strategies import wire
 from fedadapt.strategies._control import (
@@ -85,33 +82,9 @@ def _to_numpy(record: ArrayRecord) -> Arrays:
     return {k: v.numpy() for k, v in record.items()}
 
 
-def _to_array(array: NDArray[Any]) -> Array:
-    """Return ``Array(array)``, serialised with one copy instead of three.
-
-    The bytes are exactly what ``np.save`` writes (Flower's serialisation):
-    NumPy's own ``.npy`` 1.0 header, then the values in C order, joined
-    straight from the array's buffer (``np.save`` into a ``BytesIO`` copies
-    them into chunks, the stream and its final value). Other arrays
-    (non-C-contiguous, object dtype, headers that need format 2.0) go
-    through ``Array(array)``.
-    """
-    if array.dtype.hasobject or not array.flags.c_contiguous:
-        return Array(array)
-    header = io.BytesIO()
-    try:
-        np.lib.format.write_array_header_1_0(
-            header, np.lib.format.header_data_from_array_1_0(array)
-        )
-    except ValueError:
-        return Array(array)
-    data = b"".join((header.getvalue(), array.reshape(-1).view(np.uint8).data))
-    return Array(
-        dtype=str(array.dtype), shape=tuple(array.shape), stype=SType.NUMPY, data=data
-    )
-
-
 def _to_record(arrays: Arrays) -> ArrayRecord:
-    return ArrayRecord({k: _to_array(v) for k, v in arrays.items()})
+    """Serialise with Flower's own ``Array`` (``np.save``; docs/benchmarks.md)."""
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
 
 
 def _describe_trainable(trainable: Trainable | None) -> str:
