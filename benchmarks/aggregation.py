@@ -85,7 +85,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp import strategy as flwr_strategy  # noqa: E402
 
 from fedadapt import strategies as ours  # noqa: E402
-from fedadapt.strategies._screening import array_view  # noqa: E402
+from fedadapt.strategies.arrays import array_view  # noqa: E402
 from fedadapt.strategies.core import is_batchnorm_buffer  # noqa: E402
 
 RESNET18_TRAINABLE = 11_173_962

@@ -3,7 +3,7 @@
 Five clients train a real task (``train_round``, the ClientApp's own local
 training); one of them sends x_t + FACTOR·Δ_i instead of x_t + Δ_i (its
 ``update-sq-norm`` honestly computed). The server step is fedadapt's shared
-aggregation path (:func:`fedadapt.strategies._screening.apply_rule`, what
+aggregation path (:func:`fedadapt.strategies.adapter.apply_rule`, what
 both Flower adapters call) with the rule of run-config ``strategy``.
 Printed per strategy: the central test loss after ``--rounds`` rounds of the
 honest federation, of the hostile one with the default defence
@@ -31,7 +31,8 @@ from fedadapt.client.local import train_round
 from fedadapt.config import validate_run_config
 from fedadapt.server.run import central_evaluator, initial_state
 from fedadapt.server.strategy_factory import build_rule
-from fedadapt.strategies._screening import Candidate, ScreenReport, apply_rule
+from fedadapt.strategies.adapter import apply_rule
+from fedadapt.strategies.screening import ScreenReport, TrainReply
 from fedadapt.tasks import TASKS
 
 NUM_CLIENTS = 5
@@ -60,7 +61,7 @@ def run(cfg: dict[str, Any], rounds: int, factor: float, **options: Any) -> tupl
                     for k, a in arrays.items()
                 }  # fmt: skip
                 metrics["update-sq-norm"] *= factor**2
-            candidates.append(Candidate(pid, arrays, metrics))
+            candidates.append(TrainReply(pid, metrics, arrays=arrays))
         norms = np.sqrt([c.metrics["update-sq-norm"] for c in candidates])
         ratio = max(ratio, float(norms.max() / np.median(norms)))
         report = ScreenReport(received=NUM_CLIENTS, used=NUM_CLIENTS)

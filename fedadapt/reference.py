@@ -5,7 +5,7 @@ Every public strategy of both Flower APIs and every public rule of
 default (from the signature) and its meaning (from the numpydoc
 ``Parameters`` section of the class, else of the Message-API class of the
 same name, else of its bases: the adapter, the shared
-:class:`~fedadapt.strategies._screening.RuleHost`, Flower's ``FedAvg``).
+:class:`~fedadapt.strategies.adapter.RuleHost`, Flower's ``FedAvg``).
 ``python -m fedadapt.config --write`` writes the file, ``--check`` fails
 when it is stale; a parameter without a description is an error, so a new
 parameter cannot go undocumented.
@@ -179,7 +179,7 @@ def _sources(cls: type) -> list[Any]:
 
 def _api_section(title: str, module: Any, adapter: type) -> list[str]:
     from fedadapt.strategies._control import RunControl
-    from fedadapt.strategies._screening import RuleHost
+    from fedadapt.strategies.adapter import RuleHost
 
     flower = next(c for c in adapter.__mro__ if c.__module__.startswith("flwr."))
     anchor_title = f"Common arguments ({title})"

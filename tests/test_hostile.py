@@ -34,6 +34,7 @@ from fedadapt.errors import ConfigError
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.strategies import legacy
 from fedadapt.strategies.core import FedAvgRule, FedExPRule
+from fedadapt.strategies.core.aggregation import round_statistics
 from tests.helpers import make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -222,7 +223,9 @@ def _hand_clients(x0):
 def test_relative_clipping_matches_a_hand_computation(weights, want_mean, want_a):
     rule = FedExPRule(weighting="num_examples")
     x0 = np.array([0.5, -1.0, 2.0, 0.0])
-    stats = rule.statistics({"w": x0}, _hand_clients(x0), weights, max_norm_ratio=5.0)
+    stats = round_statistics(
+        rule, {"w": x0}, _hand_clients(x0), weights, max_norm_ratio=5.0
+    )
     np.testing.assert_allclose(stats.mean_update["w"], want_mean, rtol=1e-12)
     assert stats.mean_sq_norm == pytest.approx(want_a, rel=1e-12)
     assert stats.norm_bound == pytest.approx(15.0, rel=1e-12)
@@ -274,8 +277,8 @@ def test_absolute_and_relative_bounds_clip_to_hand_computed_norms(
 ):
     x0 = np.zeros(4)
     rule = FedExPRule()
-    stats = rule.statistics({"w": x0}, _hand_clients(x0), [1] * 5,
-                            max_norm=max_norm, max_norm_ratio=ratio)  # fmt: skip
+    stats = round_statistics(rule, {"w": x0}, _hand_clients(x0), [1] * 5,
+                             max_norm=max_norm, max_norm_ratio=ratio)  # fmt: skip
     assert stats.norm_bound == pytest.approx(want_bound, rel=1e-12)
     norms = np.sqrt(np.sum(np.square(HAND_DELTAS), axis=1))
     scale = np.array(want_norms) / norms
@@ -301,8 +304,12 @@ def test_absolute_and_relative_bounds_clip_to_hand_computed_norms(
 def test_few_replies_and_zero_updates(deltas, want_mean):
     x0 = np.array([1.0, 2.0])
     clients = [{"w": x0 + np.array(d)} for d in deltas]
-    stats = FedAvgRule(weighting="uniform").statistics(
-        {"w": x0}, clients, [1] * len(clients), max_norm_ratio=5.0
+    stats = round_statistics(
+        FedAvgRule(weighting="uniform"),
+        {"w": x0},
+        clients,
+        [1] * len(clients),
+        max_norm_ratio=5.0,
     )
     np.testing.assert_allclose(stats.mean_update["w"], want_mean, atol=1e-12)
 
@@ -430,8 +437,8 @@ def test_robust_a_is_the_same_statistic_of_the_norms(aggregation):
     # inflates: the same statistic of the (clipped) ‖Δ_i‖², here by hand
     x0 = np.zeros(4)
     deltas = np.array(HAND_DELTAS)
-    stats = FedExPRule().statistics({"w": x0}, _hand_clients(x0), [1] * 5,
-                                    aggregation=aggregation)  # fmt: skip
+    stats = round_statistics(FedExPRule(), {"w": x0}, _hand_clients(x0), [1] * 5,
+                             aggregation=aggregation)  # fmt: skip
     sq = [1.0, 4.0, 9.0, 16.0, 1e4]
     if aggregation == "median":
         want_mean, want_a = np.median(deltas, axis=0), 9.0

@@ -59,3 +59,40 @@ def test_client_app_does_not_load_server_or_tools_modules():
                 "matplotlib", "sklearn", "ray", "yaml")  # fmt: skip
     unwanted = {m for m in loaded for p in packages if m == p or m.startswith(p + ".")}
     assert unwanted == set()
+
+
+def test_server_side_spells_no_wire_name():
+    """#28 item 3: strategies and server import the wire names from wire.py.
+
+    Any string constant (docstrings aside) equal to a distinctive wire name
+    in fedadapt/strategies or fedadapt/server, outside wire.py, is a copy
+    that can drift from the client's.
+    """
+    import ast
+
+    from fedadapt.strategies import wire
+    from tests.helpers import ROOT
+
+    names = {wire.LR, wire.SERVER_ROUND, wire.NUM_EXAMPLES, wire.UPDATE_SQ_NORM,
+             wire.SECOND_MOMENTS, wire.PARTITION_ID, wire.NUM_PARTITIONS}  # fmt: skip
+    found = []
+    for package in ("strategies", "server"):
+        for path in sorted((ROOT / "fedadapt" / package).rglob("*.py")):
+            if path.name == "wire.py":
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+            }
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant)
+                and node.value in names
+                and id(node) not in docstrings
+            ]
+    assert found == [], "use fedadapt.strategies.wire: " + "; ".join(found)

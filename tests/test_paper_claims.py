@@ -67,6 +67,7 @@ from fedadapt.strategies.core import (
     RoundStatistics,
     ServerRule,
 )
+from fedadapt.strategies.core.aggregation import apply_statistics
 from fedadapt.tasks.synthetic import linreg_grad, linreg_loss, make_feddua_linreg
 
 LOCAL_STEPS = 20  # τ (DUA §5.1)
@@ -225,7 +226,7 @@ def _simulate(fed: _Federation, runs: list[_Run], rounds: int = ROUNDS) -> _Trac
                 stats = RoundStatistics(
                     {"w": mean_update[j]}, float(mean_sq_norm[j]), fed.num_clients
                 )
-                new, _ = rules[c].apply({"w": w[c]}, stats)
+                new, _ = apply_statistics(rules[c], {"w": w[c]}, stats)
                 w[c] = new["w"]
     return _Trace(runs, last, avg2)
 
@@ -399,7 +400,7 @@ def test_closed_form_training_matches_explicit_gd_and_step(federations):
             stats = RoundStatistics(
                 {"w": mean_update[0]}, float(mean_sq_norm[0]), fed.num_clients
             )
-            w_c, _ = closed.apply(w_c, stats)
+            w_c, _ = apply_statistics(closed, w_c, stats)
             np.testing.assert_allclose(w_c["w"], w_e["w"], rtol=1e-10, atol=1e-12)
 
 

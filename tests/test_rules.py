@@ -343,13 +343,15 @@ def test_sums_alone_suffice_secure_aggregation(name):
     It equals the per-client computation.
     """
     from fedadapt.strategies.core import RoundStatistics
+    from fedadapt.strategies.core.aggregation import apply_statistics
 
     x0, rounds = _rounds(num_rounds=4)
     per_client, _ = _run(ALL_RULES[name](), x0, rounds)
     rule, x = ALL_RULES[name](), x0
     for (deltas, n), expected in zip(rounds, per_client, strict=True):
         mean, a = _stats(deltas, n, "uniform")
-        x, _ = rule.apply(x, RoundStatistics(_unflat(mean), float(a), len(deltas)))
+        stats = RoundStatistics(_unflat(mean), float(a), len(deltas))
+        x, _ = apply_statistics(rule, x, stats)
         np.testing.assert_allclose(_flat(x), _flat(expected), rtol=1e-12)
 
 
@@ -422,9 +424,9 @@ def test_blocked_sums_equal_a_client_by_client_loop(monkeypatch, max_norm):
     """Issue #20: Δ̄ summed block by block (blocks of 5 here, arrays of 23 and
     7 values) equals the plain loop Σ_i ω_i(x_i − x_t) in float32 exactly, and
     each ‖Δ_i‖² the float64 value."""
-    from fedadapt.strategies.core import base
+    from fedadapt.strategies.core import aggregation
 
-    monkeypatch.setattr(base, "SUM_BLOCK", 5)
+    monkeypatch.setattr(aggregation, "SUM_BLOCK", 5)
     rng = np.random.default_rng(3)
     x_t = {"w": rng.normal(size=(23,)).astype(np.float32),
            "b": rng.normal(size=(7, 1)).astype(np.float32)}  # fmt: skip
@@ -434,7 +436,9 @@ def test_blocked_sums_equal_a_client_by_client_loop(monkeypatch, max_norm):
         for _ in range(4)
     ]  # fmt: skip
     n = [3.0, 5.0, 7.0, 11.0]
-    stats = FedExPRule().statistics(x_t, clients, n, max_norm=max_norm)
+    stats = aggregation.round_statistics(
+        FedExPRule(), x_t, clients, n, max_norm=max_norm
+    )
     for k, x in x_t.items():
         expected = np.zeros_like(x)
         for c in clients:

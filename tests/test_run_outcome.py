@@ -17,7 +17,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from fedadapt.server import legacy_app, server_app
 from fedadapt.server.run_folder import RunFolder
-from fedadapt.strategies._screening import FederationFailedError
+from fedadapt.strategies.adapter import FederationFailedError
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

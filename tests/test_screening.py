@@ -127,7 +127,7 @@ def test_array_view_equals_flowers_numpy_and_is_read_only(array):
     """array_view gives what Array.numpy() gives (np.load), as a read-only view."""
     from flwr.app import Array
 
-    from fedadapt.strategies._screening import array_view
+    from fedadapt.strategies.arrays import array_view
 
     item = Array(array)
     view, loaded = array_view(item), item.numpy()
@@ -143,7 +143,7 @@ def test_array_view_of_truncated_or_padded_bytes_fails_like_numpy(cut):
     """Data shorter than the header says raise as np.load does; extra bytes too."""
     from flwr.app import Array
 
-    from fedadapt.strategies._screening import array_view
+    from fedadapt.strategies.arrays import array_view
 
     item = Array(np.arange(6.0))
     short = Array(item.dtype, item.shape, item.stype, item.data[:-cut])
@@ -170,19 +170,3 @@ def test_reply_whose_header_contradicts_its_metadata_is_rejected():
     assert report["used"] == 1 and report["rejected"] == 1
     assert "do not match its metadata" in report["rejections"][0]
     np.testing.assert_array_equal(arrays["w"].numpy(), np.ones((2, 3)))
-
-
-@pytest.mark.parametrize("array", [*ODD_ARRAYS, np.arange(10.0)[::2]])
-def test_results_are_serialised_byte_for_byte_as_flower_does(array):
-    """Issue #20: the one-copy serialisation writes np.save's exact bytes."""
-    from flwr.app import Array
-
-    from fedadapt.strategies._message_api import _to_array
-
-    ours, flowers = _to_array(array), Array(array)
-    assert ours.data == flowers.data
-    assert (ours.dtype, tuple(ours.shape), ours.stype) == (
-        flowers.dtype,
-        tuple(flowers.shape),
-        flowers.stype,
-    )

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
 from fedadapt import strategies as ours
 from fedadapt.strategies import legacy
-from fedadapt.strategies._screening import FederationFailedError
+from fedadapt.strategies.adapter import FederationFailedError
 from tests.helpers import make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")

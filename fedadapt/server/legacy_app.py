@@ -50,7 +50,8 @@ from fedadapt.server.run import (
     save_final_model,
 )
 from fedadapt.server.strategy_factory import build_strategy
-from fedadapt.strategies._screening import FederationFailedError
+from fedadapt.strategies import wire
+from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import TASKS
 
 # recorder and strategy of each run this process serves, for the lifespan's
@@ -94,7 +95,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         return None if scores is None else (scores["loss"], dict(scores))
 
     def fit_config(server_round: int) -> dict[str, Any]:
-        return {"lr": cfg["client-lr"], "server-round": server_round}
+        return {wire.LR: cfg["client-lr"], wire.SERVER_ROUND: server_round}
 
     strategy = build_strategy(
         cfg,

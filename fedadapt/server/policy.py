@@ -41,7 +41,7 @@ from flwr.server.criterion import Criterion
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedadapt.strategies import RuleStrategy
+from fedadapt.strategies import RuleStrategy, wire
 from fedadapt.strategies._message_api import FedAvgKwargs
 from fedadapt.strategies.core import ServerRule
 from fedadapt.strategies.legacy import LegacyFedAvgKwargs, LegacyRuleStrategy
@@ -77,7 +77,7 @@ def partition_ids(answers: Mapping[K, Mapping[str, Any] | None]) -> dict[K, int]
     """
     keys: dict[K, int] = {}
     for node, answer in answers.items():
-        pid = None if answer is None else answer.get("partition-id")
+        pid = None if answer is None else answer.get(wire.PARTITION_ID)
         if isinstance(pid, int) and not isinstance(pid, bool):
             keys[node] = pid
     if len(keys) < len(answers):

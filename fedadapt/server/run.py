@@ -18,7 +18,7 @@ from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run_folder import RunFolder, RunFolderError
-from fedadapt.strategies._screening import FederationFailedError
+from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
 

@@ -43,7 +43,8 @@ from fedadapt.server.run import (
 )
 from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.strategy_factory import build_strategy
-from fedadapt.strategies._screening import FederationFailedError
+from fedadapt.strategies import wire
+from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import TASKS
 
 app = ServerApp()
@@ -208,7 +209,7 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
             initial_arrays=initial,
             num_rounds=cfg["num-server-rounds"] - first_round,
             timeout=cfg["round-timeout"],
-            train_config=ConfigRecord({"lr": cfg["client-lr"]}),
+            train_config=ConfigRecord({wire.LR: cfg["client-lr"]}),
             evaluate_config=ConfigRecord({}),
             evaluate_fn=on_round_end,
         )

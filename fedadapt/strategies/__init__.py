@@ -24,7 +24,7 @@ nothing here imports torch.
 from fedadapt.registry import Registry
 from fedadapt.strategies._message_api import RuleStrategy
 from fedadapt.strategies._records import records_from_bytes, records_to_bytes
-from fedadapt.strategies._screening import FederationFailedError, reject_reason
+from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.strategies.core import RoundStatistics, ServerRule
 from fedadapt.strategies.declaration import Algorithm, Param
 from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM, FedAvg, FedAvgM
@@ -39,6 +39,7 @@ from fedadapt.strategies.fedopt import (
     FedAdam,
     FedYogi,
 )
+from fedadapt.strategies.screening import reject_reason
 
 #: The declared algorithms by run-config ``strategy`` name (in this order in
 #: the docs); ``ALGORITHMS.register(name)(algorithm)`` adds one.

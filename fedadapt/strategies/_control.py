@@ -1,6 +1,6 @@
 """Stop early, resume at round k, state in Flower's records: both adapters.
 
-:class:`RunControl` sits between :class:`~fedadapt.strategies._screening.RuleHost`
+:class:`RunControl` sits between :class:`~fedadapt.strategies.adapter.RuleHost`
 and Flower's FedAvg in both adapters. It owns
 
 - the **stop rule** (``stop_metric`` & co.,

@@ -16,9 +16,8 @@ import io
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO
-from typing import Any, Unpack
+from typing import Unpack
 
-import numpy as np
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -27,14 +26,13 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SType
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
-from numpy.typing import NDArray
 
+from fedadapt.strategies import wire
 from fedadapt.strategies._control import (
     CENTRAL,
     FEDERATED,
@@ -42,16 +40,15 @@ from fedadapt.strategies._control import (
     RunControl,
     StopKwargs,
 )
-from fedadapt.strategies._screening import (
-    Candidate,
-    LazyArrays,
-    RuleHost,
-    ScreeningKwargs,
-    evaluation_average,
+from fedadapt.strategies.adapter import RuleHost, ScreeningKwargs, evaluation_average
+from fedadapt.strategies.arrays import LazyArrays
+from fedadapt.strategies.core import Arrays, ServerRule, Trainable
+from fedadapt.strategies.screening import (
+    EvaluateReply,
+    TrainReply,
     failed_reply,
     screen,
 )
-from fedadapt.strategies.core import Arrays, ServerRule
 
 
 class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -59,7 +56,7 @@ class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
 
     Plus fedadapt's ``secure_aggregation``, ``max_update_norm``,
     ``max_update_norm_ratio``, ``aggregation``, ``trim_fraction`` and
-    ``max_failed_rounds`` (see :class:`~fedadapt.strategies._screening.RuleHost`)
+    ``max_failed_rounds`` (see :class:`~fedadapt.strategies.adapter.RuleHost`)
     and the stop rule's ``stop_*`` (see
     :class:`~fedadapt.strategies._control.RunControl`).
     See Flower's documentation for the others: ``fraction_train``,
@@ -85,41 +82,17 @@ def _to_numpy(record: ArrayRecord) -> Arrays:
     return {k: v.numpy() for k, v in record.items()}
 
 
-def _to_array(array: NDArray[Any]) -> Array:
-    """Return ``Array(array)``, serialised with one copy instead of three.
-
-    The bytes are exactly what ``np.save`` writes (Flower's serialisation):
-    NumPy's own ``.npy`` 1.0 header, then the values in C order, joined
-    straight from the array's buffer (``np.save`` into a ``BytesIO`` copies
-    them into chunks, the stream and its final value). Other arrays
-    (non-C-contiguous, object dtype, headers that need format 2.0) go
-    through ``Array(array)``.
-    """
-    if array.dtype.hasobject or not array.flags.c_contiguous:
-        return Array(array)
-    header = io.BytesIO()
-    try:
-        np.lib.format.write_array_header_1_0(
-            header, np.lib.format.header_data_from_array_1_0(array)
-        )
-    except ValueError:
-        return Array(array)
-    data = b"".join((header.getvalue(), array.reshape(-1).view(np.uint8).data))
-    return Array(
-        dtype=str(array.dtype), shape=tuple(array.shape), stype=SType.NUMPY, data=data
-    )
-
-
 def _to_record(arrays: Arrays) -> ArrayRecord:
-    return ArrayRecord({k: _to_array(v) for k, v in arrays.items()})
+    """Serialise with Flower's own ``Array`` (``np.save``; docs/benchmarks.md)."""
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
 
 
-def _describe_trainable(trainable: object) -> str:
+def _describe_trainable(trainable: Trainable | None) -> str:
     if trainable is None:
         return "the rule's default (float arrays; FedExP/FedDuA: not BatchNorm buffers)"
     if callable(trainable):
         return f"those {getattr(trainable, '__name__', repr(trainable))} accepts"
-    return f"{len(trainable)} named arrays"  # type: ignore[arg-type]
+    return f"{len(trainable)} named arrays"
 
 
 def _recipients(messages: Iterable[Message]) -> dict[str, int]:
@@ -127,49 +100,62 @@ def _recipients(messages: Iterable[Message]) -> dict[str, int]:
     return {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
 
 
-def _unpack(
-    message: Message,
-    with_arrays: bool,
-    state_key: str | None = None,
-    recipients: dict[str, int] | None = None,
-) -> Candidate | str:
-    """Unpack a reply into metrics, model arrays and the rule's client state.
+def _unpack_evaluate(
+    message: Message, recipients: dict[str, int] | None = None
+) -> EvaluateReply | str:
+    """Unpack a reply into its metrics (a ``str``: a failed reply).
 
-    The client state is the ArrayRecord named ``state_key`` (when the rule
-    has one); exactly one other ArrayRecord must hold the model. A failed
-    reply is named by the node its message was sent to (``recipients``):
-    the error Flower returns for a node that dropped out comes from the
-    SuperLink, not from the node.
+    A failed reply is named by the node its message was sent to
+    (``recipients``): the error Flower returns for a node that dropped out
+    comes from the SuperLink, not from the node.
     """
     node = message.metadata.src_node_id
     if message.has_error():
         node = (recipients or {}).get(message.metadata.reply_to_message_id, node)
         reason = message.error.reason or f"error code {message.error.code}"
         return failed_reply(node, reason)
-    content = message.content
-    if len(content.metric_records) != 1:
-        return Candidate(node, None, {}, message, "expected exactly one MetricRecord")
-    metrics = dict(next(iter(content.metric_records.values())))
-    if not with_arrays:
-        return Candidate(node, None, metrics, message)
-    records = dict(content.array_records)
+    records = message.content.metric_records
+    if len(records) != 1:
+        return EvaluateReply(node, {}, message, "expected exactly one MetricRecord")
+    return EvaluateReply(node, dict(next(iter(records.values()))), message)
+
+
+def _unpack_train(
+    message: Message,
+    state_key: str | None = None,
+    recipients: dict[str, int] | None = None,
+) -> TrainReply | str:
+    """Unpack a reply into metrics, model arrays and the rule's client state.
+
+    The client state is the ArrayRecord named ``state_key`` (when the rule
+    has one); exactly one other ArrayRecord must hold the model. Failures
+    as in :func:`_unpack_evaluate`.
+    """
+    reply = _unpack_evaluate(message, recipients)
+    if isinstance(reply, str):
+        return reply
+    node, metrics = reply.node, reply.metrics
+    if reply.problem is not None:
+        return TrainReply(node, metrics, message, reply.problem)
+    records = dict(message.content.array_records)
     state = records.pop(state_key, None) if state_key is not None else None
     if len(records) != 1:
-        return Candidate(node, None, metrics, message, "expected one ArrayRecord")
+        return TrainReply(node, metrics, message, "expected one ArrayRecord")
     arrays = LazyArrays(next(iter(records.values())))
     client_state = None if state is None else _to_numpy(state)
-    return Candidate(node, arrays, metrics, message, client_state=client_state)
+    return TrainReply(node, metrics, message, arrays=arrays, client_state=client_state)
 
 
-def _metrics_content(candidate: Candidate) -> RecordDict:
+def _metrics_content(reply: TrainReply) -> RecordDict:
     """Return a used reply's content for Flower's metric aggregation.
 
     A reply accepted without a weight (uniform weighting) is given its
     weight 1 here too, so that Flower's weighted average can read it.
     """
-    if not candidate.defaulted_weight:
-        return candidate.source.content  # type: ignore[no-any-return]
-    return RecordDict({"metrics": MetricRecord(dict(candidate.metrics))})
+    if not reply.defaulted_weight:
+        content: RecordDict = reply.source.content
+        return content
+    return RecordDict({wire.METRICS: MetricRecord(dict(reply.metrics))})
 
 
 class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
@@ -184,9 +170,9 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         evaluates, ``Result.arrays``) and keep w_{t+1}, from which the next
         round trains (FedExP, arXiv:2301.09604; FedDuA §5.1).
     secure_aggregation, max_update_norm, max_failed_rounds, trainable
-        See :class:`~fedadapt.strategies._screening.RuleHost`.
+        See :class:`~fedadapt.strategies.adapter.RuleHost`.
     max_update_norm_ratio, aggregation, trim_fraction
-        See :class:`~fedadapt.strategies._screening.RuleHost` (hostile clients).
+        See :class:`~fedadapt.strategies.adapter.RuleHost` (hostile clients).
     weighted_by_key : str (default: "num-examples")
         The metric that holds each reply's weight. It weights the model
         update only under ``weighting="num_examples"`` (the rule's); a
@@ -201,7 +187,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
     Attributes
     ----------
     rule, round_reports
-        See :class:`~fedadapt.strategies._screening.RuleHost`.
+        See :class:`~fedadapt.strategies.adapter.RuleHost`.
     stop_reason, stop_message, completed_round
         See :class:`~fedadapt.strategies._control.RunControl`.
     latest_arrays : ArrayRecord | None
@@ -307,7 +293,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         self.completed_round = server_round
         key = self.rule.client_state_key
         asked = _recipients(self._asked["train"])
-        candidates = [_unpack(m, True, key, asked) for m in replies]
+        candidates = [_unpack_train(m, key, asked) for m in replies]
         new, valid = self.run_rule(
             server_round, candidates, self._sent, self.weighted_by_key
         )
@@ -342,7 +328,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
     ) -> MetricRecord | None:
         """Screen evaluation replies, then aggregate their metrics as Flower does."""
         asked = _recipients(self._asked["evaluate"])
-        candidates = [_unpack(m, False, recipients=asked) for m in replies]
+        candidates = [_unpack_evaluate(m, asked) for m in replies]
         valid, report = screen(
             candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
         )

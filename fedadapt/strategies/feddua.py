@@ -45,7 +45,7 @@ Notes (decisions where the paper is ambiguous, with the reason):
 
 The server computes each client's ‖Δ_i‖² itself and checks a reported
 ``update-sq-norm`` against it; ``secure_aggregation=True`` uses the reports
-as given (see :class:`~fedadapt.strategies._screening.RuleHost`).
+as given (see :class:`~fedadapt.strategies.adapter.RuleHost`).
 """
 
 from __future__ import annotations

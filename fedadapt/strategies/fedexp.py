@@ -31,7 +31,7 @@ than repeating it.
 The server computes each client's ‖x_i − x_t‖² from the arrays and checks
 any reported ``update-sq-norm`` against it; only
 ``secure_aggregation=True`` uses the reports as given (see
-:class:`~fedadapt.strategies._screening.RuleHost`).
+:class:`~fedadapt.strategies.adapter.RuleHost`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedadapt._validation import check_scalar
+from fedadapt.strategies import wire
 from fedadapt.strategies.core.base import Arrays, client_weights
 from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
 from fedadapt.strategies.fedavg import FedAvgRule
@@ -198,7 +199,7 @@ class FedLAMBRule(FedAvgRule):
         the clients' moments, part of :meth:`state_dict`.
     """
 
-    client_state_key = "second-moments"
+    client_state_key = wire.SECOND_MOMENTS
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
 
+from fedadapt.strategies import wire
 from fedadapt.strategies._control import (
     CENTRAL,
     FEDERATED,
@@ -53,13 +54,11 @@ from fedadapt.strategies._control import (
     RunControl,
     StopKwargs,
 )
-from fedadapt.strategies._screening import (
-    Candidate,
+from fedadapt.strategies.adapter import (
     FederationFailedError,
     RuleHost,
     ScreeningKwargs,
     evaluation_average,
-    failed_reply,
 )
 from fedadapt.strategies.core import Arrays, ServerRule
 from fedadapt.strategies.declaration import Algorithm
@@ -68,8 +67,9 @@ from fedadapt.strategies.feddua import FEDDUA
 from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM
 from fedadapt.strategies.fedlamb import FED_LAMB
 from fedadapt.strategies.fedopt import FEDADAGRAD, FEDADAM, FEDYOGI
+from fedadapt.strategies.screening import TrainReply, failed_reply
 
-WEIGHT_KEY = "num-examples"
+WEIGHT_KEY = wire.NUM_EXAMPLES
 
 
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -78,7 +78,7 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
     ``secure_aggregation``, ``max_update_norm``, ``max_update_norm_ratio``,
     ``aggregation``, ``trim_fraction``, ``max_failed_rounds`` (see
-    :class:`~fedadapt.strategies._screening.RuleHost`) and ``stop_*``
+    :class:`~fedadapt.strategies.adapter.RuleHost`) and ``stop_*``
     (see :class:`~fedadapt.strategies._control.RunControl`).
     """
 
@@ -136,9 +136,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         evaluates and ends with; w_{t+1} is kept and sent to the next
         round's clients.
     secure_aggregation, max_update_norm, max_failed_rounds
-        See :class:`~fedadapt.strategies._screening.RuleHost`.
+        See :class:`~fedadapt.strategies.adapter.RuleHost`.
     max_update_norm_ratio, aggregation, trim_fraction
-        See :class:`~fedadapt.strategies._screening.RuleHost` (hostile clients).
+        See :class:`~fedadapt.strategies.adapter.RuleHost` (hostile clients).
     stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
         See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
         the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``
@@ -239,7 +239,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         the model Flower evaluates and ends with (w_{t+1} is kept).
         """
         self.completed_round = server_round
-        candidates: list[Candidate | str] = [_failure(f) for f in failures]
+        candidates: list[TrainReply | str] = [_failure(f) for f in failures]
         size = len(self._sent or {})
         with_state = self.rule.client_state_key is not None
         for proxy, res in results:
@@ -247,8 +247,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             arrays = parameters_to_ndarrays(res.parameters)
             model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
             candidates.append(
-                Candidate(
-                    proxy.cid, _keyed(model, self.array_names), reply, (proxy, res),
+                TrainReply(
+                    proxy.cid, reply, (proxy, res),
+                    arrays=_keyed(model, self.array_names),
                     client_state=_keyed(rest) if with_state else None,
                 )
             )  # fmt: skip

@@ -1,9 +1,10 @@
 """Framework-free server update rules over NumPy arrays (no Flower, no torch).
 
 Each rule's ``step(current, clients, num_examples, sq_norms=None)`` returns the
-new global arrays and per-round diagnostics; ``apply(current, stats)`` does the
-same from the round's sums alone (secure aggregation). State round-trips via
-``state_dict()`` / ``load_state_dict()``.
+new global arrays and per-round diagnostics; :func:`apply_statistics` does the
+same from the round's sums alone (secure aggregation), :func:`round_statistics`
+forms them with clipping and robust aggregation (:mod:`.aggregation`).
+State round-trips via ``state_dict()`` / ``load_state_dict()``.
 
 The base pieces live here; each algorithm's rule lives in its own file with
 its declaration (:mod:`fedadapt.strategies.feddua` …) and is re-exported
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fedadapt.strategies.core.aggregation import apply_statistics, round_statistics
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
@@ -62,8 +64,10 @@ __all__ = [
     "ServerRule",
     "Trainable",
     "aggregate_second_moments",
+    "apply_statistics",
     "client_weights",
     "is_batchnorm_buffer",
+    "round_statistics",
     "sq_norm",
     "untrained",
 ]

@@ -1,40 +1,34 @@
-"""Reply screening and rule application shared by both Flower APIs.
+"""The adapter core shared by both Flower APIs: running a rule on a round.
 
-Flower's stock strategies end the run when one reply is inconsistent and
-average NaN straight into the global model. Every fedadapt strategy screens
-train replies first: a reply whose arrays are non-finite or differ in names,
-shape or dtype from what the server sent, or whose metrics lack a positive
-finite weight (``num-examples``; under uniform weighting a missing one
-counts as 1) or carry a negative or non-finite ``update-sq-norm``, is
-dropped with a warning and counted. A reported
-``update-sq-norm`` never steers the step unless the strategy runs in
-secure-aggregation mode: the server uses its own ‖Δ_i‖² and counts the
-mismatches (:class:`RuleHost`). Everything here is plain NumPy over
-mappings of arrays; the Flower adapters only unpack messages into that form.
+:class:`RuleHost` holds the framework-free rule
+(:class:`~fedadapt.strategies.core.ServerRule`) and does for a Flower
+adapter (:class:`~fedadapt.strategies.RuleStrategy`,
+:class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`) what Flower's
+``aggregate_train`` / ``aggregate_fit`` would: screen the replies
+(:mod:`fedadapt.strategies.screening`), form the round's statistics and apply
+the rule (:func:`apply_rule`, :mod:`fedadapt.strategies.core.aggregation`),
+record a report per round, count rounds without a usable reply (and end the
+run after too many) and save/restore the rule's state.
 
-Cost: replies are checked from array *metadata* (names, shapes, dtypes) and
-read one array at a time while the rule sums them (:class:`LazyArrays`).
-Reading is a read-only NumPy view of the serialised bytes
-(:func:`array_view`), not a copy, so a round holds no copy of any reply.
-Non-finite values are caught on the aggregate (one cheap pass); only then
-are the replies scanned one by one to find and drop the culprits.
+A reported ``update-sq-norm`` never steers the step unless the strategy runs
+in secure-aggregation mode: the server uses its own ‖Δ_i‖² and counts the
+mismatches. Non-finite values are caught on the aggregate (one cheap pass);
+only then are the replies scanned one by one to find and drop the culprits.
 """
 
 from __future__ import annotations
 
-import functools
-import io
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from logging import ERROR, WARNING
 from typing import Any, TypedDict
 
-import numpy as np
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies import wire
+from fedadapt.strategies.arrays import ReplyError, all_finite
 from fedadapt.strategies.core import (
     Arrays,
     RoundStatistics,
@@ -42,7 +36,18 @@ from fedadapt.strategies.core import (
     Trainable,
     untrained,
 )
-from fedadapt.strategies.core.base import AGGREGATIONS
+from fedadapt.strategies.core.aggregation import (
+    AGGREGATIONS,
+    apply_statistics,
+    round_statistics,
+)
+from fedadapt.strategies.screening import (
+    NORM_RTOL,
+    ScreenReport,
+    TrainReply,
+    canonical_order,
+    screen,
+)
 
 #: Default of ``max_update_norm_ratio``: an update above 5x the round's
 #: median update norm is flagged and scaled down to the median norm of the
@@ -115,7 +120,7 @@ class RuleHost:
         coordinate-wise median / trimmed mean of the updates as the Δ̄ the
         rule steps on (Flower's FedMedian / FedTrimmedAvg applied to
         updates, composed with any rule; see
-        :meth:`~fedadapt.strategies.core.ServerRule.statistics`). Not with
+        :func:`~fedadapt.strategies.core.aggregation.round_statistics`). Not with
         ``secure_aggregation``.
     trim_fraction : float (default: 0.2)
         Fraction cut from each end per coordinate by ``"trimmed_mean"``, in
@@ -224,14 +229,14 @@ class RuleHost:
 
     def _client_state_check(
         self, reference: Arrays | None
-    ) -> Callable[[Candidate], str | None] | None:
+    ) -> Callable[[TrainReply], str | None] | None:
         """Return the screening check of the rule's client state (if it has one)."""
         if self.rule.client_state_key is None:
             return None
         model = reference if self.client_state_named else None
         accepted: list[Mapping[str, NDArray[Any]]] = []
 
-        def check(candidate: Candidate) -> str | None:
+        def check(candidate: TrainReply) -> str | None:
             peer = accepted[0] if accepted else None
             reason = self.rule.check_client_state(candidate.client_state, model, peer)
             if reason is None and candidate.client_state is not None:
@@ -243,10 +248,10 @@ class RuleHost:
     def run_rule(
         self,
         server_round: int,
-        candidates: Sequence[Candidate | str],
+        candidates: Sequence[TrainReply | str],
         reference: Arrays | None,
         weight_key: str,
-    ) -> tuple[Arrays | None, list[Candidate]]:
+    ) -> tuple[Arrays | None, list[TrainReply]]:
         """Screen train replies, apply the rule, record the round's report.
 
         Returns the new arrays and the replies used, or ``(None, [])`` when
@@ -280,7 +285,8 @@ class RuleHost:
         if self.rule.client_state_key is not None:
             diagnostics.update(
                 self.rule.aggregate_client_state(
-                    [c.client_state for c in valid],  # type: ignore[misc]
+                    # the rule's check_client_state accepted each state
+                    [c.client_state or {} for c in valid],
                     [float(c.metrics[weight_key]) for c in valid],
                 )
             )
@@ -343,337 +349,8 @@ class RuleHost:
         self.rule.load_state_dict({**state["rule"], **extra})
 
 
-UPDATE_SQ_NORM_KEY = "update-sq-norm"
-
-#: Relative tolerance between a reported and the server's ‖Δ_i‖²: float32
-#: sums over millions of entries differ by ~1e-5 relative (benchmarked on
-#: ResNet-18 arrays); 1e-3 leaves a wide margin and still catches any lie
-#: that could matter.
-NORM_RTOL = 1e-3
-
-#: Characters of a failed reply's error text kept (its end) in logs and errors.
-ERROR_TEXT_CHARS = 500
-
-
-def _tail(text: str) -> str:
-    """Return the end of an error text (a traceback ends with the message)."""
-    text = text.strip()
-    return text if len(text) <= ERROR_TEXT_CHARS else "…" + text[-ERROR_TEXT_CHARS:]
-
-
-def failed_reply(node: int | str | None, error: str) -> str:
-    """Return a failed reply as screened: ``"node <id>: <end of its error>"``.
-
-    Flower reports a node that dropped out (or whose ClientApp raised) as a
-    reply carrying an error; its node id and reason go to results.json.
-    """
-    who = "node ?" if node is None else f"node {node}"
-    return f"{who}: {_tail(error) or 'no reason given'}"
-
-
 class FederationFailedError(RuntimeError):
     """Every reply failed or was rejected for too many consecutive rounds."""
-
-
-@dataclass
-class Candidate:
-    """One client reply, unpacked: who sent it, its arrays and metrics."""
-
-    node: int | str
-    arrays: Mapping[str, NDArray[Any]] | None  # plain or LazyArrays
-    metrics: Mapping[str, Any]
-    source: Any = None  # the original reply object, for the adapter
-    problem: str | None = None  # set when the reply could not even be unpacked
-    client_state: Mapping[str, NDArray[Any]] | None = None  # see ServerRule
-    defaulted_weight: bool = False  # no weight sent; 1 under uniform weighting
-
-
-class ReplyError(ValueError):
-    """A reply's data contradicts what it declared (raised mid-aggregation)."""
-
-    def __init__(self, arrays: LazyArrays, reason: str) -> None:
-        super().__init__(reason)
-        self.arrays = arrays
-        self.reason = reason
-
-
-@functools.lru_cache(maxsize=256)
-def dtype_name(dtype: np.dtype[Any]) -> str:
-    """Return ``str(dtype)``, cached.
-
-    ``numpy.dtype.__str__`` is slow, and a round compares the dtypes of
-    every array of every reply.
-    """
-    return str(dtype)
-
-
-#: The ``.npy`` magic string and the ``stype`` Flower gives such bytes.
-_NPY_MAGIC = b"\x93NUMPY"
-_NPY_STYPE = "numpy.ndarray"
-
-
-@functools.lru_cache(maxsize=4096)
-def _npy_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], bool] | None:
-    """Parse one ``.npy`` header (magic to end of header) with NumPy's reader.
-
-    Cached: every client sends the same few hundred headers each round.
-    None for anything :func:`array_view` leaves to ``Array.numpy()``.
-    """
-    stream = io.BytesIO(header)
-    try:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:
-            return None
-    except ValueError:
-        return None
-    if dtype.hasobject or stream.tell() != len(header):
-        return None
-    return dtype, shape, fortran
-
-
-def array_view(item: Any) -> NDArray[Any]:
-    """Return a Flower ``Array``'s values as a read-only view of its bytes.
-
-    The same array ``item.numpy()`` gives (``np.load``, no pickles), without
-    copying the data: the header is parsed by NumPy's own ``.npy`` reader and
-    the values are ``np.frombuffer`` over the rest, which must hold exactly
-    ``prod(shape)·itemsize`` bytes. Anything else (another ``stype``, format
-    version 3, object dtypes, a size mismatch, or objects that are not
-    Flower Arrays) goes through ``item.numpy()`` and its errors.
-    """
-    data = getattr(item, "data", None)
-    if (
-        getattr(item, "stype", None) != _NPY_STYPE
-        or not isinstance(data, bytes)
-        or not data.startswith(_NPY_MAGIC)
-        or len(data) < 10
-    ):
-        return item.numpy()
-    length_bytes = 2 if data[6] == 1 else 4
-    start = 8 + length_bytes
-    end = start + int.from_bytes(data[8:start], "little")
-    parsed = _npy_header(data[:end]) if end <= len(data) else None
-    if parsed is None:
-        return item.numpy()
-    dtype, shape, fortran = parsed
-    count = math.prod(shape)
-    if len(data) - end != count * dtype.itemsize:
-        return item.numpy()
-    flat = np.frombuffer(data, dtype=dtype, count=count, offset=end)
-    return flat.reshape(shape, order="F" if fortran else "C")
-
-
-class LazyArrays(Mapping[str, NDArray[Any]]):
-    """A reply's arrays, deserialised on access and checked against their specs.
-
-    ``record`` maps names to objects with ``numpy()``, ``shape`` and
-    ``dtype`` (Flower's ``Array``); values are read-only views of the
-    serialised bytes (:func:`array_view`). Reading an array whose data disagree with
-    its declared shape or dtype raises :class:`ReplyError`.
-    """
-
-    def __init__(self, record: Mapping[str, Any]) -> None:
-        self._record = record
-
-    def __getitem__(self, key: str) -> NDArray[Any]:
-        item = self._record[key]
-        array = array_view(item)
-        if array.shape != tuple(item.shape) or dtype_name(array.dtype) != str(
-            item.dtype
-        ):
-            raise ReplyError(self, f"array '{key}' data do not match its metadata")
-        return array
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._record)
-
-    def __len__(self) -> int:
-        return len(self._record)
-
-    def specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Return the declared (shape, dtype) of every array, without deserialising."""
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self._record.items()}
-
-
-def array_specs(arrays: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Return {name: (shape, dtype)} of plain or lazy arrays."""
-    if isinstance(arrays, LazyArrays):
-        return arrays.specs()
-    return {k: (tuple(a.shape), dtype_name(a.dtype)) for k, a in arrays.items()}
-
-
-def all_finite(arrays: Mapping[str, NDArray[Any]]) -> bool:
-    """Whether every float array is free of NaN/Inf (a sum overflows to inf)."""
-    return all(
-        math.isfinite(float(np.sum(a))) for a in arrays.values() if a.dtype.kind in "fc"
-    )
-
-
-@dataclass
-class ScreenReport:
-    """Counts for one round and phase, as written to results.json."""
-
-    received: int = 0
-    failed: int = 0
-    rejected: int = 0
-    used: int = 0
-    rejections: list[str] = field(default_factory=list)
-    norm_mismatches: int = 0
-    clipped: int = 0
-    errors: list[str] = field(default_factory=list)  # "node <id>: <error>"
-
-    def reject_late(self, node: int | str, reason: str, round_label: str) -> None:
-        """Count a reply rejected during aggregation (it was counted as used)."""
-        self.rejected += 1
-        self.used -= 1
-        self.rejections.append(f"node {node}: {reason}")
-        log(WARNING, "%s: rejected reply from node %s: %s", round_label, node, reason)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return the report as plain JSON-able data."""
-        return {
-            "received": self.received,
-            "failed": self.failed,
-            "rejected": self.rejected,
-            "used": self.used,
-            "rejections": list(self.rejections),
-            "norm_mismatches": self.norm_mismatches,
-            "clipped": self.clipped,
-            "errors": list(self.errors),
-        }
-
-    def problems(self) -> list[str]:
-        """Return the failed replies' error texts and the rejection reasons."""
-        return [*self.errors, *self.rejections]
-
-
-def _check_metrics(
-    metrics: Mapping[str, Any],
-    weight_key: str,
-    weight_optional: bool = False,
-    norm_required: bool = False,
-) -> str | None:
-    weight = metrics.get(weight_key)
-    if weight is None and weight_optional:
-        pass  # uniform weighting: counted as 1 (see screen)
-    elif isinstance(weight, bool) or not isinstance(weight, int | float):
-        return f"metric '{weight_key}' missing or not a number"
-    elif not math.isfinite(weight) or weight <= 0:
-        return f"metric '{weight_key}' must be finite and > 0, got {weight}"
-    if norm_required and UPDATE_SQ_NORM_KEY not in metrics:
-        return (
-            f"metric '{UPDATE_SQ_NORM_KEY}' missing: secure_aggregation=True "
-            "uses the clients' norms and needs one in every train reply"
-        )
-    if UPDATE_SQ_NORM_KEY in metrics:
-        norm = metrics[UPDATE_SQ_NORM_KEY]
-        if not isinstance(norm, int | float) or not math.isfinite(norm) or norm < 0:
-            return f"metric '{UPDATE_SQ_NORM_KEY}' must be finite and >= 0, got {norm}"
-    return None
-
-
-def reject_reason(
-    arrays: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any],
-    reference: Mapping[str, NDArray[Any]] | None,
-    weight_key: str,
-    *,
-    weight_optional: bool = False,
-    norm_required: bool = False,
-) -> str | None:
-    """Return why a reply must be dropped before aggregation, or None.
-
-    ``arrays`` is None for evaluation replies (metrics only). ``reference``
-    is what the server sent this round; replies must match its names, shapes
-    and dtypes exactly (no broadcasting, no silent casts). Values are checked
-    later, on the aggregate (see :func:`apply_rule`). ``weight_optional``
-    accepts a missing ``weight_key`` (uniform weighting); ``norm_required``
-    rejects a missing ``update-sq-norm`` (secure aggregation).
-    """
-    if arrays is not None and reference is not None:
-        specs = array_specs(arrays)
-        if set(specs) != set(reference):
-            return "array names differ from the global model's"
-        for name, ref in reference.items():
-            shape, dtype = specs[name]
-            if shape != ref.shape:
-                return f"array '{name}' has shape {shape}, expected {ref.shape}"
-            if dtype != dtype_name(ref.dtype):
-                return f"array '{name}' has dtype {dtype}, expected {ref.dtype}"
-    return _check_metrics(metrics, weight_key, weight_optional, norm_required)
-
-
-def screen(
-    candidates: Sequence[Candidate | str],
-    reference: Mapping[str, NDArray[Any]] | None,
-    weight_key: str,
-    round_label: str,
-    extra_check: Callable[[Candidate], str | None] | None = None,
-    *,
-    weight_optional: bool = False,
-    norm_required: bool = False,
-) -> tuple[list[Candidate], ScreenReport]:
-    """Split replies into usable ones and a report; log each rejection.
-
-    A ``str`` in ``candidates`` stands for a failed reply
-    (:func:`failed_reply`: node id and error text).
-    ``extra_check`` adds rule-specific checks (e.g. Fed-LAMB's moments).
-    With ``weight_optional`` (uniform weighting) a usable reply without
-    ``weight_key`` gets weight 1 in its ``metrics`` (``defaulted_weight``
-    set). ``norm_required``: see :func:`reject_reason`.
-    ``np.sum`` of a float array is non-finite iff it holds NaN/Inf (or its
-    values are so large the sum overflows, which is rejected too).
-    """
-    report = ScreenReport(received=len(candidates))
-    valid: list[Candidate] = []
-    for candidate in candidates:
-        if isinstance(candidate, str):  # a failed reply (see failed_reply)
-            report.failed += 1
-            report.errors.append(candidate)
-            log(WARNING, "%s: failed reply from %s", round_label, candidate)
-            continue
-        reason = candidate.problem or reject_reason(
-            candidate.arrays, candidate.metrics, reference, weight_key,
-            weight_optional=weight_optional, norm_required=norm_required,
-        )  # fmt: skip
-        if reason is None and extra_check is not None:
-            reason = extra_check(candidate)
-        if reason is None:
-            if weight_key not in candidate.metrics:
-                candidate.metrics = {**candidate.metrics, weight_key: 1}
-                candidate.defaulted_weight = True
-            valid.append(candidate)
-            continue
-        report.rejected += 1
-        report.rejections.append(f"node {candidate.node}: {reason}")
-        log(WARNING, "%s: rejected reply from node %s: %s",
-            round_label, candidate.node, reason)  # fmt: skip
-    report.used = len(valid)
-    if candidates and not valid:
-        log(WARNING, "%s: no usable replies (%s failed, %s rejected)",
-            round_label, report.failed, report.rejected)  # fmt: skip
-    return valid, report
-
-
-def canonical_order(valid: list[Candidate], weight_key: str) -> list[Candidate]:
-    """Sort replies by content (weight, reported norm) instead of arrival.
-
-    Floating-point sums depend on order; sorting by what the replies carry
-    makes the aggregate independent of arrival order and node ids, so a
-    resumed run reproduces an uninterrupted one exactly.
-    """
-
-    def key(c: Candidate) -> tuple[float, float]:
-        return (
-            float(c.metrics[weight_key]),
-            float(c.metrics.get(UPDATE_SQ_NORM_KEY, -1.0)),
-        )
-
-    return sorted(valid, key=key)
 
 
 def _statistics_finite(stats: RoundStatistics) -> bool:
@@ -685,7 +362,7 @@ def _statistics_finite(stats: RoundStatistics) -> bool:
 def apply_rule(
     rule: ServerRule,
     reference: Arrays,
-    valid: Sequence[Candidate],
+    valid: Sequence[TrainReply],
     weight_key: str,
     report: ScreenReport,
     round_label: str,
@@ -695,7 +372,7 @@ def apply_rule(
     max_norm_ratio: float = 0.0,
     aggregation: str = "mean",
     trim_fraction: float = 0.2,
-) -> tuple[Arrays | None, dict[str, float | None], list[Candidate]]:
+) -> tuple[Arrays | None, dict[str, float | None], list[TrainReply]]:
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
     Client-reported ``update-sq-norm`` values are used as given only with
@@ -705,22 +382,25 @@ def apply_rule(
     in ``report.norm_mismatches`` (the reply is kept). ``max_norm`` and
     ``max_norm_ratio`` > 0 clip each update, ``aggregation`` and
     ``trim_fraction`` choose how Δ̄ is formed (see
-    :meth:`ServerRule.statistics`); clipped updates are counted in
-    ``report.clipped`` and the bound is the diagnostic ``update-norm-bound``.
+    :func:`~fedadapt.strategies.core.aggregation.round_statistics`);
+    clipped updates are counted in ``report.clipped`` and the bound is the
+    diagnostic ``update-norm-bound``.
     Replies whose data turn out inconsistent or non-finite are dropped here
     (counted in ``report``) and the round is aggregated again without them;
     ``(None, {}, [])`` when none remain.
     """
     ordered = canonical_order(list(valid), weight_key)
     while ordered:
-        norms = [c.metrics.get(UPDATE_SQ_NORM_KEY) for c in ordered]
+        norms = [c.metrics.get(wire.UPDATE_SQ_NORM) for c in ordered]
+        reported = [float(n) for n in norms if n is not None]
         trusted = None
-        if secure_aggregation and all(n is not None for n in norms):
-            trusted = [float(n) for n in norms]  # type: ignore[arg-type]
+        if secure_aggregation and len(reported) == len(norms):
+            trusted = reported
         try:
-            stats = rule.statistics(
+            stats = round_statistics(
+                rule,
                 reference,
-                [c.arrays for c in ordered],  # type: ignore[misc]
+                [c.arrays for c in ordered],
                 [float(c.metrics[weight_key]) for c in ordered],
                 trusted,
                 max_norm=max_norm,
@@ -734,7 +414,7 @@ def apply_rule(
         else:
             if _statistics_finite(stats):
                 break
-            bad = [c for c in ordered if not all_finite(c.arrays)]  # type: ignore[arg-type]
+            bad = [c for c in ordered if not all_finite(c.arrays)]
             reason = "arrays contain NaN or Inf"
             if not bad:  # finite inputs whose sums overflow: nothing to single out
                 bad, reason = list(ordered), "aggregate overflowed (values too large)"
@@ -750,7 +430,7 @@ def apply_rule(
         if stats.clip_scales is not None:
             _count_clipped(ordered, stats.client_sq_norms, stats.clip_scales,
                            report, round_label)  # fmt: skip
-    new, diagnostics = rule.apply(reference, stats)
+    new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
     clean: dict[str, float | None] = {
@@ -761,7 +441,7 @@ def apply_rule(
 
 
 def _count_clipped(
-    used: Sequence[Candidate],
+    used: Sequence[TrainReply],
     sq_norms: Sequence[float],
     scales: Sequence[float],
     report: ScreenReport,
@@ -777,20 +457,20 @@ def _count_clipped(
 
 
 def _check_reported_norms(
-    used: Sequence[Candidate],
+    used: Sequence[TrainReply],
     computed: Sequence[float],
     report: ScreenReport,
     round_label: str,
 ) -> None:
     """Log and count each reported ‖Δ_i‖² that disagrees with the server's."""
     for candidate, own in zip(used, computed, strict=True):
-        claimed = candidate.metrics.get(UPDATE_SQ_NORM_KEY)
+        claimed = candidate.metrics.get(wire.UPDATE_SQ_NORM)
         if claimed is None or math.isclose(claimed, own, rel_tol=NORM_RTOL):
             continue
         report.norm_mismatches += 1
         log(WARNING, "%s: node %s reported %s = %.6g but its arrays give %.6g; "
             "using the server's value", round_label, candidate.node,
-            UPDATE_SQ_NORM_KEY, claimed, own)  # fmt: skip
+            wire.UPDATE_SQ_NORM, claimed, own)  # fmt: skip
 
 
 def evaluation_average(previous: Arrays, new: Arrays) -> Arrays:

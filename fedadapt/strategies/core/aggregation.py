@@ -1,0 +1,457 @@
+"""A round's statistics and their application: the server side of every rule.
+
+Every rule sees one round through the same two numbers a secure-aggregation
+protocol could reveal (FedDuA, Takakura et al., Algorithm 1 lines 9 and 12;
+FedExP, arXiv:2301.09604, Algorithm 1):
+
+    Δ̄_t = Σ_i ω_i Δ_i ,   A_t = Σ_i ω_i ‖Δ_i‖² ,   Δ_i = x_i − x_t
+
+with ω_i uniform over the participants or proportional to ``num-examples``.
+:func:`round_statistics` forms them from client arrays (with the server's
+own norms, optional clipping and robust aggregation); :func:`apply_statistics`
+hands their *adaptive* part to the rule's
+:meth:`~fedadapt.strategies.core.ServerRule.update` and averages the rest.
+:meth:`ServerRule.step <fedadapt.strategies.core.ServerRule.step>` is the two
+in a row. Plain NumPy: no Flower, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedadapt._validation import check_choice
+
+Arrays = dict[str, NDArray[Any]]
+
+
+class Rule(Protocol):
+    """What the round statistics need of a rule (:class:`.base.ServerRule`).
+
+    A protocol rather than an import, so that base (which calls these
+    functions in ``ServerRule.step``) and this module import each other in
+    one direction only.
+    """
+
+    weighting: str
+    needs_sq_norms: bool
+    num_updates: int
+
+    def adaptive_keys(self, current: Mapping[str, NDArray[Any]]) -> list[str]:
+        """Return the keys the rule updates."""
+        ...
+
+    def update(
+        self, current: Arrays, stats: RoundStatistics
+    ) -> tuple[Arrays, dict[str, float]]:
+        """Return the new adaptive arrays and diagnostics."""
+        ...
+
+
+#: How Δ̄ (and A) are formed from the updates: the weighted mean (the papers),
+#: or Flower's robust aggregators applied to the updates (see
+#: :func:`round_statistics`).
+AGGREGATIONS = ("mean", "median", "trimmed_mean")
+
+
+def sq_norm(arrays: Mapping[str, NDArray[Any]]) -> float:
+    """Return Σ_k ‖a_k‖² over the arrays, accumulated in float64."""
+    return math.fsum(float(np.vdot(a, a)) for a in arrays.values())
+
+
+@dataclass(frozen=True)
+class RoundStatistics:
+    """What a rule needs from one round (all a secure aggregator must reveal).
+
+    Attributes
+    ----------
+    mean_update : Arrays
+        Δ̄_t = Σ ω_i Δ_i over every array (adaptive and plain).
+    mean_sq_norm : float | None
+        A_t = Σ ω_i ‖Δ_i‖² over the adaptive arrays, or None when not needed.
+    num_clients : int
+        |S_t|, the number of replies aggregated.
+    client_sq_norms : tuple[float, ...] | None
+        Each client's ‖Δ_i‖² over the adaptive arrays (before any clipping)
+        as the server computed it from the arrays; None when it did not
+        (norms trusted from clients, or not needed).
+    norm_bound : float | None
+        The bound above which a ‖Δ_i‖ was clipped (see
+        :func:`round_statistics`); None when clipping was off.
+    clip_scales : tuple[float, ...] | None
+        The factor each client's adaptive update was multiplied by (1 when
+        not clipped); None when clipping was off.
+    """
+
+    mean_update: Arrays
+    mean_sq_norm: float | None
+    num_clients: int
+    client_sq_norms: tuple[float, ...] | None = None
+    norm_bound: float | None = None
+    clip_scales: tuple[float, ...] | None = None
+
+
+def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
+    """Return ω: uniform ``1/|S|`` or ``n_i / Σ n_j``.
+
+    The papers average uniformly (Δ-SGD arXiv:2306.11201 Alg. 1 line 13,
+    FedDuA Alg. 1 lines 9 and 12, Fed-LAMB arXiv:2110.00532 Alg. 1 line 15);
+    ``n_i``-weighting is Flower's default and the FedExP code's.
+    """
+    n = np.asarray(num_examples, dtype=np.float64)
+    if n.size == 0:
+        raise ValueError("no client results to aggregate")
+    if weighting == "uniform":
+        return np.full(n.size, 1.0 / n.size)
+    if not np.all(np.isfinite(n)) or np.any(n <= 0):
+        raise ValueError(f"num_examples must be finite and > 0, got {n.tolist()}")
+    return n / n.sum()
+
+
+def _acc_dtype(x_t: NDArray[Any]) -> np.dtype[Any]:
+    """Accumulator dtype: float32 stays float32, integers sum in floating point."""
+    return np.result_type(x_t.dtype, np.float32)
+
+
+#: Elements per block of :func:`_weighted_sum`: the block of Σ, of x_t and
+#: the scratch stay in cache while every client's block is added (256 KiB
+#: of float32 each).
+SUM_BLOCK = 1 << 16
+
+
+def _weighted_sum(
+    x_t: NDArray[Any],
+    columns: Sequence[NDArray[Any]],
+    weights: list[float],
+    norms: NDArray[Any] | None,
+) -> NDArray[Any]:
+    """Return Σ_i ω_i (x_i − x_t) over one key; add ‖x_i − x_t‖² to ``norms[i]``.
+
+    ``columns[i]`` is client i's array for the key. Weighted *differences*
+    (better accuracy than Σω_i x_i − x_t when updates are small relative to
+    the weights) are formed block by block, every client's block in turn, so
+    the sum, x_t and the one scratch block stay in cache: memory traffic is
+    one read of each client array, as for a plain sum. Per element the
+    arithmetic is the same in the same order as a whole-array loop; each
+    ‖Δ_i‖² is summed from per-block float32 dot products in float64.
+    Python-float weights keep float32 arrays float32 (NumPy 2 would promote
+    them with np.float64).
+    """
+    acc = np.zeros(x_t.shape, dtype=_acc_dtype(x_t))
+    flat_acc = acc.reshape(-1)
+    flat_x = np.ascontiguousarray(x_t).reshape(-1)
+    flat_cols = [np.ascontiguousarray(c).reshape(-1) for c in columns]
+    size = flat_acc.size
+    scratch = np.empty(min(size, SUM_BLOCK), dtype=acc.dtype)
+    for lo in range(0, size, SUM_BLOCK):
+        hi = min(lo + SUM_BLOCK, size)
+        block, x_block, delta = flat_acc[lo:hi], flat_x[lo:hi], scratch[: hi - lo]
+        for i, (column, w) in enumerate(zip(flat_cols, weights, strict=True)):
+            np.subtract(column[lo:hi], x_block, out=delta)
+            if norms is not None:
+                norms[i] += float(np.vdot(delta, delta))
+            delta *= w
+            block += delta
+    return acc
+
+
+def norm_bound(
+    sq_norms: Sequence[float] | NDArray[Any] | None,
+    max_norm: float,
+    max_norm_ratio: float,
+) -> float | None:
+    """Return the clipping bound of a round, or None when clipping is off.
+
+    The smaller of the absolute bound ``max_norm = C`` (when > 0) and
+    ``max_norm_ratio = k`` times the median client update norm
+    median_i ‖Δ_i‖ of the round (when > 0; the norm bounding of Sun et al.
+    2019, "Can you really backdoor federated learning?", with a bound
+    relative to the round instead of a tuned constant). An update above it
+    is clipped (:func:`clip_scales` says to what). The median is
+    unweighted over the round's replies, so a minority of clients moves it
+    by at most one rank whatever the weight they claim. One reply is its own
+    median (no clipping for k ≥ 1); with two replies the median is their
+    mean, so neither can be singled out. A median of 0 (most updates are
+    zero) gives the bound 0: every non-zero update is clipped to zero (our
+    choice: a round whose typical client did not move gives the outlier no
+    scale to move the model by).
+    """
+    bounds = [max_norm] if max_norm > 0 else []
+    median = _median_norm(sq_norms) if max_norm_ratio > 0 else None
+    if median is not None:
+        bounds.append(max_norm_ratio * median)
+    return min(bounds) if bounds else None
+
+
+def _median_norm(sq_norms: Sequence[float] | NDArray[Any] | None) -> float | None:
+    """Return median_i ‖Δ_i‖ (unweighted), or None without norms."""
+    if sq_norms is None or not len(sq_norms):
+        return None
+    return float(np.median(np.sqrt(np.asarray(sq_norms, dtype=np.float64))))
+
+
+def clip_scales(
+    sq_norms: Sequence[float] | NDArray[Any],
+    max_norm: float,
+    max_norm_ratio: float,
+) -> NDArray[Any]:
+    """Return the factor s_i ≤ 1 each client's update is multiplied by.
+
+    ``max_norm = C > 0`` clips to C: s_i = min(1, C/‖Δ_i‖) (the flat clipping
+    of DP-FedAvg, McMahan et al., arXiv 1710.06963). ``max_norm_ratio = k >
+    0`` flags an update with ‖Δ_i‖ > k·m, m = median_j ‖Δ_j‖ of the round,
+    and scales it down to the median norm of the updates not flagged (k·m
+    when every update is, possible only for k < 1): a flagged update then
+    weighs like one typical client in Δ̄ and A, not like k of them. Our
+    choice: Sun et al. 2019 clip to a fixed M; clipping to k·m with the
+    k ≥ 3 that honest spreads need left a ×1e6 client at 22–34 % off the
+    honest loss on digits-mlp, and the median of the unflagged norms, which
+    the flagged ones do not shift, came closer to the honest run than m on
+    mnist5k-cnn (docs/failures.md). Updates at or below k·m are untouched
+    (s_i = 1 exactly). With both bounds the smaller factor applies.
+    """
+    norms = np.sqrt(np.asarray(sq_norms, dtype=np.float64))
+    scales = np.ones_like(norms)
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
+        if max_norm > 0:
+            scales = np.where(norms > max_norm, max_norm / norms, scales)
+        median = _median_norm(sq_norms) if max_norm_ratio > 0 else None
+        if median is not None:
+            threshold = max_norm_ratio * median
+            flagged = norms > threshold
+            kept = norms[~flagged]
+            target = float(np.median(kept)) if kept.size else threshold
+            scales = np.where(flagged, np.minimum(scales, target / norms), scales)
+    return scales
+
+
+def robust_mean(stack: NDArray[Any], aggregation: str, trim_fraction: float) -> Any:
+    """Reduce per-client values (axis 0) by ``aggregation``.
+
+    ``"median"``: the coordinate-wise median (Yin et al. 2018; Flower's
+    ``FedMedian``, ``np.median``). ``"trimmed_mean"``: drop the
+    ``int(trim_fraction·n)`` smallest and largest values per coordinate and
+    average the rest (Yin et al. 2018; Flower's ``FedTrimmedAvg`` with
+    ``beta = trim_fraction``, SciPy's ``trim_mean``). Both are unweighted,
+    as Flower's.
+    """
+    if aggregation == "median":
+        return np.median(stack, axis=0)
+    n = stack.shape[0]
+    cut = int(trim_fraction * n)
+    kept = np.partition(stack, (cut, n - cut - 1), axis=0)[cut : n - cut]
+    return np.mean(kept, axis=0)
+
+
+def round_statistics(
+    rule: Rule,
+    current: Mapping[str, NDArray[Any]],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    num_examples: Sequence[float],
+    sq_norms: Sequence[float] | None = None,
+    *,
+    max_norm: float = 0.0,
+    max_norm_ratio: float = 0.0,
+    aggregation: str = "mean",
+    trim_fraction: float = 0.2,
+) -> RoundStatistics:
+    """Form Δ̄ and (when ``rule`` needs it) A from per-client arrays.
+
+    ``sq_norms`` are client-reported ‖Δ_i‖², used as given (what secure
+    aggregation requires: the server trusts them). Without them the
+    server computes each ‖Δ_i‖² over the adaptive arrays in the same loop
+    that sums Δ_i (no second pass) and returns them in
+    ``client_sq_norms``.
+
+    Clipping: each client's adaptive update becomes ``s_i·Δ_i`` before
+    it enters Δ̄ and A (A then uses the clipped norms s_i²‖Δ_i‖²); plain
+    arrays are aggregated unclipped. ``max_norm = C > 0`` clips to C;
+    ``max_norm_ratio = k > 0`` scales an update above k times the round's
+    median ‖Δ_i‖ down to the median norm of the other updates
+    (:func:`clip_scales`); the bound b
+    above which updates are clipped is recorded (:func:`norm_bound`).
+    The relative bound is known only once every norm is, so the sum is
+    formed unclipped first and formed again with the clip factors in the
+    weights only when some update exceeds b: a round without an outlier
+    costs one pass and gives exactly the unclipped Δ̄ and A. Clipping
+    needs the server's own norms, so it excludes ``sq_norms``.
+
+    ``aggregation``: ``"mean"`` is Σω_iΔ_i. ``"median"`` /
+    ``"trimmed_mean"`` replace it by the coordinate-wise median /
+    ``trim_fraction``-trimmed mean of the (clipped) updates, every array
+    included (:func:`robust_mean`, unweighted as Flower's FedMedian /
+    FedTrimmedAvg), and A by the same statistic of the (clipped)
+    ‖Δ_i‖² (our choice: a mean A would let one outlier's norm inflate
+    FedExP/FedDuA's step size again). They need the individual updates,
+    so they exclude ``sq_norms`` too.
+    """
+    if max_norm < 0 or not math.isfinite(max_norm):
+        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
+    if max_norm_ratio < 0 or not math.isfinite(max_norm_ratio):
+        raise ValueError(
+            f"max_norm_ratio must be finite and >= 0, got {max_norm_ratio}"
+        )
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    if not 0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    clip = max_norm > 0 or max_norm_ratio > 0
+    if (clip or aggregation != "mean") and sq_norms is not None:
+        raise ValueError(
+            "clipping and robust aggregation need the server's own norms, not sq_norms"
+        )
+    weights = client_weights(num_examples, rule.weighting).tolist()
+    adaptive = rule.adaptive_keys(current)
+    compute = sq_norms is None and (rule.needs_sq_norms or clip)
+    norms = np.zeros(len(clients)) if compute else None
+    if max_norm > 0 and max_norm_ratio == 0 and aggregation == "mean":
+        # the bound is known in advance: clip in the one pass
+        assert norms is not None, "clipping computes the clients' norms"
+        mean_update = _clipped_sum(current, clients, weights, adaptive, norms, max_norm)
+    else:
+        # a robust aggregate is formed below: here only the norms it needs
+        keys = list(current) if aggregation == "mean" else (adaptive if compute else [])
+        keyed = set(adaptive) if compute else set()
+        mean_update = {
+            k: _weighted_sum(current[k], [c[k] for c in clients], weights,
+                             norms if k in keyed else None)
+            for k in keys
+        }  # fmt: skip
+    bound, scales = None, None
+    if clip:
+        assert norms is not None, "clipping computes the clients' norms"
+        bound = norm_bound(norms, max_norm, max_norm_ratio)
+        scales = clip_scales(norms, max_norm, max_norm_ratio)
+    if aggregation != "mean":
+        mean_update = _robust_update(
+            current, clients, adaptive, scales, aggregation, trim_fraction
+        )
+    elif scales is not None and np.any(scales < 1) and max_norm_ratio > 0:
+        clipped = (np.asarray(weights) * scales).tolist()
+        for k in adaptive:
+            mean_update[k] = _weighted_sum(
+                current[k], [c[k] for c in clients], clipped, None
+            )
+    mean_sq_norm = None
+    if rule.needs_sq_norms:
+        per_client = norms if norms is not None else np.asarray(sq_norms, float)
+        if scales is not None:
+            per_client = per_client * scales**2
+        if aggregation == "mean":
+            mean_sq_norm = float(np.dot(weights, per_client))
+        else:
+            mean_sq_norm = float(
+                robust_mean(np.asarray(per_client), aggregation, trim_fraction)
+            )
+    return RoundStatistics(
+        mean_update,
+        mean_sq_norm,
+        len(clients),
+        None if norms is None else tuple(norms.tolist()),
+        bound,
+        None if scales is None else tuple(scales.tolist()),
+    )
+
+
+def _robust_update(
+    current: Mapping[str, NDArray[Any]],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    adaptive: list[str],
+    scales: NDArray[Any] | None,
+    aggregation: str,
+    trim_fraction: float,
+) -> Arrays:
+    """Coordinate-wise ``aggregation`` of the updates, key by key.
+
+    Adaptive keys are scaled by the clip factors first. One key's
+    updates of every client are held at once (as Flower's FedMedian
+    holds every client's model).
+    """
+    out: Arrays = {}
+    for k, x_t in current.items():
+        stack = np.stack(
+            [np.subtract(c[k], x_t, dtype=_acc_dtype(x_t)) for c in clients]
+        )
+        if scales is not None and k in adaptive:
+            factors = scales.astype(stack.dtype)
+            stack *= factors.reshape((-1,) + (1,) * x_t.ndim)
+        out[k] = np.asarray(robust_mean(stack, aggregation, trim_fraction),
+                            dtype=stack.dtype)  # fmt: skip
+    return out
+
+
+def _clipped_sum(
+    current: Mapping[str, NDArray[Any]],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    weights: list[float],
+    adaptive: list[str],
+    norms: NDArray[Any],
+    max_norm: float,
+) -> Arrays:
+    """Σ ω_i·min(1, C/‖Δ_i‖)·Δ_i over the adaptive keys, Σ ω_i Δ_i elsewhere.
+
+    Client by client: ‖Δ_i‖ is known only after all of a client's
+    adaptive arrays, so their differences are held in one model-sized
+    buffer (reused) while the norm is formed; a single pass still.
+    """
+    buffers = {k: np.empty(current[k].shape, _acc_dtype(current[k]))
+               for k in adaptive}  # fmt: skip
+    sums = {k: np.zeros_like(b) for k, b in buffers.items()}
+    for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
+        for k, delta in buffers.items():
+            np.subtract(client[k], current[k], out=delta)
+            norms[i] += float(np.vdot(delta, delta))
+        norm = math.sqrt(norms[i])
+        scale = w * (max_norm / norm if norm > max_norm else 1.0)
+        for k, delta in buffers.items():
+            delta *= scale
+            sums[k] += delta
+    return {
+        k: sums[k]
+        if k in sums
+        else _weighted_sum(x_t, [c[k] for c in clients], weights, None)
+        for k, x_t in current.items()
+    }
+
+
+def apply_statistics(
+    rule: Rule, current: Mapping[str, NDArray[Any]], stats: RoundStatistics
+) -> tuple[Arrays, dict[str, float]]:
+    """Apply ``rule`` to a round's statistics; return new arrays, diagnostics.
+
+    Adaptive keys go through :meth:`ServerRule.update`; plain keys become
+    ``x_t + Δ̄`` (the average), cast back to their dtype. ``stats`` may come
+    from :func:`round_statistics` or from a secure aggregator's sums alone.
+    Counts the update in ``rule.num_updates``.
+    """
+    if set(stats.mean_update) != set(current):
+        raise ValueError("mean_update keys differ from the current arrays")
+    keys = rule.adaptive_keys(current)
+    new, diagnostics = rule.update(
+        {k: current[k] for k in keys},
+        RoundStatistics(
+            {k: stats.mean_update[k] for k in keys},
+            stats.mean_sq_norm,
+            stats.num_clients,
+        ),
+    )
+    for key, x_t in current.items():
+        if key in new:
+            new[key] = np.asarray(new[key], dtype=x_t.dtype)
+            continue
+        mean = x_t + stats.mean_update[key]
+        if x_t.dtype.kind != "f":
+            mean = np.rint(mean)
+        new[key] = np.asarray(mean, dtype=x_t.dtype)
+    rule.num_updates += 1
+    diagnostics["mean-client-sq-norm"] = (
+        stats.mean_sq_norm if stats.mean_sq_norm is not None else float("nan")
+    )
+    diagnostics["mean-update-sq-norm"] = sq_norm(
+        {k: stats.mean_update[k] for k in keys}
+    )
+    return new, diagnostics
