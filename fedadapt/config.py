@@ -113,6 +113,11 @@ RUN_CONFIG: tuple[Key, ...] = (
     Key("strategy", "fedavg", "Server strategy.", choices=_registry_names("strategy")),
     Key("client-optimizer", "sgd", "Optimizer of local training.",
         choices=_registry_names("client-optimizer")),
+    Key("local-update", "none", "An algorithm's client-side part, with any "
+        "strategy: none (plain local training) or fedprox (proximal term "
+        "(μ/2)‖w − w_t‖², Li et al. 2020).", choices=_registry_names("local-update")),
+    Key("fedprox.mu", 0.01, "FedProx μ of local-update=fedprox (Δ-SGD's FedProx "
+        "runs: 0.01; FedDuA's grid: 1e-3 … 1); 0 = the plain client.", minimum=0.0),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "
@@ -339,7 +344,14 @@ def _toml_value(value: Scalar) -> str:
 
 def render_pyproject_table() -> str:
     """Return the body of ``[tool.flwr.app.config]``."""
-    return "\n".join(f"{k.name} = {_toml_value(k.default)}" for k in RUN_CONFIG)
+    return "\n".join(
+        f"{_toml_key(k.name)} = {_toml_value(k.default)}" for k in RUN_CONFIG
+    )
+
+
+def _toml_key(name: str) -> str:
+    """Return a TOML key, quoted when namespaced (``"fedprox.mu"``: one key)."""
+    return f'"{name}"' if "." in name else name
 
 
 def render_markdown_table() -> str:

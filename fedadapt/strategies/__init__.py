@@ -11,6 +11,8 @@ Legacy API (``ServerApp(server_fn=...)`` + ``NumPyClient``)::
 The update rules themselves live in :mod:`fedadapt.strategies.core` (NumPy
 only). Your own rule: subclass :class:`ServerRule` and wrap it in
 :class:`RuleStrategy` (or ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
+An algorithm's client-side part (FedProx's proximal term, …) is a
+:class:`LocalUpdate` given to any strategy: ``FedAvg(local_update=FedProx(mu=0.01))``.
 A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 :class:`FederationFailedError`. Importable with flwr and numpy alone:
 nothing here imports torch.
@@ -25,6 +27,8 @@ from fedadapt.strategies.feddua import FedDuA
 from fedadapt.strategies.fedexp import FedExP
 from fedadapt.strategies.fedlamb import FedLAMB
 from fedadapt.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
+from fedadapt.strategies.fedprox import FedProx
+from fedadapt.strategies.local_update import LocalUpdate
 
 __all__ = [
     "FedAdagrad",
@@ -34,8 +38,10 @@ __all__ = [
     "FedDuA",
     "FedExP",
     "FedLAMB",
+    "FedProx",
     "FedYogi",
     "FederationFailedError",
+    "LocalUpdate",
     "RoundStatistics",
     "RuleStrategy",
     "ServerRule",

@@ -27,6 +27,7 @@ pass without any work (Flower logs "no clients selected").
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -45,6 +46,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
 
+from fedadapt.strategies import wire
 from fedadapt.strategies._control import (
     CENTRAL,
     FEDERATED,
@@ -71,6 +73,13 @@ from fedadapt.strategies.core import (
     FedYogiRule,
     ServerRule,
 )
+from fedadapt.strategies.local_update import (
+    LocalUpdate,
+    aggregate_replies,
+    legacy_names,
+    round_config,
+    screen_replies,
+)
 
 WEIGHT_KEY = "num-examples"
 
@@ -78,7 +87,8 @@ WEIGHT_KEY = "num-examples"
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
 
-    Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
+    Plus ``array_names`` and ``local_update`` (see
+    :class:`LegacyRuleStrategy`) and fedadapt's
     ``secure_aggregation``, ``max_update_norm``, ``max_update_norm_ratio``,
     ``aggregation``, ``trim_fraction``, ``max_failed_rounds`` (see
     :class:`~fedadapt.strategies._screening.RuleHost`) and ``stop_*``
@@ -86,6 +96,7 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """
 
     array_names: Sequence[str] | None
+    local_update: LocalUpdate | None
     secure_aggregation: bool
     max_update_norm: float
     max_failed_rounds: int
@@ -119,6 +130,26 @@ def _keyed(arrays: NDArrays, names: Sequence[str] | None = None) -> Arrays:
     return {str(i): a for i, a in enumerate(arrays)}
 
 
+def _local_arrays(
+    metrics: dict[str, Scalar], arrays: NDArrays, model_size: int
+) -> tuple[Arrays | None, str | None]:
+    """Split a reply's local-update arrays off the end of ``arrays`` (in place).
+
+    Their names are the JSON list under ``local-update-arrays`` in the
+    reply's metrics (popped). Returns (arrays by name or None, problem).
+    """
+    if wire.LOCAL_ARRAYS not in metrics:
+        return None, None
+    names = legacy_names(metrics.pop(wire.LOCAL_ARRAYS))
+    if isinstance(names, str):
+        return None, names
+    if len(arrays) - model_size < len(names):
+        return None, f"{len(names)} local-update arrays named but not sent"
+    local = arrays[len(arrays) - len(names) :]
+    del arrays[len(arrays) - len(names) :]
+    return dict(zip(names, local, strict=True)), None
+
+
 def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
     """List ``arrays`` in the key order of ``order``."""
     return [arrays[k] for k in order]
@@ -142,6 +173,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         See :class:`~fedadapt.strategies._screening.RuleHost`.
     max_update_norm_ratio, aggregation, trim_fraction
         See :class:`~fedadapt.strategies._screening.RuleHost` (hostile clients).
+    local_update : LocalUpdate | None (default: None)
+        The server half of an algorithm's client-side part (see
+        :mod:`fedadapt.strategies.local_update`): its scalars join each
+        client's fit config, its arrays follow the model's (and the rule's)
+        in the parameter list, their names a JSON list under
+        ``local-update-arrays`` in the fit config; a client's reply appends
+        its local-update arrays the same way (names in its fit metrics).
     stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
         See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
         the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``
@@ -169,7 +207,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
         names = kwargs.pop("array_names", None)
+        local_update = kwargs.pop("local_update", None)
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
@@ -210,9 +250,22 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         state = self.rule.broadcast_state()
-        if state is None:
+        extra = [] if state is None else list(state.values())
+        if self.local_update is not None and pairs:
+            num_nodes = client_manager.num_available()
+            scalars, local = round_config(
+                self.local_update, server_round, self._sent, num_nodes
+            )
+            if local:
+                scalars[wire.LOCAL_ARRAYS] = json.dumps(list(local))
+            extra += list(local.values())
+            pairs = [
+                (proxy, FitIns(ins.parameters, {**ins.config, **scalars}))
+                for proxy, ins in pairs
+            ]
+        if not extra:
             return pairs
-        packed = ndarrays_to_parameters(model + list(state.values()))
+        packed = ndarrays_to_parameters(model + extra)
         return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
 
     def _training_model(self, parameters: Parameters) -> tuple[Parameters, NDArrays]:
@@ -248,13 +301,16 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         for proxy, res in results:
             reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
             arrays = parameters_to_ndarrays(res.parameters)
+            local, problem = _local_arrays(reply, arrays, size)
             model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
             candidates.append(
                 Candidate(
                     proxy.cid, _keyed(model, self.array_names), reply, (proxy, res),
-                    client_state=_keyed(rest) if with_state else None,
+                    problem, client_state=_keyed(rest) if with_state else None,
+                    local_arrays=local,
                 )
             )  # fmt: skip
+        screen_replies(self.local_update, candidates)
         # Flower's contract: with failures and accept_failures=False, no update
         keep = bool(failures) and not self.accept_failures
         new, valid = self.run_rule(
@@ -264,6 +320,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             return None, {}
         entry = self.round_reports[server_round]
         diagnostics = entry["diagnostics"]
+        diagnostics.update(aggregate_replies(self.local_update, valid, WEIGHT_KEY))
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
             metrics = dict(
