@@ -29,7 +29,7 @@ from fedadapt.config import validate_run_config
 from fedadapt.strategies import FedAvg, FedProx, LocalUpdate, wire
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.tasks import TASKS
-from tests.helpers import run_in_process
+from tests.helpers import ROOT, run_in_process
 
 # --- FedProx against its algorithm box -----------------------------------------------
 
@@ -52,7 +52,7 @@ def test_fedprox_local_steps_match_a_float64_reference():
     prox = FedProxClient()
     prox.begin(
         LocalStart(model, {"fedprox.mu": mu}, {}, None, data, nn.MSELoss(), 12,
-                   torch.device("cpu"), 1)
+                   torch.device("cpu"), 1, lr)
     )  # fmt: skip
     train_local(
         model, torch.optim.SGD(model.parameters(), lr=lr), nn.MSELoss(), data,
@@ -148,7 +148,7 @@ class CounterClient(ClientUpdate):
     def check_state(self, state):
         return None if isinstance(state.get("count"), int) else "no count"
 
-    def end(self, model: nn.Module) -> LocalEnd:
+    def end(self, model: nn.Module, steps: int) -> LocalEnd:
         return LocalEnd(
             arrays={"count": np.array([self.count], dtype=np.int64)},
             metrics={"count": self.count, "offset": self.offset, "nodes": self.nodes},
@@ -362,3 +362,64 @@ def test_fedprox_server_half_checks_mu_and_is_picked_by_run_config():
     assert build_strategy(_cfg(), 2).local_update is None
     legacy = build_strategy(_cfg(**{"local-update": "fedprox"}), api="legacy")
     assert legacy.local_update.mu == 0.01
+
+
+# --- the README's recipe, as written ---------------------------------------------
+
+
+def _readme_recipe(tmp_path, monkeypatch):
+    """Write the README's two code blocks as modules and import them."""
+    import importlib
+    import re
+    import sys
+
+    from fedadapt.strategies.local_update import LOCAL_UPDATES
+
+    section = (
+        (ROOT / "README.md")
+        .read_text()
+        .split("### Adding an algorithm with a client-side part", 1)[1]
+    )
+    blocks = re.findall(r"```python\n(# (\w+)\.py: .*?)```", section, re.S)
+    assert [name for _, name in blocks] == ["my_scaffold_server", "my_scaffold_client"]
+    for code, name in blocks:
+        (tmp_path / f"{name}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for registry in (CLIENT_UPDATES, LOCAL_UPDATES):  # registrations end with the test
+        monkeypatch.setattr(registry, "_items", dict(registry._items))
+    for _, name in blocks:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    server = importlib.import_module("my_scaffold_server")
+    importlib.import_module("my_scaffold_client")
+    return server.MyScaffold
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monkeypatch):
+    """SCAFFOLD option II: after round 1, c = mean_i (x − y_i)/(K η_l) (c, c_i = 0
+    before: plain SGD steps); with every node in every round c stays the mean
+    of the clients' kept c_i (Karimireddy et al. 2020, Alg. 1 lines 12-17)."""
+    from fedadapt.strategies._records import state_from_records
+
+    scaffold = _readme_recipe(tmp_path, monkeypatch)
+    contexts = _contexts(2)
+    strategy = FedAvg(local_update=scaffold(), min_train_nodes=2,
+                      min_available_nodes=2)  # fmt: skip
+    x = {k: v.numpy() for k, v in _global_state().items()}
+    sent: list = []
+    _message_rounds(strategy, contexts, 1, sent.extend)
+    steps, lr = RUN_CONFIG["local-steps"], 0.1
+    for name, c in strategy.local_update.c.items():
+        y = [r.content[wire.ARRAYS][name].numpy() for r in sent]
+        expected = sum((x[name] - y_i) / (steps * lr) for y_i in y) / len(y)
+        np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-6)
+    _message_rounds(strategy, contexts, 2)  # rounds 1, 2 again: now corrected
+    kept = [state_from_records(c.state, "local-update.my-scaffold")
+            for c in contexts.values()]  # fmt: skip
+    for name, c in strategy.local_update.c.items():
+        np.testing.assert_allclose(c, (kept[0][name] + kept[1][name]) / 2,
+                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+    model = TASKS.get("digits-mlp").build_model()
+    assert set(strategy.state_dict()["local_update"]["c"]) == {
+        n for n, _ in model.named_parameters()
+    }

@@ -56,7 +56,7 @@ class FedProxClient(ClientUpdate):
         ]
         return 0.5 * self.mu * torch.stack(squares).sum()
 
-    def end(self, model: nn.Module) -> LocalEnd:
+    def end(self, model: nn.Module, steps: int) -> LocalEnd:
         """Report ``fedprox-term``: (μ/2)‖w − w_t‖² of the trained model."""
         with torch.no_grad():
             term = self.term(model)

@@ -96,6 +96,7 @@ def train_round(
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
     criterion = task.criterion()
+    lr = round_lr(lr, cfg["client-lr-decay"], server_round)
     update = client_update(config or {})
     reset = False
     if update is not None:
@@ -103,10 +104,9 @@ def train_round(
         update.begin(
             LocalStart(
                 model, config or {}, local_arrays or {}, kept, data.train,
-                criterion, cfg["batch-size"], device, server_round,
+                criterion, cfg["batch-size"], device, server_round, lr,
             )
         )  # fmt: skip
-    lr = round_lr(lr, cfg["client-lr-decay"], server_round)
     optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
     names = [name for name, _ in model.named_parameters()]
     if uses_second_moments(optimizer):
@@ -145,7 +145,7 @@ def train_round(
         }
     local = None
     if update is not None:
-        end = update.end(model)
+        end = update.end(model, result.steps)
         save_client_state(client_state, update, end.state)
         metrics.update(end.metrics)
         if reset:

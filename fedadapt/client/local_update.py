@@ -16,8 +16,9 @@ APIs). A round runs
    :meth:`ClientUpdate.loss_term` added to the task loss before
    ``backward``, then :meth:`ClientUpdate.after_backward` on the gradients
    (after gradient clipping and weight decay);
-3. :meth:`ClientUpdate.end`: arrays and metrics sent back, and the client
-   state kept for the next round.
+3. :meth:`ClientUpdate.end` with the trained model and the number of local
+   steps: arrays and metrics sent back, and the client state kept for the
+   next round.
 
 The client state lives in Flower's ``Context.state`` (kept per node and run
 by the simulation and by a SuperNode) as the records of
@@ -69,6 +70,7 @@ class LocalStart:
     batch_size: int
     device: torch.device
     server_round: int
+    lr: float  #: the round's client learning rate η_l (after its decay)
 
 
 @dataclass
@@ -112,8 +114,11 @@ class ClientUpdate:
     ) -> None:
         """Change the gradients in ``p.grad`` before the optimizer steps."""
 
-    def end(self, model: nn.Module) -> LocalEnd:
-        """Return the arrays, metrics and state of the round (trained ``model``)."""
+    def end(self, model: nn.Module, steps: int) -> LocalEnd:
+        """Return the arrays, metrics and state of the round.
+
+        ``model`` is the trained model, ``steps`` the local steps taken (K).
+        """
         return LocalEnd()
 
 
