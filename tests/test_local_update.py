@@ -423,3 +423,10 @@ def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monke
     assert set(strategy.state_dict()["local_update"]["c"]) == {
         n for n, _ in model.named_parameters()
     }
+
+
+def test_fedprox_client_refuses_a_train_config_without_mu():
+    cfg, state = _cfg(), _global_state()
+    with pytest.raises(ValueError, match="fedprox.mu must be a number >= 0, got None"):
+        train_round(cfg, 0, 3, state, lr=0.1, server_round=1,
+                    config={wire.LOCAL_UPDATE: "fedprox"})  # fmt: skip

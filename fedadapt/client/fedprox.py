@@ -32,9 +32,12 @@ class FedProxClient(ClientUpdate):
 
     def begin(self, start: LocalStart) -> None:
         """Keep μ (``fedprox.mu``) and a copy of w_t."""
-        mu = start.config["fedprox.mu"]
+        mu = start.config.get("fedprox.mu")
         if isinstance(mu, bool) or not isinstance(mu, int | float) or not mu >= 0:
-            raise ValueError(f"fedprox.mu must be a number >= 0, got {mu!r}")
+            raise ValueError(
+                f"the train config's fedprox.mu must be a number >= 0, got {mu!r} "
+                "(the server half, fedadapt.strategies.FedProx, sends it)"
+            )
         self.mu = float(mu)
         self.anchor = [p.detach().clone() for p in start.model.parameters()]
 
