@@ -185,11 +185,15 @@ def _contexts(num: int) -> dict[int, Context]:
     }
 
 
-def _message_rounds(strategy, contexts, rounds, replies_hook=None):
-    """Run ``rounds`` rounds: strategy ↔ fedadapt's ClientApp, without Flower's loop."""
-    arrays = ArrayRecord(_global_state())
+def _message_rounds(strategy, contexts, rounds, replies_hook=None, first=1):
+    """Run ``rounds`` rounds: strategy ↔ fedadapt's ClientApp, without Flower's loop.
+
+    Round ``first`` trains from the strategy's last model (the initial one
+    when ``first`` is 1).
+    """
+    arrays = strategy.training_arrays if first > 1 else ArrayRecord(_global_state())
     reports = []
-    for server_round in range(1, rounds + 1):
+    for server_round in range(first, first + rounds):
         messages = strategy.configure_train(
             server_round, arrays, ConfigRecord({wire.LR: 0.1}), _Grid(list(contexts))
         )
@@ -413,12 +417,20 @@ def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monke
         y = [r.content[wire.ARRAYS][name].numpy() for r in sent]
         expected = sum((x[name] - y_i) / (steps * lr) for y_i in y) / len(y)
         np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-6)
-    _message_rounds(strategy, contexts, 2)  # rounds 1, 2 again: now corrected
+    x2 = strategy.training_arrays.to_torch_state_dict()
+    sent.clear()
+    _message_rounds(strategy, contexts, 1, sent.extend, first=2)  # c ≠ c_i now
     kept = [state_from_records(c.state, "local-update.my-scaffold")
             for c in contexts.values()]  # fmt: skip
     for name, c in strategy.local_update.c.items():
         np.testing.assert_allclose(c, (kept[0][name] + kept[1][name]) / 2,
                                    rtol=1e-4, atol=1e-6)  # fmt: skip
+    # the gradient correction acted: plain SGD from the same x and seed differs
+    plain = train_round(validate_run_config(RUN_CONFIG), 0, 2, x2, lr=lr,
+                        server_round=2)  # fmt: skip
+    node_1 = next(r for r in sent if r.metadata.src_node_id == 1)
+    assert not np.allclose(node_1.content[wire.ARRAYS]["net.1.weight"].numpy(),
+                           plain.state["net.1.weight"].numpy())  # fmt: skip
     model = TASKS.get("digits-mlp").build_model()
     assert set(strategy.state_dict()["local_update"]["c"]) == {
         n for n, _ in model.named_parameters()
