@@ -125,6 +125,11 @@ _APP_KEYS: tuple[Key, ...] = (
         "`<strategy>.*` keys below.", choices=tuple(ALGORITHMS.names())),
     Key("client-optimizer", "sgd", "Optimizer of local training.",
         choices=_registry_names("client-optimizer")),
+    Key("local-update", "none", "An algorithm's client-side part, with any "
+        "strategy: none (plain local training) or fedprox (proximal term "
+        "(μ/2)‖w − w_t‖², Li et al. 2020).", choices=_registry_names("local-update")),
+    Key("fedprox.mu", 0.01, "FedProx μ of local-update=fedprox (Δ-SGD's FedProx "
+        "runs: 0.01; FedDuA's grid: 1e-3 … 1); 0 = the plain client.", minimum=0.0),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "

@@ -22,6 +22,7 @@ _REGISTRIES = {
     "partition": "fedadapt.tasks.partition:PARTITIONS",
     "client-optimizer": "fedadapt.client.optim:OPTIMIZERS",
     "strategy": "fedadapt.strategies:ALGORITHMS",
+    "local-update": "fedadapt.strategies.local_update:LOCAL_UPDATES",
 }
 
 

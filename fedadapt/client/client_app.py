@@ -4,12 +4,18 @@ Each SuperNode must provide ``partition-id`` and ``num-partitions`` in its
 node config (the simulation engine does this automatically; in deployment
 pass ``--node-config "partition-id=0 num-partitions=10"``). For Fed-LAMB /
 Fed-AMS the server's v̂ arrives, and the client's v leaves, as a second
-ArrayRecord named ``second-moments``. A ``query`` message is answered with
-the node's ``partition-id`` and ``num-partitions`` (the ServerApp's seeded
-sampling orders nodes by them).
+ArrayRecord named ``second-moments``. When the train config names a local
+update (``local-update``, :mod:`fedadapt.client.local_update`), its arrays
+arrive and leave as the ArrayRecord ``local-update-arrays`` and its client
+state is kept in the node's ``context.state``. A ``query`` message is
+answered with the node's ``partition-id`` and ``num-partitions`` (the
+ServerApp's seeded sampling orders nodes by them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from flwr.app import (
     Array,
@@ -23,15 +29,23 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from fedadapt.client.local import (
-    SECOND_MOMENTS_KEY,
     config_number,
     evaluate_round,
     partition_of,
     train_round,
 )
 from fedadapt.config import validate_run_config
+from fedadapt.strategies import wire
 
 app = ClientApp()
+
+
+def _numpy(record: ArrayRecord | None) -> dict[str, Any] | None:
+    return None if record is None else {k: v.numpy() for k, v in record.items()}
+
+
+def _record(arrays: Mapping[str, Any]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
 
 
 @app.train()
@@ -39,30 +53,30 @@ def train(msg: Message, context: Context) -> Message:
     """Train on the local partition; reply with weights and metrics."""
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
-    config = msg.content.config_records.get("config", ConfigRecord())
-    v_hat = None
-    if SECOND_MOMENTS_KEY in msg.content.array_records:
-        moments = msg.content.array_records[SECOND_MOMENTS_KEY]
-        v_hat = {k: v.numpy() for k, v in moments.items()}
+    records = msg.content.array_records
+    config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
     result = train_round(
         cfg,
         pid,
         num,
-        msg.content.array_records["arrays"].to_torch_state_dict(),
-        lr=config_number(config.get("lr", cfg["client-lr"])),
-        server_round=int(config_number(config.get("server-round", 0))),
-        v_hat=v_hat,
+        records[wire.ARRAYS].to_torch_state_dict(),
+        lr=config_number(config.get(wire.LR, cfg["client-lr"])),
+        server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
+        v_hat=_numpy(records.get(wire.SECOND_MOMENTS)),
+        config=config,
+        local_arrays=_numpy(records.get(wire.LOCAL_ARRAYS)),
+        client_state=context.state,
     )
     content = RecordDict(
         {
-            "arrays": ArrayRecord(result.state),
-            "metrics": MetricRecord(dict(result.metrics)),
+            wire.ARRAYS: ArrayRecord(result.state),
+            wire.METRICS: MetricRecord(dict(result.metrics)),
         }
     )
     if result.second_moments is not None:
-        content[SECOND_MOMENTS_KEY] = ArrayRecord(
-            {k: Array(v) for k, v in result.second_moments.items()}
-        )
+        content[wire.SECOND_MOMENTS] = _record(result.second_moments)
+    if result.local_arrays is not None:
+        content[wire.LOCAL_ARRAYS] = _record(result.local_arrays)
     return Message(content=content, reply_to=msg)
 
 
@@ -71,14 +85,14 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received global model on the local test split."""
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
-    state = msg.content.array_records["arrays"].to_torch_state_dict()
+    state = msg.content.array_records[wire.ARRAYS].to_torch_state_dict()
     metrics = MetricRecord(dict(evaluate_round(cfg, pid, num, state)))
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+    return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Tell the server which partition this node holds (no data is touched)."""
     pid, num = partition_of(context.node_config)
-    metrics = MetricRecord({"partition-id": pid, "num-partitions": num})
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+    metrics = MetricRecord({wire.PARTITION_ID: pid, wire.NUM_PARTITIONS: num})
+    return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)

@@ -12,13 +12,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import RecordDict
 
+from fedadapt.client import fedprox  # noqa: F401 (registers its client half)
+from fedadapt.client.local_update import (
+    LocalStart,
+    client_update,
+    load_client_state,
+    save_client_state,
+)
 from fedadapt.client.optim import OPTIMIZERS, uses_second_moments
 from fedadapt.client.training import train_local
+from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, evaluate_model, pick_device
 
 #: metric / record name of the optimizer's second moments (Fed-LAMB, Fed-AMS)
-SECOND_MOMENTS_KEY = "second-moments"
+SECOND_MOMENTS_KEY = wire.SECOND_MOMENTS
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,7 @@ class RoundResult:
     state: dict[str, torch.Tensor]  # CPU state_dict of the trained model
     metrics: dict[str, float | int]
     second_moments: dict[str, np.ndarray] | None  # v per parameter name
+    local_arrays: dict[str, np.ndarray] | None = None  # the local update's, sent back
 
 
 def client_seed(cfg: Mapping[str, Any], server_round: int, partition_id: int) -> int:
@@ -59,6 +69,9 @@ def train_round(
     lr: float,
     server_round: int,
     v_hat: Mapping[str, np.ndarray] | None = None,
+    config: Mapping[str, Any] | None = None,
+    local_arrays: Mapping[str, np.ndarray] | None = None,
+    client_state: RecordDict | None = None,
 ) -> RoundResult:
     """Train the global model on this client's partition for one round.
 
@@ -69,12 +82,31 @@ def train_round(
     learning rate is decayed by run-config ``client-lr-decay`` per round
     (:func:`round_lr`); ``client-weight-decay`` and ``client-grad-clip`` act
     on every local gradient (:func:`train_local`).
+
+    ``config`` is the server's train config: when it names a local update
+    (``local-update``), its client half
+    (:mod:`fedadapt.client.local_update`) gets ``config``, the server's
+    ``local_arrays`` and the state it kept in ``client_state`` (the node's
+    ``Context.state``, updated in place), acts inside every local step, and
+    adds its metrics and arrays (:attr:`RoundResult.local_arrays`) to the
+    reply.
     """
     task = TASKS.get(cfg["task"])
     data = task.load_client(cfg, partition_id, num_partitions)
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
+    criterion = task.criterion()
     lr = round_lr(lr, cfg["client-lr-decay"], server_round)
+    update = client_update(config or {})
+    reset = False
+    if update is not None:
+        kept, reset = load_client_state(client_state, update)
+        update.begin(
+            LocalStart(
+                model, config or {}, local_arrays or {}, kept, data.train,
+                criterion, cfg["batch-size"], device, server_round, lr,
+            )
+        )  # fmt: skip
     optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
     names = [name for name, _ in model.named_parameters()]
     if uses_second_moments(optimizer):
@@ -84,7 +116,7 @@ def train_round(
     result = train_local(
         model,
         optimizer,
-        task.criterion(),
+        criterion,
         data.train,
         epochs=cfg["local-epochs"],
         steps=cfg["local-steps"],
@@ -94,11 +126,12 @@ def train_round(
         classification=task.classification,
         weight_decay=cfg["client-weight-decay"],
         grad_clip=cfg["client-grad-clip"],
+        local_update=update,
     )
     metrics: dict[str, float | int] = {
         "train-loss": result.loss,
-        "num-examples": result.num_examples,
-        "update-sq-norm": result.update_sq_norm,
+        wire.NUM_EXAMPLES: result.num_examples,
+        wire.UPDATE_SQ_NORM: result.update_sq_norm,
         "local-steps": result.steps,
         **result.optimizer_stats,
     }
@@ -110,8 +143,16 @@ def train_round(
         second = {
             n: v.detach().cpu().numpy() for n, v in zip(names, moments, strict=True)
         }
+    local = None
+    if update is not None:
+        end = update.end(model, result.steps)
+        save_client_state(client_state, update, end.state)
+        metrics.update(end.metrics)
+        if reset:
+            metrics[wire.LOCAL_STATE_RESET] = 1
+        local = end.arrays or None
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return RoundResult(state, metrics, second)
+    return RoundResult(state, metrics, second, local)
 
 
 def evaluate_round(
@@ -133,7 +174,7 @@ def evaluate_round(
     metrics: dict[str, float | int] = {
         f"eval-{k}": v for k, v in scores.items() if k != "num-examples"
     }
-    metrics["num-examples"] = int(scores["num-examples"])
+    metrics[wire.NUM_EXAMPLES] = int(scores["num-examples"])
     return metrics
 
 
@@ -147,8 +188,8 @@ def config_number(value: object) -> float:
 def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
     """Return (partition-id, num-partitions) from a SuperNode's node config."""
     try:
-        pid = int(node_config["partition-id"])
-        num = int(node_config["num-partitions"])
+        pid = int(node_config[wire.PARTITION_ID])
+        num = int(node_config[wire.NUM_PARTITIONS])
     except KeyError as missing:
         raise ValueError(
             f"node config lacks {missing}; start the SuperNode with "

@@ -7,17 +7,22 @@ Parameter packing: the list is the model's ``state_dict`` arrays in order.
 For Fed-LAMB / Fed-AMS the second moments follow, one array per trainable
 parameter in ``named_parameters()`` order: the server appends v̂ (from
 round 2 on) and the client appends its v; the model part always comes
-first, so ``len(state_dict)`` splits the list.
+first, so ``len(state_dict)`` splits the list. A local update's arrays
+(:mod:`fedadapt.client.local_update`) come last, both ways, their names a
+JSON list under ``local-update-arrays`` in the fit config (server → client)
+and in the fit metrics (client → server); its client state is kept in the
+node's ``context.state``, as the Message-API ClientApp keeps it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from flwr.client import Client, NumPyClient
 from flwr.clientapp import ClientApp
-from flwr.common import Context, NDArrays, Scalar
+from flwr.common import Context, NDArrays, RecordDict, Scalar
 
 from fedadapt.client.local import (
     config_number,
@@ -26,6 +31,8 @@ from fedadapt.client.local import (
     train_round,
 )
 from fedadapt.config import validate_run_config
+from fedadapt.strategies import wire
+from fedadapt.strategies.local_update import legacy_names
 from fedadapt.tasks import TASKS
 
 
@@ -39,24 +46,35 @@ class FedAdaptClient(NumPyClient):
     """NumPyClient that trains with the run config's task and optimizer."""
 
     def __init__(
-        self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]
+        self,
+        run_config: Mapping[str, Any],
+        node_config: Mapping[str, Any],
+        state: RecordDict | None = None,
     ) -> None:
         self.cfg = validate_run_config(run_config)
         self.partition_id, self.num_partitions = partition_of(node_config)
         self.keys, self.names = model_layout(self.cfg)
+        self.state = state  # the node's Context.state: a local update's client state
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
         """Tell the server which partition this node holds (seeded sampling)."""
         return {
-            "partition-id": self.partition_id,
-            "num-partitions": self.num_partitions,
+            wire.PARTITION_ID: self.partition_id,
+            wire.NUM_PARTITIONS: self.num_partitions,
         }
 
     def fit(
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        """Train one round; return (arrays [+ second moments], n, metrics)."""
+        """Train one round; return (arrays [+ moments] [+ local], n, metrics)."""
         n = len(self.keys)
+        local_names: list[str] | str = []
+        if wire.LOCAL_ARRAYS in config:
+            local_names = legacy_names(config[wire.LOCAL_ARRAYS])
+            if isinstance(local_names, str):
+                raise ValueError(local_names)
+        cut = len(parameters) - len(local_names)
+        parameters, local = parameters[:cut], parameters[cut:]
         moments = parameters[n:]
         if moments and len(moments) != len(self.names):
             raise ValueError(
@@ -67,15 +85,21 @@ class FedAdaptClient(NumPyClient):
             self.partition_id,
             self.num_partitions,
             dict(zip(self.keys, parameters[:n], strict=True)),
-            lr=config_number(config.get("lr", self.cfg["client-lr"])),
-            server_round=int(config_number(config.get("server-round", 0))),
+            lr=config_number(config.get(wire.LR, self.cfg["client-lr"])),
+            server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
             v_hat=dict(zip(self.names, moments, strict=True)) if moments else None,
+            config=config,
+            local_arrays=dict(zip(local_names, local, strict=True)),
+            client_state=self.state,
         )
         arrays = [result.state[k].numpy() for k in self.keys]
         if result.second_moments is not None:
             arrays += [result.second_moments[name] for name in self.names]
         metrics: dict[str, Scalar] = dict(result.metrics)
-        num_examples = int(metrics.pop("num-examples"))
+        if result.local_arrays is not None:
+            arrays += list(result.local_arrays.values())
+            metrics[wire.LOCAL_ARRAYS] = json.dumps(list(result.local_arrays))
+        num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
         return arrays, num_examples, metrics
 
     def evaluate(
@@ -86,13 +110,15 @@ class FedAdaptClient(NumPyClient):
         metrics: dict[str, Scalar] = dict(
             evaluate_round(self.cfg, self.partition_id, self.num_partitions, state)
         )
-        num_examples = int(metrics.pop("num-examples"))
+        num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
         return float(metrics["eval-loss"]), num_examples, metrics
 
 
 def client_fn(context: Context) -> Client:
     """Build the client of one SuperNode."""
-    return FedAdaptClient(context.run_config, context.node_config).to_client()
+    return FedAdaptClient(
+        context.run_config, context.node_config, context.state
+    ).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fedadapt.client.local_update import ClientUpdate
+
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -51,6 +53,7 @@ def train_local(
     classification: bool = True,
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
+    local_update: ClientUpdate | None = None,
 ) -> TrainResult:
     """Train ``model`` in place and report loss, accuracy and ‖x_i − x_t‖².
 
@@ -68,6 +71,14 @@ def train_local(
     gradient clipping"; ``clip_grad_norm_`` before ``SGD(weight_decay)``'s
     step). Both act inside the closure, so every optimizer (and Δ-SGD's
     re-evaluation at the previous iterate) sees the same gradient.
+
+    ``local_update`` (an algorithm's client half, already begun) acts inside
+    the closure too: its :meth:`~ClientUpdate.loss_term` is added to the
+    task loss before ``backward`` (the closure returns that objective, which
+    loss-based optimizers such as SPS read), its
+    :meth:`~ClientUpdate.after_backward` then changes the gradients, after
+    clipping and weight decay (our choice: a control variate or momentum
+    correction is not clipped). The reported ``loss`` stays the task loss.
     """
     model.to(device).train()
     start = [p.detach().clone() for p in model.parameters()]
@@ -90,16 +101,23 @@ def train_local(
             optimizer.zero_grad(set_to_none=True)
             outputs = model(inputs)
             loss = criterion(outputs, targets)
-            loss.backward()
+            objective = loss
+            if local_update is not None:
+                term = local_update.loss_term(model, inputs, targets, outputs)
+                if term is not None:
+                    objective = loss + term
+            objective.backward()
             if grad_clip > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             if weight_decay > 0:
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.add_(p.detach(), alpha=weight_decay)
+            if local_update is not None:
+                local_update.after_backward(model, inputs, targets)
             if not first:
                 first.append((loss.detach(), outputs.detach()))
-            return loss
+            return objective
 
         # torch's stub types closures as returning float; LBFGS-style closures
         # (torch's own contract) return the loss tensor

@@ -47,6 +47,7 @@ from fedadapt.server.run import (
     log_user_errors_in_one_line,
     open_recorder,
     record_end,
+    record_local_update,
     save_final_model,
 )
 from fedadapt.server.strategy_factory import build_strategy
@@ -111,6 +112,7 @@ def server_fn(context: Context) -> ServerAppComponents:
     )
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     recorder = open_recorder(folder, cfg, context.run_id)
+    record_local_update(recorder, strategy)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)
     config = ServerConfig(

@@ -180,6 +180,15 @@ def central_evaluator(
     return evaluate
 
 
+def record_local_update(recorder: RunRecorder, strategy: Any) -> None:
+    """Record the local update the clients run: its name and hyperparameters."""
+    update = getattr(strategy, "local_update", None)
+    recorder.data["local_update"] = (
+        {"name": "none"} if update is None else update.describe()
+    )
+    recorder.write()
+
+
 def record_end(recorder: RunRecorder, strategy: Any) -> None:
     """Record why a run that completed ended: its last round, or the stop rule.
 

@@ -39,6 +39,7 @@ from fedadapt.server.run import (
     log_user_errors_in_one_line,
     open_recorder,
     record_end,
+    record_local_update,
     save_final_model,
 )
 from fedadapt.server.run_folder import RunFolder
@@ -189,6 +190,7 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         folder, cfg, context.run_id, previous=resume["results"] if resume else None
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
+    record_local_update(recorder, strategy)
     hook = RoundHook(
         cfg,
         task,

@@ -19,6 +19,7 @@ from fedadapt.config import ConfigError
 from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
 from fedadapt.strategies import ALGORITHMS
 from fedadapt.strategies.core import ServerRule
+from fedadapt.strategies.local_update import build_local_update
 
 StrategySpec = tuple[ServerRule, dict[str, Any]]
 
@@ -108,10 +109,12 @@ def build_strategy(
     ``num_nodes`` (connected nodes) is needed by the Message API's sampling;
     ``extra`` goes to the constructor (e.g. legacy ``initial_parameters``,
     ``evaluate_fn``, ``on_fit_config_fn``; the policies of :class:`RunStrategy`
-    or :class:`LegacyRunStrategy`).
+    or :class:`LegacyRunStrategy`). Run-config ``local-update`` picks the
+    server half of the clients' local update (``None`` for ``none``).
     """
     rule, options = build_rule(cfg)
     kwargs = {**options, **trust_kwargs(cfg), **stop_kwargs(cfg), **extra}
+    kwargs["local_update"] = build_local_update(cfg)
     if api == "legacy":
         return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"

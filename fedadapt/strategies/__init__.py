@@ -16,6 +16,9 @@ hyperparameters, from which both classes, the app's run-config keys
 :data:`ALGORITHMS` lists them by run-config name. Your own rule: subclass
 :class:`ServerRule` and wrap it in :class:`RuleStrategy` (or
 ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
+An algorithm's client-side part (FedProx's proximal term, …) is a
+:class:`LocalUpdate` given to any strategy:
+``FedAvg(local_update=FedProx(mu=0.01))``.
 A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 :class:`FederationFailedError`. Importable with flwr and numpy alone:
 nothing here imports torch.
@@ -39,6 +42,8 @@ from fedadapt.strategies.fedopt import (
     FedAdam,
     FedYogi,
 )
+from fedadapt.strategies.fedprox import FedProx
+from fedadapt.strategies.local_update import LocalUpdate
 from fedadapt.strategies.screening import reject_reason
 
 #: The declared algorithms by run-config ``strategy`` name (in this order in
@@ -60,9 +65,11 @@ __all__ = [
     "FedExP",
     "FedExPM",
     "FedLAMB",
+    "FedProx",
     "FedYogi",
     "FederationFailedError",
     "Param",
+    "LocalUpdate",
     "RoundStatistics",
     "RuleStrategy",
     "ServerRule",

@@ -25,7 +25,7 @@ returned model by its digest and trains from the kept w_{t+1} again.
 from __future__ import annotations
 
 from logging import INFO, WARNING
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from flwr.app import RecordDict
 from flwr.common.logger import log
@@ -37,6 +37,9 @@ from fedadapt.strategies._records import (
 )
 from fedadapt.strategies.core import Arrays, ServerRule
 from fedadapt.strategies.core.stopping import StopRule, find_metric
+
+if TYPE_CHECKING:
+    from fedadapt.strategies.local_update import LocalUpdate
 
 #: Name of the records :meth:`RunControl.state_to_records` writes
 #: (``fedadapt-strategy.arrays`` / ``.values`` / ``.layout``).
@@ -91,6 +94,7 @@ class RunControl:
     """
 
     rule: ServerRule
+    local_update: LocalUpdate | None
 
     def __init__(
         self,
@@ -210,6 +214,8 @@ class RunControl:
             "stop": None if self.stop_rule is None else self.stop_rule.state_dict(),
             "model": self._model_state(),
         }
+        if self.local_update is not None:
+            state["local_update"] = self.local_update.state_dict()
         return state_to_records(state, STATE_NAME)
 
     def load_state_records(self, records: RecordDict) -> None:
@@ -222,6 +228,8 @@ class RunControl:
         """
         state = state_from_records(records, STATE_NAME)
         self.rule.load_state_dict(state["rule"])
+        if self.local_update is not None and "local_update" in state:
+            self.local_update.load_state_dict(state["local_update"])
         if self.stop_rule is not None and state["stop"] is not None:
             self.stop_rule.load_state_dict(state["stop"])
         self.completed_round = int(state["round"])

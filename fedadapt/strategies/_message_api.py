@@ -43,6 +43,12 @@ from fedadapt.strategies._control import (
 from fedadapt.strategies.adapter import RuleHost, ScreeningKwargs, evaluation_average
 from fedadapt.strategies.arrays import LazyArrays
 from fedadapt.strategies.core import Arrays, ServerRule, Trainable
+from fedadapt.strategies.local_update import (
+    LocalUpdate,
+    aggregate_replies,
+    round_config,
+    screen_replies,
+)
 from fedadapt.strategies.screening import (
     EvaluateReply,
     TrainReply,
@@ -63,9 +69,12 @@ class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
     ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``,
     ``configrecord_key``, ``train_metrics_aggr_fn``,
-    ``evaluate_metrics_aggr_fn``.
+    ``evaluate_metrics_aggr_fn``. And ``local_update``: the server half of
+    the algorithm's client-side part (see
+    :class:`~fedadapt.strategies.local_update.LocalUpdate`).
     """
 
+    local_update: LocalUpdate | None
     fraction_train: float
     fraction_evaluate: float
     min_train_nodes: int
@@ -128,8 +137,9 @@ def _unpack_train(
     """Unpack a reply into metrics, model arrays and the rule's client state.
 
     The client state is the ArrayRecord named ``state_key`` (when the rule
-    has one); exactly one other ArrayRecord must hold the model. Failures
-    as in :func:`_unpack_evaluate`.
+    has one), a local update's arrays the one named
+    :data:`~fedadapt.strategies.wire.LOCAL_ARRAYS`; exactly one other
+    ArrayRecord must hold the model. Failures as in :func:`_unpack_evaluate`.
     """
     reply = _unpack_evaluate(message, recipients)
     if isinstance(reply, str):
@@ -139,11 +149,15 @@ def _unpack_train(
         return TrainReply(node, metrics, message, reply.problem)
     records = dict(message.content.array_records)
     state = records.pop(state_key, None) if state_key is not None else None
+    local = records.pop(wire.LOCAL_ARRAYS, None)
     if len(records) != 1:
         return TrainReply(node, metrics, message, "expected one ArrayRecord")
     arrays = LazyArrays(next(iter(records.values())))
     client_state = None if state is None else _to_numpy(state)
-    return TrainReply(node, metrics, message, arrays=arrays, client_state=client_state)
+    return TrainReply(
+        node, metrics, message, arrays=arrays, client_state=client_state,
+        local_arrays=None if local is None else _to_numpy(local),
+    )  # fmt: skip
 
 
 def _metrics_content(reply: TrainReply) -> RecordDict:
@@ -173,6 +187,11 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         See :class:`~fedadapt.strategies.adapter.RuleHost`.
     max_update_norm_ratio, aggregation, trim_fraction
         See :class:`~fedadapt.strategies.adapter.RuleHost` (hostile clients).
+    local_update : LocalUpdate | None (default: None)
+        The server half of an algorithm's client-side part, e.g.
+        :class:`~fedadapt.strategies.fedprox.FedProx`; its scalars join the
+        train config, its arrays travel as the ArrayRecord
+        ``local-update-arrays`` (see :mod:`fedadapt.strategies.local_update`).
     weighted_by_key : str (default: "num-examples")
         The metric that holds each reply's weight. It weights the model
         update only under ``weighting="num_examples"`` (the rule's); a
@@ -207,7 +226,9 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         average_last_two: bool = False,
         **kwargs: Unpack[FedAvgKwargs],
     ) -> None:
+        local_update = kwargs.pop("local_update", None)
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        self.local_update = local_update
         self._sent: Arrays | None = None
         self._asked: dict[str, list[Message]] = {"train": [], "evaluate": []}
         self._last_output: ArrayRecord | None = None
@@ -255,18 +276,30 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         clients get the iterate w_{t+1} instead. A rule's
         :meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`
         (Fed-LAMB's v̂) travels with the model as a second ArrayRecord named
-        by its ``client_state_key``.
+        by its ``client_state_key``; a ``local_update``'s scalars join the
+        train config and its arrays travel as ``local-update-arrays``.
         """
         self.check_trainable(arrays)
         arrays = self._training_record(arrays)
+        self._sent = _to_numpy(arrays)
+        local: Arrays = {}
+        if self.local_update is not None:  # its scalars join the train config
+            num_nodes = len(list(grid.get_node_ids()))
+            scalars, local = round_config(
+                self.local_update, server_round, self._sent, num_nodes
+            )
+            config = ConfigRecord({**config, **scalars})
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._asked["train"] = messages  # the grid gives them ids when it sends
-        self._sent = _to_numpy(arrays)
         state = self.rule.broadcast_state()
         if state is not None and self.rule.client_state_key is not None:
             record = _to_record(state)
             for message in messages:
                 message.content[self.rule.client_state_key] = record
+        if local:
+            record = _to_record(local)
+            for message in messages:
+                message.content[wire.LOCAL_ARRAYS] = record
         return messages
 
     def _training_record(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -294,12 +327,16 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         key = self.rule.client_state_key
         asked = _recipients(self._asked["train"])
         candidates = [_unpack_train(m, key, asked) for m in replies]
+        screen_replies(self.local_update, candidates)
         new, valid = self.run_rule(
             server_round, candidates, self._sent, self.weighted_by_key
         )
         if new is None:
             return None, None
         entry = self.round_reports[server_round]
+        entry["diagnostics"].update(
+            aggregate_replies(self.local_update, valid, self.weighted_by_key)
+        )
         metrics = self.train_metrics_aggr_fn(
             [_metrics_content(c) for c in valid], self.weighted_by_key
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from logging import ERROR, WARNING
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from flwr.common.logger import log
 from numpy.typing import NDArray
@@ -48,6 +48,9 @@ from fedadapt.strategies.screening import (
     canonical_order,
     screen,
 )
+
+if TYPE_CHECKING:
+    from fedadapt.strategies.local_update import LocalUpdate
 
 #: Default of ``max_update_norm_ratio``: an update above 5x the round's
 #: median update norm is flagged and scaled down to the median norm of the
@@ -149,6 +152,10 @@ class RuleHost:
         rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
         and the rule's ``diagnostics`` (server step size, norms).
     """
+
+    #: the server half of the algorithm's client-side part (None: plain
+    #: clients); set by the adapters' ``local_update`` argument
+    local_update: LocalUpdate | None = None
 
     #: whether replies key the rule's client state by array name (Message
     #: API) rather than by position (legacy parameter lists)
@@ -336,8 +343,16 @@ class RuleHost:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the strategy's resumable state (the rule's moments)."""
-        return {"rule": self.rule.state_dict()}
+        """Return the strategy's resumable state (the rule's moments).
+
+        With a local update, its server half's state too (``local_update``).
+        """
+        if self.local_update is None:
+            return {"rule": self.rule.state_dict()}
+        return {
+            "rule": self.rule.state_dict(),
+            "local_update": self.local_update.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (before training starts).
@@ -345,7 +360,10 @@ class RuleHost:
         Checkpoints written before Fed-LAMB's v̂ moved into its rule keep it
         beside the rule's state; it is folded back in.
         """
-        extra = {k: v for k, v in state.items() if k != "rule"}
+        local = state.get("local_update")
+        if local is not None and self.local_update is not None:
+            self.local_update.load_state_dict(local)
+        extra = {k: v for k, v in state.items() if k not in ("rule", "local_update")}
         self.rule.load_state_dict({**state["rule"], **extra})
 
 

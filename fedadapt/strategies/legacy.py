@@ -28,6 +28,7 @@ pass without any work (Flower logs "no clients selected").
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -67,6 +68,13 @@ from fedadapt.strategies.feddua import FEDDUA
 from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM
 from fedadapt.strategies.fedlamb import FED_LAMB
 from fedadapt.strategies.fedopt import FEDADAGRAD, FEDADAM, FEDYOGI
+from fedadapt.strategies.local_update import (
+    LocalUpdate,
+    aggregate_replies,
+    legacy_names,
+    round_config,
+    screen_replies,
+)
 from fedadapt.strategies.screening import TrainReply, failed_reply
 
 WEIGHT_KEY = wire.NUM_EXAMPLES
@@ -75,7 +83,8 @@ WEIGHT_KEY = wire.NUM_EXAMPLES
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """Arguments of ``flwr.server.strategy.FedAvg``, passed through unchanged.
 
-    Plus ``array_names`` (see :class:`LegacyRuleStrategy`) and fedadapt's
+    Plus ``array_names`` and ``local_update`` (see
+    :class:`LegacyRuleStrategy`) and fedadapt's
     ``secure_aggregation``, ``max_update_norm``, ``max_update_norm_ratio``,
     ``aggregation``, ``trim_fraction``, ``max_failed_rounds`` (see
     :class:`~fedadapt.strategies.adapter.RuleHost`) and ``stop_*``
@@ -83,6 +92,7 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     """
 
     array_names: Sequence[str] | None
+    local_update: LocalUpdate | None
     secure_aggregation: bool
     max_update_norm: float
     max_failed_rounds: int
@@ -116,6 +126,26 @@ def _keyed(arrays: NDArrays, names: Sequence[str] | None = None) -> Arrays:
     return {str(i): a for i, a in enumerate(arrays)}
 
 
+def _local_arrays(
+    metrics: dict[str, Scalar], arrays: NDArrays, model_size: int
+) -> tuple[Arrays | None, str | None]:
+    """Split a reply's local-update arrays off the end of ``arrays`` (in place).
+
+    Their names are the JSON list under ``local-update-arrays`` in the
+    reply's metrics (popped). Returns (arrays by name or None, problem).
+    """
+    if wire.LOCAL_ARRAYS not in metrics:
+        return None, None
+    names = legacy_names(metrics.pop(wire.LOCAL_ARRAYS))
+    if isinstance(names, str):
+        return None, names
+    if len(arrays) - model_size < len(names):
+        return None, f"{len(names)} local-update arrays named but not sent"
+    local = arrays[len(arrays) - len(names) :]
+    del arrays[len(arrays) - len(names) :]
+    return dict(zip(names, local, strict=True)), None
+
+
 def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
     """List ``arrays`` in the key order of ``order``."""
     return [arrays[k] for k in order]
@@ -139,6 +169,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         See :class:`~fedadapt.strategies.adapter.RuleHost`.
     max_update_norm_ratio, aggregation, trim_fraction
         See :class:`~fedadapt.strategies.adapter.RuleHost` (hostile clients).
+    local_update : LocalUpdate | None (default: None)
+        The server half of an algorithm's client-side part (see
+        :mod:`fedadapt.strategies.local_update`): its scalars join each
+        client's fit config, its arrays follow the model's (and the rule's)
+        in the parameter list, their names a JSON list under
+        ``local-update-arrays`` in the fit config; a client's reply appends
+        its local-update arrays the same way (names in its fit metrics).
     stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
         See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
         the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``
@@ -166,7 +203,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
         names = kwargs.pop("array_names", None)
+        local_update = kwargs.pop("local_update", None)
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
         self._last_output: Parameters | None = None
@@ -207,9 +246,22 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         state = self.rule.broadcast_state()
-        if state is None:
+        extra = [] if state is None else list(state.values())
+        if self.local_update is not None and pairs:
+            num_nodes = client_manager.num_available()
+            scalars, local = round_config(
+                self.local_update, server_round, self._sent, num_nodes
+            )
+            if local:
+                scalars[wire.LOCAL_ARRAYS] = json.dumps(list(local))
+            extra += list(local.values())
+            pairs = [
+                (proxy, FitIns(ins.parameters, {**ins.config, **scalars}))
+                for proxy, ins in pairs
+            ]
+        if not extra:
             return pairs
-        packed = ndarrays_to_parameters(model + list(state.values()))
+        packed = ndarrays_to_parameters(model + extra)
         return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
 
     def _training_model(self, parameters: Parameters) -> tuple[Parameters, NDArrays]:
@@ -245,14 +297,17 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         for proxy, res in results:
             reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
             arrays = parameters_to_ndarrays(res.parameters)
+            local, problem = _local_arrays(reply, arrays, size)
             model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
             candidates.append(
                 TrainReply(
-                    proxy.cid, reply, (proxy, res),
+                    proxy.cid, reply, (proxy, res), problem,
                     arrays=_keyed(model, self.array_names),
                     client_state=_keyed(rest) if with_state else None,
+                    local_arrays=local,
                 )
             )  # fmt: skip
+        screen_replies(self.local_update, candidates)
         # Flower's contract: with failures and accept_failures=False, no update
         keep = bool(failures) and not self.accept_failures
         new, valid = self.run_rule(
@@ -262,6 +317,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             return None, {}
         entry = self.round_reports[server_round]
         diagnostics = entry["diagnostics"]
+        diagnostics.update(aggregate_replies(self.local_update, valid, WEIGHT_KEY))
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
             metrics = dict(

@@ -75,6 +75,7 @@ class TrainReply(EvaluateReply):
 
     arrays: Mapping[str, NDArray[Any]] = field(default_factory=dict)
     client_state: Mapping[str, NDArray[Any]] | None = None  # see ServerRule
+    local_arrays: Mapping[str, NDArray[Any]] | None = None  # see LocalUpdate
 
 
 #: A reply type screened by :func:`screen`.

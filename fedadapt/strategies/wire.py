@@ -16,14 +16,17 @@ ARRAYS: Final = "arrays"  #: the model (ArrayRecord), both directions
 CONFIG: Final = "config"  #: server → client settings (ConfigRecord)
 METRICS: Final = "metrics"  #: client → server numbers (MetricRecord)
 SECOND_MOMENTS: Final = "second-moments"  #: Fed-LAMB/Fed-AMS v̂ down, v up
+LOCAL_ARRAYS: Final = "local-update-arrays"  #: a local update's arrays, both ways
 
 # entries of the server's train config
 LR: Final = "lr"  #: client learning rate η_l of the round
 SERVER_ROUND: Final = "server-round"  #: 1-based round number
+LOCAL_UPDATE: Final = "local-update"  #: name of the client half to apply
 
 # entries of a client's metrics
 NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
 UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable arrays
+LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state reset
 
 # a node's answer to the server's query message (seeded sampling)
 PARTITION_ID: Final = "partition-id"

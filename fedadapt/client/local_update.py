@@ -1,0 +1,177 @@
+"""The client half of an algorithm's client-side part (a *local update*).
+
+The server half (:class:`fedadapt.strategies.local_update.LocalUpdate`)
+names the client half in the train config
+(:data:`~fedadapt.strategies.wire.LOCAL_UPDATE`); the ClientApp and the
+NumPyClient look it up in :data:`CLIENT_UPDATES` and apply it through
+:func:`fedadapt.client.local.train_round` and
+:func:`fedadapt.client.training.train_local` (one code path for both
+APIs). A round runs
+
+1. :meth:`ClientUpdate.begin` with a :class:`LocalStart`: the model at the
+   global x_t, the server's config and arrays, this client's state from its
+   last round (None the first time) and its data (for a full-batch gradient);
+2. per local step, inside the optimizer's closure (so a re-evaluating
+   optimizer such as Δ-SGD's same-batch mode sees it in every pass):
+   :meth:`ClientUpdate.loss_term` added to the task loss before
+   ``backward``, then :meth:`ClientUpdate.after_backward` on the gradients
+   (after gradient clipping and weight decay);
+3. :meth:`ClientUpdate.end` with the trained model and the number of local
+   steps: arrays and metrics sent back, and the client state kept for the
+   next round.
+
+The client state lives in Flower's ``Context.state`` (kept per node and run
+by the simulation and by a SuperNode) as the records of
+:func:`fedadapt.strategies._records.state_to_records`; a state that cannot
+be read back, or that :meth:`ClientUpdate.check_state` refuses, is reset
+(the client half starts fresh), logged and reported as the train metric
+:data:`~fedadapt.strategies.wire.LOCAL_STATE_RESET` = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import RecordDict
+from flwr.common.logger import log
+from torch import nn
+from torch.utils.data import Dataset
+
+from fedadapt.registry import Registry
+from fedadapt.strategies import wire
+from fedadapt.strategies._records import state_from_records, state_to_records
+
+__all__ = [
+    "CLIENT_UPDATES",
+    "ClientUpdate",
+    "LocalEnd",
+    "LocalStart",
+    "client_update",
+    "load_client_state",
+    "save_client_state",
+]
+
+
+@dataclass
+class LocalStart:
+    """What a client half sees when a round starts."""
+
+    model: nn.Module  #: the model to train, at the global x_t (on ``device``)
+    config: Mapping[str, Any]  #: the server's train config (``<name>.<param>``)
+    arrays: Mapping[str, np.ndarray]  #: the server half's arrays
+    state: dict[str, Any] | None  #: this client's state (None: first round)
+    data: Dataset  #: the local train split
+    criterion: nn.Module  #: the task loss
+    batch_size: int
+    device: torch.device
+    server_round: int
+    lr: float  #: the round's client learning rate η_l (after its decay)
+
+
+@dataclass
+class LocalEnd:
+    """What a client half returns when the round ends."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  #: sent back
+    metrics: dict[str, float] = field(default_factory=dict)  #: added to the reply's
+    state: dict[str, Any] | None = None  #: kept for the next round (None: none)
+
+
+class ClientUpdate:
+    """Client half of a local update; this base class changes nothing.
+
+    One instance serves one client for one round. Override what the
+    algorithm needs; tensors stay on the model's device.
+    """
+
+    #: registry name, the server half's :attr:`LocalUpdate.name`
+    name: ClassVar[str] = "none"
+
+    def begin(self, start: LocalStart) -> None:  # noqa: B027 (optional hook)
+        """Take the round's inputs (copy what must survive training)."""
+
+    def check_state(self, state: Mapping[str, Any]) -> str | None:
+        """Return why a stored client state is unusable (then it is reset), or None."""
+        return None
+
+    def loss_term(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        outputs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Return a term added to the task loss of this batch (None: nothing)."""
+        return None
+
+    def after_backward(  # noqa: B027 (optional hook)
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """Change the gradients in ``p.grad`` before the optimizer steps."""
+
+    def end(self, model: nn.Module, steps: int) -> LocalEnd:
+        """Return the arrays, metrics and state of the round.
+
+        ``model`` is the trained model, ``steps`` the local steps taken (K).
+        """
+        return LocalEnd()
+
+
+#: name → client half; the server half of the same name sends its config
+CLIENT_UPDATES: Registry[type[ClientUpdate]] = Registry("local-update")
+CLIENT_UPDATES.register("none")(ClientUpdate)
+
+
+def client_update(config: Mapping[str, Any]) -> ClientUpdate | None:
+    """Return the client half the server's train config names (None: plain)."""
+    name = config.get(wire.LOCAL_UPDATE, "none")
+    if name == "none":
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"'{wire.LOCAL_UPDATE}' in the train config must be a name")
+    return CLIENT_UPDATES.get(name)()
+
+
+def _record_name(update: ClientUpdate) -> str:
+    return f"{wire.LOCAL_UPDATE}.{update.name}"
+
+
+def load_client_state(
+    records: RecordDict | None, update: ClientUpdate
+) -> tuple[dict[str, Any] | None, bool]:
+    """Return (the client state kept in ``records``, whether it was reset).
+
+    No state yet gives ``(None, False)``; a state that cannot be read or
+    that ``update`` refuses gives ``(None, True)``, logged.
+    """
+    name = _record_name(update)
+    if records is None or f"{name}.layout" not in records:
+        return None, False
+    try:
+        state = state_from_records(records, name)
+        reason = update.check_state(state)
+    except (KeyError, TypeError, ValueError) as error:
+        reason = f"unreadable ({error})"
+    if reason is None:
+        return state, False
+    log(WARNING, "fedadapt: local update %s: client state reset: %s",
+        update.name, reason)  # fmt: skip
+    return None, True
+
+
+def save_client_state(
+    records: RecordDict | None, update: ClientUpdate, state: Mapping[str, Any] | None
+) -> None:
+    """Replace the client state of ``update`` in ``records`` (None: remove it)."""
+    if records is None:
+        return
+    name = _record_name(update)
+    for suffix in (".arrays", ".values", ".layout"):
+        records.pop(name + suffix, None)
+    if state is not None:
+        records.update(state_to_records(state, name))

@@ -1,0 +1,185 @@
+"""The server half of an algorithm's client-side part (a *local update*).
+
+Some algorithms change what the clients do in a round: FedProx adds a
+proximal term to the local loss, SCAFFOLD corrects each local gradient by
+control variates, Mime steps with the server's momentum, MOON adds a
+contrastive loss. Each is two halves joined by this hook:
+
+- the **server half**, a :class:`LocalUpdate` (NumPy only), given to any
+  strategy (``FedDuA(local_update=FedProx(mu=0.01))``; Message API and legacy
+  classes alike). Each round it sends every sampled client scalars and named
+  arrays (:meth:`LocalUpdate.configure`), screens what clients send back
+  (:meth:`LocalUpdate.check_reply`), folds the used replies into its own
+  state (:meth:`LocalUpdate.aggregate`) and checkpoints that state
+  (:meth:`LocalUpdate.state_dict`, saved with the strategy's);
+- the **client half**, a :class:`fedadapt.client.local_update.ClientUpdate`
+  (torch) registered under the same :attr:`LocalUpdate.name`; fedadapt's
+  ClientApp and NumPyClient apply it inside local training.
+
+On the wire (:mod:`fedadapt.strategies.wire`): the scalars join the train
+config, with :data:`~fedadapt.strategies.wire.LOCAL_UPDATE` naming the
+client half; arrays travel as the ArrayRecord
+:data:`~fedadapt.strategies.wire.LOCAL_ARRAYS` in both directions (legacy
+API: after the model and the rule's arrays in the parameter list, their
+names as a JSON list under the same key in the fit config / fit metrics).
+Scalars are namespaced by the algorithm (``fedprox.mu``), as run-config
+keys are.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from numpy.typing import NDArray
+
+from fedadapt.registry import Registry
+from fedadapt.strategies import wire
+from fedadapt.strategies.core import Arrays
+
+Scalar = bool | int | float | str
+
+__all__ = ["LOCAL_UPDATES", "LocalUpdate", "build_local_update"]
+
+
+class LocalUpdate:
+    """Server half of a local update; this base class sends and keeps nothing.
+
+    Subclasses set :attr:`name` (the client half's registry name) and
+    override what they need. All arrays are NumPy; keys of the arrays a
+    client sends back are its choice (SCAFFOLD: the trainable arrays' names).
+    """
+
+    #: registry name shared by the two halves (run-config ``local-update``)
+    name: ClassVar[str] = "none"
+
+    @classmethod
+    def from_run_config(cls, cfg: Mapping[str, Any]) -> LocalUpdate:
+        """Build from a validated run config (its ``<name>.<param>`` keys)."""
+        return cls()
+
+    def configure(
+        self, server_round: int, model: Mapping[str, NDArray[Any]], num_nodes: int
+    ) -> tuple[dict[str, Scalar], Arrays]:
+        """Return (scalars, named arrays) sent to every client of the round.
+
+        ``model`` is the global model x_t the clients train from;
+        ``num_nodes`` the number of nodes the round sampled from (SCAFFOLD's
+        N). Scalar keys must be namespaced ``<name>.<param>``.
+        """
+        return {}, {}
+
+    def check_reply(
+        self, arrays: Mapping[str, NDArray[Any]] | None, metrics: Mapping[str, Any]
+    ) -> str | None:
+        """Return why a train reply's local-update arrays are unusable, or None.
+
+        ``arrays`` is None when the reply carries none. A rejected reply is
+        dropped from the round and counted, as any other bad reply. This
+        base class accepts only replies without arrays.
+        """
+        return None if not arrays else f"{self.name} expects no local-update arrays"
+
+    def aggregate(
+        self,
+        replies: Sequence[Mapping[str, NDArray[Any]] | None],
+        weights: Sequence[float],
+    ) -> dict[str, float]:
+        """Fold the used replies' arrays into the state; return diagnostics.
+
+        Called once per round after the rule's step, with the replies the
+        rule used (same order as ``weights``, their ``num-examples``).
+        """
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a deep copy of the server half's state (a tree of arrays/scalars)."""
+        return copy.deepcopy(self._state())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._load(copy.deepcopy(dict(state)))
+
+    def _state(self) -> dict[str, Any]:
+        return {}
+
+    def _load(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Override with :meth:`_state`."""
+
+    def describe(self) -> dict[str, Scalar]:
+        """Name and hyperparameters, as results.json records them."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        """``FedProx(mu=0.01)``."""
+        params = {k: v for k, v in self.describe().items() if k != "name"}
+        shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+        return f"{type(self).__name__}({shown})"
+
+
+#: run-config ``local-update`` → server half (its client half has the same name)
+LOCAL_UPDATES: Registry[type[LocalUpdate]] = Registry("local-update")
+LOCAL_UPDATES.register("none")(LocalUpdate)
+
+
+def build_local_update(cfg: Mapping[str, Any]) -> LocalUpdate | None:
+    """Return the server half of run-config ``local-update`` (None for ``none``)."""
+    if cfg["local-update"] == "none":
+        return None
+    return LOCAL_UPDATES.get(cfg["local-update"]).from_run_config(cfg)
+
+
+# --- what the adapters call (both Flower APIs) --------------------------------------
+
+
+def round_config(
+    update: LocalUpdate, server_round: int, model: Mapping[str, Any], num_nodes: int
+) -> tuple[dict[str, Scalar], Arrays]:
+    """Return the train-config entries and arrays of ``update`` for a round."""
+    scalars, arrays = update.configure(server_round, model, num_nodes)
+    return {wire.LOCAL_UPDATE: update.name, **scalars}, arrays
+
+
+def legacy_names(value: object) -> list[str] | str:
+    """Parse the JSON list of array names of a legacy message, or say why not."""
+    try:
+        names = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return f"'{wire.LOCAL_ARRAYS}' must be a JSON list of array names"
+    return names
+
+
+def screen_replies(update: LocalUpdate | None, candidates: Sequence[Any]) -> None:
+    """Mark train replies whose local-update arrays ``update`` rejects.
+
+    ``candidates`` are screened replies (:class:`Candidate`, or a ``str`` for
+    a failed one); a rejected one gets its ``problem`` set, so the screening
+    drops and counts it. Without a local update, a reply that carries
+    local-update arrays anyway is rejected too (never silently ignored).
+    """
+    for candidate in candidates:
+        if isinstance(candidate, str) or candidate.problem is not None:
+            continue
+        arrays = candidate.local_arrays
+        if update is None:
+            if arrays:
+                candidate.problem = "local-update arrays sent, but no local update runs"
+            continue
+        reason = update.check_reply(arrays, candidate.metrics)
+        if reason is not None:
+            candidate.problem = f"{update.name}: {reason}"
+
+
+def aggregate_replies(
+    update: LocalUpdate | None, used: Sequence[Any], weight_key: str
+) -> dict[str, float]:
+    """Give the used replies' local-update arrays to ``update``; its diagnostics."""
+    if update is None:
+        return {}
+    return update.aggregate(
+        [c.local_arrays for c in used], [float(c.metrics[weight_key]) for c in used]
+    )
