@@ -23,6 +23,7 @@ from typing import Any
 
 from fedadapt.errors import ConfigError
 from fedadapt.strategies import ALGORITHMS, Algorithm, Param
+from fedadapt.strategies.local_update import LOCAL_UPDATES
 
 __all__ = [
     "KEYS",
@@ -128,8 +129,6 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("local-update", "none", "An algorithm's client-side part, with any "
         "strategy: none (plain local training) or fedprox (proximal term "
         "(μ/2)‖w − w_t‖², Li et al. 2020).", choices=_registry_names("local-update")),
-    Key("fedprox.mu", 0.01, "FedProx μ of local-update=fedprox (Δ-SGD's FedProx "
-        "runs: 0.01; FedDuA's grid: 1e-3 … 1); 0 = the plain client.", minimum=0.0),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "
@@ -239,12 +238,17 @@ _RUN_KEYS: tuple[Key, ...] = (
 )  # fmt: skip
 
 
-def _strategy_key(algorithm: Algorithm, param: Param) -> Key:
-    """Return the run-config key of one declared hyperparameter."""
-    default = param.default
+def _strategy_key(owner: Any, param: Param) -> Key:
+    """Return the run-config key of one declared hyperparameter.
+
+    ``owner`` is an :class:`Algorithm` or a local update's server half
+    (:class:`~fedadapt.strategies.local_update.LocalUpdate` subclass): both
+    name the key ``<name>.<param>`` (``owner.key``).
+    """
+    title = owner.title if isinstance(owner, Algorithm) else owner.__name__
     return Key(
-        algorithm.key(param), default,
-        f"{algorithm.title}: {param.doc} Default: {param.source}.",
+        owner.key(param), param.default,
+        f"{title}: {param.doc} Default: {param.source}.",
         minimum=param.low, maximum=param.high, exclusive_minimum=param.low_open,
         exclusive_maximum=param.high_open, choices=param.choices,
     )  # fmt: skip
@@ -256,7 +260,18 @@ STRATEGY_KEYS: tuple[Key, ...] = tuple(
     for algorithm in (ALGORITHMS.get(n) for n in ALGORITHMS.names())
     for param in algorithm.params
 )
-RUN_CONFIG: tuple[Key, ...] = (*_APP_KEYS, *STRATEGY_KEYS, *_RUN_KEYS)
+#: ``<local-update>.<param>`` keys, generated from the server halves' params
+LOCAL_UPDATE_KEYS: tuple[Key, ...] = tuple(
+    _strategy_key(update, param)
+    for update in (LOCAL_UPDATES.get(n) for n in LOCAL_UPDATES.names())
+    for param in update.params
+)
+RUN_CONFIG: tuple[Key, ...] = (
+    *_APP_KEYS,
+    *STRATEGY_KEYS,
+    *LOCAL_UPDATE_KEYS,
+    *_RUN_KEYS,
+)
 KEYS: dict[str, Key] = {key.name: key for key in RUN_CONFIG}
 #: Shared strategy keys before #28 → the parameter that replaced each
 #: (its key is ``<strategy>.<param>`` for the strategies that declare it)
@@ -355,21 +370,25 @@ def _unknown_key_message(key: str) -> str:
 
 
 def _check_strategy_keys(config: RunConfig) -> None:
-    """Refuse another strategy's hyperparameter set away from its default.
+    """Refuse another strategy's (local update's) key set away from its default.
 
     It would do nothing, silently. (Flower passes every key of pyproject's
     table, so only a changed value shows that a user set it.)
     """
-    prefix = config["strategy"] + "."
-    for key in STRATEGY_KEYS:
-        if key.name.startswith(prefix) or config[key.name] == key.default:
-            continue
-        raise ConfigError(
-            key.name,
-            f"set to {config[key.name]!r}, but strategy={config['strategy']!r} "
-            f"does not read it (only {prefix}* keys); remove it or set strategy="
-            f"{key.name.split('.', 1)[0]!r}",
-        )
+    for selector, keys in (
+        ("strategy", STRATEGY_KEYS),
+        ("local-update", LOCAL_UPDATE_KEYS),
+    ):
+        prefix = config[selector] + "."
+        for key in keys:
+            if key.name.startswith(prefix) or config[key.name] == key.default:
+                continue
+            raise ConfigError(
+                key.name,
+                f"set to {config[key.name]!r}, but {selector}={config[selector]!r} "
+                f"does not read it (only {prefix}* keys); remove it or set "
+                f"{selector}={key.name.split('.', 1)[0]!r}",
+            )
 
 
 def _check_stop_metric_is_reported(config: RunConfig) -> None:

@@ -358,7 +358,7 @@ def test_fedprox_run_in_flower_simulation(tmp_path):
 def test_fedprox_server_half_checks_mu_and_is_picked_by_run_config():
     from fedadapt.server.strategy_factory import build_strategy
 
-    with pytest.raises(ValueError, match="mu must be finite and >= 0"):
+    with pytest.raises(ValueError, match=r"Invalid mu: -1.0 \(must be in \[0, inf\]\)"):
         FedProx(mu=-1.0)
     strategy = build_strategy(_cfg(**{"local-update": "fedprox", "fedprox.mu": 0.3}), 2)
     assert isinstance(strategy.local_update, FedProx)

@@ -19,6 +19,7 @@ from fedadapt.client.local_update import (
     LocalEnd,
     LocalStart,
 )
+from fedadapt.strategies.fedprox import MU, FedProx
 
 
 @CLIENT_UPDATES.register("fedprox")
@@ -32,7 +33,7 @@ class FedProxClient(ClientUpdate):
 
     def begin(self, start: LocalStart) -> None:
         """Keep μ (``fedprox.mu``) and a copy of w_t."""
-        mu = start.config.get("fedprox.mu")
+        mu = start.config.get(FedProx.key(MU))
         if isinstance(mu, bool) or not isinstance(mu, int | float) or not mu >= 0:
             raise ValueError(
                 f"the train config's fedprox.mu must be a number >= 0, got {mu!r} "

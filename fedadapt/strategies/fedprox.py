@@ -12,14 +12,24 @@ from the global model w_t; the server aggregates as its strategy does
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays
-from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate, Scalar
+from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate
+from fedadapt.strategies.param import Param, Scalar
+
+#: μ of the proximal term, declared once (class default, run config, docs)
+MU = Param(
+    "mu",
+    0.01,
+    "μ of the proximal term (μ/2)‖w − w_t‖² (Li et al. 2020, Alg. 2); 0 trains "
+    "as the plain client, bit for bit.",
+    "the Δ-SGD paper's official FedProx run script (FedDuA's grid: 1e-3 … 1)",
+    low=0.0,
+)
 
 
 @LOCAL_UPDATES.register("fedprox")
@@ -36,25 +46,13 @@ class FedProx(LocalUpdate):
     """
 
     name: ClassVar[str] = "fedprox"
+    params: ClassVar[tuple[Param, ...]] = (MU,)
 
-    def __init__(self, mu: float = 0.01) -> None:
-        if isinstance(mu, bool) or not isinstance(mu, int | float):
-            raise TypeError(f"mu must be a number, got {mu!r}")
-        if not math.isfinite(mu) or mu < 0:
-            raise ValueError(f"mu must be finite and >= 0, got {mu}")
-        self.mu = float(mu)
-
-    @classmethod
-    def from_run_config(cls, cfg: Mapping[str, Any]) -> FedProx:
-        """Build from run-config ``fedprox.mu``."""
-        return cls(mu=cfg["fedprox.mu"])
+    def __init__(self, mu: float = float(MU.default)) -> None:
+        self.mu = float(MU.check(mu))
 
     def configure(
         self, server_round: int, model: Mapping[str, NDArray[Any]], num_nodes: int
     ) -> tuple[dict[str, Scalar], Arrays]:
         """Send ``fedprox.mu``; the clients keep w_t from the model itself."""
-        return {"fedprox.mu": self.mu}, {}
-
-    def describe(self) -> dict[str, Scalar]:
-        """``{"name": "fedprox", "mu": μ}``."""
-        return {"name": self.name, "mu": self.mu}
+        return {self.key(MU): self.mu}, {}

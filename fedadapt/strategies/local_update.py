@@ -38,8 +38,7 @@ from numpy.typing import NDArray
 from fedadapt.registry import Registry
 from fedadapt.strategies import wire
 from fedadapt.strategies.core import Arrays
-
-Scalar = bool | int | float | str
+from fedadapt.strategies.param import Param, Scalar
 
 __all__ = ["LOCAL_UPDATES", "LocalUpdate", "build_local_update"]
 
@@ -54,11 +53,20 @@ class LocalUpdate:
 
     #: registry name shared by the two halves (run-config ``local-update``)
     name: ClassVar[str] = "none"
+    #: the hyperparameters, declared once: constructor keywords of the same
+    #: name, run-config keys ``<name>.<param>`` and docs rows derive from them
+    params: ClassVar[tuple[Param, ...]] = ()
+
+    @classmethod
+    def key(cls, param: Param | str) -> str:
+        """Return the run-config key of ``param`` (``fedprox.mu``)."""
+        name = param if isinstance(param, str) else param.name
+        return f"{cls.name}.{name.replace('_', '-')}"
 
     @classmethod
     def from_run_config(cls, cfg: Mapping[str, Any]) -> LocalUpdate:
         """Build from a validated run config (its ``<name>.<param>`` keys)."""
-        return cls()
+        return cls(**{p.name: cfg[cls.key(p)] for p in cls.params})
 
     def configure(
         self, server_round: int, model: Mapping[str, NDArray[Any]], num_nodes: int
@@ -109,8 +117,11 @@ class LocalUpdate:
         """Override with :meth:`_state`."""
 
     def describe(self) -> dict[str, Scalar]:
-        """Name and hyperparameters, as results.json records them."""
-        return {"name": self.name}
+        """Name and hyperparameters (the declared ones), as results.json records."""
+        return {
+            "name": self.name,
+            **{p.name: getattr(self, p.name) for p in self.params},
+        }
 
     def __repr__(self) -> str:
         """``FedProx(mu=0.01)``."""
