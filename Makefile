@@ -30,12 +30,9 @@ test: $(STAMP)
 # `flwr>=` allows and the newest release (the app's pin); tests/test_packaging.py
 # keeps the three in step
 FLOWER_VERSIONS := 1.41.0 1.42.0
-# the tests that need only flwr + numpy (tests marked `app` in them are left out)
-LIBRARY_TESTS := tests/test_rules.py tests/test_strategies.py tests/test_legacy.py \
-	tests/test_fedlamb_strategy.py tests/test_screening.py tests/test_second_moments.py \
-	tests/test_trust.py tests/test_readme_rule.py tests/test_imports.py \
-	tests/test_library_plug_in.py tests/test_hostile.py tests/test_run_control.py \
-	tests/test_plug_in_user.py tests/test_layering.py
+# the tests that need only flwr + numpy: tests/strategies holds only such files
+# (tests marked `app` in them are left out)
+LIBRARY_TESTS := tests/strategies tests/test_imports.py tests/test_layering.py
 
 # builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
 # pytest; no PyTorch) with the wheel installed without changing flwr, and runs

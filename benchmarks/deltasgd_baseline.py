@@ -1,6 +1,6 @@
 r"""FROZEN BASELINE, do not edit: ``DeltaSGD`` as it was before #28 item 5.
 
-A verbatim copy of ``fedadapt/client/optim/deltasgd.py`` at main fdd8048 (its
+A verbatim copy of ``fedadapt/optimizers/deltasgd.py`` at main fdd8048 (its
 module docstring left out), kept only so that ``benchmarks/optimizers.py``
 (the rows "(old step)") and ``benchmarks/deltasgd_step_ab.py`` time the old
 ``DeltaSGD.step`` against the new one in the same run. Not imported by the

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.deltasgd_baseline import DeltaSGD as OldDeltaSGD  # noqa: E402
 from benchmarks.optimizers import CNNMnist, ResNet18Cifar  # noqa: E402
-from fedadapt.client.optim import DeltaSGD  # noqa: E402
+from fedadapt.optimizers import DeltaSGD  # noqa: E402
 
 MODELS = {
     "resnet18-w1 (62 tensors)": lambda: ResNet18Cifar(width=1),

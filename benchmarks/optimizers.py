@@ -4,11 +4,11 @@ Times one full local step, forward and backward included, of
 
 * ``torch.optim.SGD`` (the FedAvg local solver, the baseline),
 * ``torch.optim.Adam(foreach=True)`` (the baseline of Fed-LAMB / Fed-AMS),
-* :class:`fedadapt.client.optim.DeltaSGD` with ``mode="same_batch"`` (two
+* :class:`fedadapt.optimizers.DeltaSGD` with ``mode="same_batch"`` (two
   forward/backward passes per step from the second step of a round on, with
   ``module=model`` so BatchNorm statistics are preserved) and with
   ``mode="consecutive"`` (one pass),
-* :class:`fedadapt.client.optim.FedLAMB` and :class:`~fedadapt.client.optim.FedAMS`
+* :class:`fedadapt.optimizers.FedLAMB` and :class:`~fedadapt.optimizers.FedAMS`
   (library defaults, ``load_second_moments(None)`` once before stepping),
 * the A/B of issue #28 item 5: both Δ-SGD rows again with the step as it was
   before (``DeltaSGD`` from ``benchmarks/deltasgd_baseline.py``, a frozen copy,
@@ -92,7 +92,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.deltasgd_baseline import DeltaSGD as OldDeltaSGD  # noqa: E402
-from fedadapt.client.optim import DeltaSGD, FedAMS, FedLAMB  # noqa: E402
+from fedadapt.optimizers import DeltaSGD, FedAMS, FedLAMB  # noqa: E402
 
 BATCH = 32
 POOL = 4  # distinct synthetic batches, cycled

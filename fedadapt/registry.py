@@ -1,7 +1,7 @@
 """Name → implementation registries selected through run-config.
 
 Each registry lives beside what it registers (tasks in :mod:`fedadapt.tasks`,
-client optimizers in :mod:`fedadapt.client.optim`, strategies with their
+client optimizers in :mod:`fedadapt.optimizers`, strategies with their
 declarations in :mod:`fedadapt.strategies`). A later feature adds a name with
 ``@REGISTRY.register("name")``; the apps never change.
 """
@@ -20,7 +20,7 @@ T = TypeVar("T")
 _REGISTRIES = {
     "task": "fedadapt.tasks:TASKS",
     "partition": "fedadapt.tasks.partition:PARTITIONS",
-    "client-optimizer": "fedadapt.client.optim:OPTIMIZERS",
+    "client-optimizer": "fedadapt.optimizers:OPTIMIZERS",
     "strategy": "fedadapt.strategies:ALGORITHMS",
     "local-update": "fedadapt.strategies.local_update:LOCAL_UPDATES",
 }

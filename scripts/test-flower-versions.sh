@@ -3,7 +3,7 @@
 # the sdist, then for each Flower version a clean venv with only that flwr,
 # numpy and pytest (no PyTorch), our wheel installed on top WITHOUT changing
 # flwr, and the library tests (flwr + numpy only) run against the installed
-# wheel, the two-round plug-in run among them (tests/test_library_plug_in.py).
+# wheel, the two-round plug-in run among them (tests/strategies/test_library_plug_in.py).
 #
 # usage: scripts/test-flower-versions.sh BUILD_PYTHON VENV_PYTHON "VERSIONS" TESTS...
 #   BUILD_PYTHON  a Python with `build` (the dev extra), builds dist/

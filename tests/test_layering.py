@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 
 #: Lowest first. A module belongs to the layer with the longest prefix that
-#: names it (``fedadapt.client.optim`` is the library, the rest of
-#: ``fedadapt.client`` the app). One layer a line, as the README's layout.
+#: names it. One layer a line, as the README's layout.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("fedadapt", "fedadapt._atomic", "fedadapt._validation",
               "fedadapt.errors", "fedadapt.registry")),
-    ("library", ("fedadapt.strategies", "fedadapt.client.optim")),
+    ("library", ("fedadapt.strategies", "fedadapt.optimizers")),
     ("app", ("fedadapt.server", "fedadapt.client", "fedadapt.tasks",
              "fedadapt.config", "fedadapt.reference")),
     ("tools.deploy", ("fedadapt.tools.deploy",)),
@@ -177,7 +176,7 @@ def test_no_import_loop(root):
     strict=True,
     reason="registry.py's importlib strings close loops: config → registry → "
     "server.strategy_factory → config (#28 item 1 breaks it), and each registry "
-    "with what it registers (tasks, client.optim); remove this mark when gone",
+    "with what it registers (tasks, optimizers); remove this mark when gone",
 )
 def test_no_import_loop_through_importlib_strings(root):
     assert find_cycle(import_graph(root, strings=True)) is None

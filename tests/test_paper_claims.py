@@ -33,7 +33,7 @@ grid point" means the lowest such loss at the round being compared.
 Speed: local GD on a quadratic is linear, so τ steps have a closed form in
 each client's row space (see :class:`_Federation`); the rules are driven
 through ``apply`` with the round's sums Δ̄ and A (exactly ``step``'s result,
-as tests/test_rules.py checks).
+as tests/strategies/test_rules.py checks).
 :func:`test_closed_form_training_matches_explicit_gd_and_step` checks
 both against explicit einsum GD steps and ``rule.step``. The whole grid
 (90 runs × 500 rounds × 3 seeds) runs once per module, in seconds.

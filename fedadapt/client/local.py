@@ -21,8 +21,8 @@ from fedadapt.client.local_update import (
     load_client_state,
     save_client_state,
 )
-from fedadapt.client.optim import OPTIMIZERS, uses_second_moments
 from fedadapt.client.training import train_local
+from fedadapt.optimizers import OPTIMIZERS, uses_second_moments
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, evaluate_model, pick_device
 

@@ -6,7 +6,7 @@ FedDuA (Takakura et al., "FedDuA: Doubly Adaptive Federated Learning", which
 follows the FedExP code ``Divyansh03/FedExP`` of Jhunjhunwala et al.,
 arXiv:2301.09604).
 
-Models and parameter counts (each checked in ``tests/test_models.py``):
+Models and parameter counts (each checked in ``tests/tasks/test_models.py``):
 
 * :class:`MLP`: the digits task's small perceptron (unchanged).
 * :class:`CNNMnist`: Δ-SGD MNIST/FMNIST CNN, also Fed-LAMB's MNIST CNN

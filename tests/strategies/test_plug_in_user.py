@@ -24,7 +24,7 @@ from flwr.server.client_proxy import ClientProxy
 import fedadapt.strategies as ours
 from fedadapt.strategies import legacy
 from tests.helpers import make_reply
-from tests.test_trust import _grid, _record
+from tests.strategies.test_trust import _grid, _record
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedadapt.client.optim import OPTIMIZERS, SPS
 from fedadapt.config import ConfigError, validate_run_config
+from fedadapt.optimizers import OPTIMIZERS, SPS
 
 
 def _quadratic(seed: int = 0):

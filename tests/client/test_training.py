@@ -159,7 +159,7 @@ def test_device_choice():
 @pytest.mark.parametrize("optimizer", ["sgd", "delta-sgd"])
 def test_training_on_cuda_matches_cpu(optimizer):
     """Issue #5: client training runs unchanged on CUDA (same result as CPU)."""
-    from fedadapt.client.optim import DeltaSGD
+    from fedadapt.optimizers import DeltaSGD
 
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     y = (x.sum(dim=1) > 0).long()
@@ -190,7 +190,7 @@ def test_training_on_cuda_matches_cpu(optimizer):
 
 def test_adagrad_client_optimizer_is_a_fresh_adagrad_each_round():
     """Δ-SGD's Adagrad baseline: x ← x − η·g/(√(Σg²) + 1e-10), state reset."""
-    from fedadapt.client.optim import OPTIMIZERS
+    from fedadapt.optimizers import OPTIMIZERS
 
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Fed-LAMB / Fed-AMS client optimizers (arXiv:2110.00532 Algorithm 1).
 
 The oracle is a float64 NumPy transcription of the client step written below
-(``_Reference``, Algorithm 1 as read in ``fedadapt.client.optim.fedlamb``),
+(``_Reference``, Algorithm 1 as read in ``fedadapt.optimizers.fedlamb``),
 never the code under test; the round-one Fed-AMS check also uses torch's Adam.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedadapt.client.optim import fedlamb
-from fedadapt.client.optim.fedlamb import FedAMS, FedLAMB
+from fedadapt.optimizers import fedlamb
+from fedadapt.optimizers.fedlamb import FedAMS, FedLAMB
 
 # One weight matrix, a zero-initialised bias (zero-norm guard), a second matrix.
 SHAPES = [(3, 4), (3,), (2, 3)]

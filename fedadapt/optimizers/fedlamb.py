@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_scalar
-from fedadapt.client.optim._foreach import _check_foreach, _default_foreach
+from fedadapt.optimizers._foreach import _check_foreach, _default_foreach
 
 __all__ = ["FedAMS", "FedLAMB", "fed_lamb"]
 
@@ -160,7 +160,7 @@ def fed_lamb(
         Use the ``torch._foreach_*`` path; ``None`` picks it when all tensors
         are on CUDA, or all on CPU with at most 32,768 elements per tensor on
         average (faster there; the policy shared with Δ-SGD,
-        ``fedadapt.client.optim._foreach._default_foreach``). Both paths
+        ``fedadapt.optimizers._foreach._default_foreach``). Both paths
         compute the same values. Defaults to None.
     """
     if foreach is None:

@@ -215,7 +215,7 @@ def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
 def test_stop_rule_ends_the_run_and_results_json_says_why(tmp_path):
     """Issue #27 part 6: any accuracy >= 0.01 ends a 3-round run after round 1.
 
-    (The legacy app: tests/test_run_control.py, without Ray.)
+    (The legacy app: tests/strategies/test_run_control.py, without Ray.)
     """
     run_in_process({"output-dir": str(tmp_path), "run-name": "stop",
                     "strategy": "fedexp", "num-server-rounds": 3,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedadapt.client.optim import deltasgd
-from fedadapt.client.optim.deltasgd import (
+from fedadapt.optimizers import deltasgd
+from fedadapt.optimizers.deltasgd import (
     DeltaSGD,
     delta_sgd,
     preserve_buffers,
@@ -1130,7 +1130,7 @@ def test_group_level_foreach_is_honoured(monkeypatch, mode):
 
 def test_default_foreach_is_one_policy_shared_with_fedlamb(monkeypatch):
     """``foreach=None``: Fed-LAMB's policy, so large CPU tensors loop."""
-    from fedadapt.client.optim import fedlamb
+    from fedadapt.optimizers import fedlamb
 
     assert deltasgd._default_foreach is fedlamb._default_foreach
     calls = _spy_both_paths(monkeypatch)

@@ -13,7 +13,7 @@ from fedadapt.tasks import TASKS
 from fedadapt.tasks.datasets import DatasetMissingError
 from fedadapt.tasks.synthetic import linreg_loss, make_feddua_linreg
 from tests.helpers import run_in_process
-from tests.test_datasets import (
+from tests.tasks.test_datasets import (
     make_cifar10,
     make_femnist,
     make_shakespeare,

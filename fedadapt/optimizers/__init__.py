@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedadapt.client.optim.deltasgd import DeltaSGD, StepInfo, preserve_buffers
-from fedadapt.client.optim.fedlamb import FedAMS, FedLAMB
-from fedadapt.client.optim.sps import SPS
+from fedadapt.optimizers.deltasgd import DeltaSGD, StepInfo, preserve_buffers
+from fedadapt.optimizers.fedlamb import FedAMS, FedLAMB
+from fedadapt.optimizers.sps import SPS
 from fedadapt.registry import Registry
 
 OptimizerFactory = Callable[

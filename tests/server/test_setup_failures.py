@@ -24,8 +24,8 @@ from fedadapt.tasks import TASKS
 from fedadapt.tasks.datasets import DatasetCorruptError, load_torchvision
 from fedadapt.tools import cli
 from tests.helpers import make_reply
-from tests.test_datasets import make_mnist
-from tests.test_tasks import write_mnist5k_csv
+from tests.tasks.test_datasets import make_mnist
+from tests.tasks.test_tasks import write_mnist5k_csv
 
 # digits-mlp: 1,797 digits, 20 % central test set -> 1,437 training samples
 DIGITS_TRAIN = 1437

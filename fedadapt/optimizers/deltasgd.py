@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from fedadapt._validation import check_choice, check_scalar
-from fedadapt.client.optim._foreach import _check_foreach, _default_foreach
+from fedadapt.optimizers._foreach import _check_foreach, _default_foreach
 
 __all__ = [
     "DeltaSGD",
@@ -554,7 +554,7 @@ def delta_sgd(
         ``True``: the ``torch._foreach_*`` implementation; ``False``: one
         operation per tensor; ``None``: foreach on CUDA and for small CPU
         tensors (the policy shared with Fed-LAMB,
-        ``fedadapt.client.optim._foreach._default_foreach``). Same values.
+        ``fedadapt.optimizers._foreach._default_foreach``). Same values.
     norms : sequence of float, optional
         This group's :func:`delta_sgd_norms`, already read back to the host;
         ``None`` computes them here (one host synchronisation).

@@ -211,7 +211,7 @@ def test_max_update_norm_clips_updates_before_the_sums(name):
     clipped = _clipped(deltas, clip)
     want = oracle(name, x0, clipped, [_sq(d) for d in clipped])
     # Execute: the absolute bound alone (the default relative one would
-    # scale client 0 to the median norm: tests/test_hostile.py)
+    # scale client 0 to the median norm: tests/strategies/test_hostile.py)
     strategy = build(name, max_update_norm=clip, max_update_norm_ratio=0.0)
     got, report = _message_round(strategy, x0, clients, _true_norms(x0, clients))
     # Assert
