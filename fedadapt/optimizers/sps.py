@@ -76,8 +76,14 @@ class SPS(Optimizer):
             "steps_per_epoch": steps_per_epoch >= 1,
             "eps": eps >= 0 and math.isfinite(eps),
         }
-        values = dict(lr=lr, c=c, f_star=f_star, gamma=gamma,
-                      steps_per_epoch=steps_per_epoch, eps=eps)  # fmt: skip
+        values = dict(
+            lr=lr,
+            c=c,
+            f_star=f_star,
+            gamma=gamma,
+            steps_per_epoch=steps_per_epoch,
+            eps=eps,
+        )
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"SPS: invalid {name}={values[name]!r}")

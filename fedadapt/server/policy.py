@@ -81,12 +81,19 @@ def partition_ids(answers: Mapping[K, Mapping[str, Any] | None]) -> dict[K, int]
         if isinstance(pid, int) and not isinstance(pid, bool):
             keys[node] = pid
     if len(keys) < len(answers):
-        log(WARNING, "fedadapt: %d of %d nodes did not report their "
+        log(
+            WARNING,
+            "fedadapt: %d of %d nodes did not report their "
             "partition-id; they are sampled after the others, not reproducibly",
-            len(answers) - len(keys), len(answers))  # fmt: skip
+            len(answers) - len(keys),
+            len(answers),
+        )
     if len(set(keys.values())) < len(keys):
-        log(WARNING, "fedadapt: several nodes report the same "
-            "partition-id; check each SuperNode's --node-config")  # fmt: skip
+        log(
+            WARNING,
+            "fedadapt: several nodes report the same "
+            "partition-id; check each SuperNode's --node-config",
+        )
     return keys
 
 
@@ -221,9 +228,16 @@ class RunStrategy(RuleStrategy):
                 return evaluate_fn(server_round + self.round_offset, arrays)
 
         return super().start(
-            grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-            shifted, should_stop, start_round=start_round,
-        )  # fmt: skip
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            shifted,
+            should_stop,
+            start_round=start_round,
+        )
 
     def _observe(self, server_round: int, source: int, metrics: Any) -> None:
         """Note the stop rule's metric under the global round number."""
@@ -321,8 +335,14 @@ class RunStrategy(RuleStrategy):
             return
         self._degraded[minimum] = len(nodes)
         phase = "train" if minimum == "min_train_nodes" else "evaluate"
-        log(WARNING, "Round %s %s: %d of %d nodes connected; sampling from those",
-            server_round + self.round_offset, phase, len(nodes), wanted)  # fmt: skip
+        log(
+            WARNING,
+            "Round %s %s: %d of %d nodes connected; sampling from those",
+            server_round + self.round_offset,
+            phase,
+            len(nodes),
+            wanted,
+        )
         entry = self.round_reports.setdefault(server_round + self.round_offset, {})
         entry.setdefault("nodes", {})[phase] = {
             "wanted": wanted,
@@ -394,9 +414,13 @@ class _SeededPool(ClientManager):
         if criterion is not None:
             clients = [c for c in clients if criterion.select(c)]
         if num_clients > len(clients):
-            log(INFO, "Sampling failed: number of available clients (%s) is less "
+            log(
+                INFO,
+                "Sampling failed: number of available clients (%s) is less "
                 "than number of requested clients (%s).",
-                len(clients), num_clients)  # fmt: skip
+                len(clients),
+                num_clients,
+            )
             return []
         if num_clients < len(clients):  # a real sample: order by partition-id
             self._owner.learn_partitions(clients, self._round)
@@ -473,9 +497,11 @@ class LegacyRunStrategy(LegacyRuleStrategy):
         self.partitions.update(partition_ids(answers))
 
     def _pool(self, manager: ClientManager, phase: str, rnd: int) -> ClientManager:
-        return manager if self.sampling_seed is None else _SeededPool(
-            manager, self, phase, rnd
-        )  # fmt: skip
+        return (
+            manager
+            if self.sampling_seed is None
+            else _SeededPool(manager, self, phase, rnd)
+        )
 
     def _record_sample(self, server_round: int, phase: str, clients: list) -> None:
         """Record which partitions (cids where unknown) were sampled."""

@@ -279,8 +279,13 @@ class RoundHook:
             )
         except OSError as error:
             entry["error"] = f"{type(error).__name__}: {error}"
-            log(logging.WARNING, "fedadapt: round %d: checkpoint not written (%s); "
-                "the last good one is kept", server_round, entry["error"])  # fmt: skip
+            log(
+                logging.WARNING,
+                "fedadapt: round %d: checkpoint not written (%s); "
+                "the last good one is kept",
+                server_round,
+                entry["error"],
+            )
         entry["seconds"] = time.perf_counter() - started
         self.recorder.data["rounds"][-1]["checkpoint"] = entry
         try:

