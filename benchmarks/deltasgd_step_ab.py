@@ -1,8 +1,8 @@
-"""Optimizer-only A/B of ``DeltaSGD.step``: the current step vs the frozen old one.
+"""Optimizer-only A/B of ``DeltaSGD.step``: the current step vs the old one.
 
 The share of a local step where a slower ``step()`` would show: the gradients
 are preset (the closure only copies them into ``.grad``), so no forward or
-backward pass is timed. Old (``benchmarks/deltasgd_baseline.py``) and new
+backward pass is timed. Old (``benchmarks/_old_deltasgd.py``, from git history) and new
 optimizers run on their own copy of the same model, interleaved step by step
 (the order alternates), ``reset()`` every 50 steps (a round), and each step is
 timed by the process's CPU time with one torch thread, so that load from other
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.deltasgd_baseline import DeltaSGD as OldDeltaSGD  # noqa: E402
+from benchmarks._old_deltasgd import OldDeltaSGD  # noqa: E402
 from benchmarks.optimizers import CNNMnist, ResNet18Cifar  # noqa: E402
 from fedadapt.optimizers import DeltaSGD  # noqa: E402
 

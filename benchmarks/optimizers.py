@@ -11,7 +11,7 @@ Times one full local step, forward and backward included, of
 * :class:`fedadapt.optimizers.FedLAMB` and :class:`~fedadapt.optimizers.FedAMS`
   (library defaults, ``load_second_moments(None)`` once before stepping),
 * the A/B of issue #28 item 5: both Δ-SGD rows again with the step as it was
-  before (``DeltaSGD`` from ``benchmarks/deltasgd_baseline.py``, a frozen copy,
+  before (``DeltaSGD`` from ``benchmarks/_old_deltasgd.py``, read from git history,
   marked "(old step)"); the "new/old" column is the paired ratio of the
   current step to the old one (target <= 1.05x),
 
@@ -91,7 +91,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.deltasgd_baseline import DeltaSGD as OldDeltaSGD  # noqa: E402
+from benchmarks._old_deltasgd import OldDeltaSGD  # noqa: E402
 from fedadapt.optimizers import DeltaSGD, FedAMS, FedLAMB  # noqa: E402
 
 BATCH = 32
