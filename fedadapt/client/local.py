@@ -14,7 +14,10 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from fedadapt.client import fedprox  # noqa: F401 (registers its client half)
+from fedadapt.client import (
+    fedprox,  # noqa: F401 (registers its client half)
+    moon,  # noqa: F401 (registers its client half)
+)
 from fedadapt.client.local_update import (
     LocalStart,
     client_update,

@@ -53,6 +53,7 @@ __all__ = [
     "LocalStart",
     "client_update",
     "load_client_state",
+    "log_state_reset",
     "save_client_state",
 ]
 
@@ -159,9 +160,20 @@ def load_client_state(
         reason = f"unreadable ({error})"
     if reason is None:
         return state, False
+    log_state_reset(update, reason)
+    return None, True
+
+
+def log_state_reset(update: ClientUpdate, reason: str) -> None:
+    """Log that ``update``'s client state is reset, and why.
+
+    :func:`load_client_state` calls it; a client half that finds its state
+    unusable only in :meth:`ClientUpdate.begin` (e.g. against the model's
+    shapes) calls it too and reports :data:`~fedadapt.strategies.wire.LOCAL_STATE_RESET`
+    = 1 in :attr:`LocalEnd.metrics`.
+    """
     log(WARNING, "fedadapt: local update %s: client state reset: %s",
         update.name, reason)  # fmt: skip
-    return None, True
 
 
 def save_client_state(

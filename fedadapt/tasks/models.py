@@ -29,7 +29,7 @@ Every classifier returns *logits*: use it with ``nn.CrossEntropyLoss``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,8 @@ __all__ = [
     "ResNetCIFAR",
     "ShakespeareLSTM",
     "count_parameters",
+    "representation",
+    "representation_layer",
     "resnet18_cifar",
     "resnet50_cifar",
 ]
@@ -86,6 +88,46 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return class logits."""
         return self.net(x)
+
+
+def representation_layer(model: nn.Module) -> nn.Linear:
+    """Return the layer whose input is the model's *representation*.
+
+    The rule (our choice, for MOON's z and any other use): the representation
+    is the input of the model's last ``nn.Linear`` layer in registration
+    order, the classifier of every model here (MOON, Li et al. 2021 §3.1,
+    uses the output of a projection head the task models lack; the Δ-SGD
+    code uses the ResNet's pooled features, :meth:`ResNetCIFAR.features`,
+    the same tensor). For :class:`LinearRegression` that is the input x
+    itself: the model has no hidden layer.
+
+    Raises ValueError when the model has no ``nn.Linear`` layer.
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear layer, so no representation "
+            "(the input of its last Linear layer) is defined"
+        )
+    return linears[-1]
+
+
+def representation(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Run ``model(x)``; return (its representation as ``(N, d)``, its output).
+
+    The representation is the input of :func:`representation_layer`,
+    flattened to two dimensions (one row per example), taken from the same
+    forward pass as the output.
+    """
+    captured: list[torch.Tensor] = []
+    hook = representation_layer(model).register_forward_pre_hook(
+        lambda _module, args: captured.append(args[0])
+    )
+    try:
+        output = model(x)
+    finally:
+        hook.remove()
+    return captured[-1].flatten(1), output
 
 
 # ---------------------------------------------------------------------------
