@@ -32,14 +32,14 @@ from fedadapt.strategies._records import state_from_records, state_to_records
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.tasks import TASKS
 from fedadapt.tasks.models import MLP, representation, representation_layer
-from tests.helpers import run_in_process
-from tests.test_local_update import (
+from tests.client.test_local_update import (
     _contexts,
     _global_state,
     _message_rounds,
     _Proxy,
 )
-from tests.test_models import CASES
+from tests.helpers import run_in_process
+from tests.tasks.test_models import CASES
 
 MOON = {wire.LOCAL_UPDATE: "moon", "moon.mu": 1.0, "moon.temperature": 0.5}
 STATE = "local-update.moon"  # the records of MOON's client state in Context.state
