@@ -127,8 +127,10 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("client-optimizer", "sgd", "Optimizer of local training.",
         choices=_registry_names("client-optimizer")),
     Key("local-update", "none", "An algorithm's client-side part, with any "
-        "strategy: none (plain local training) or fedprox (proximal term "
-        "(μ/2)‖w − w_t‖², Li et al. 2020).", choices=_registry_names("local-update")),
+        "strategy: none (plain local training), fedprox (proximal term "
+        "(μ/2)‖w − w_t‖², Li et al. 2020) or scaffold (control variates, option "
+        "II, Karimireddy et al. 2020; η_g is the strategy's server step).",
+        choices=_registry_names("local-update")),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "
