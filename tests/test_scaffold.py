@@ -318,6 +318,11 @@ def test_scaffold_runs_in_flower_simulation(tmp_path, strategy, api):
     data = json.loads((tmp_path / "sc" / "results.json").read_text())
     assert data["status"] == "completed"
     assert data["local_update"] == {"name": "scaffold"}
+    assert (data["config"]["strategy"], data["config"]["local-update"]) == (
+        strategy,
+        "scaffold",
+    )
     for r in data["rounds"]:
         assert r["replies"]["used"] == 2
+        assert r["strategy"]["scaffold-c-norm"] > 0  # the server half ran
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
