@@ -20,7 +20,7 @@ from fedadapt.client.local_update import LocalStart
 from fedadapt.client.scaffold import ScaffoldClient
 from fedadapt.client.training import train_local
 from fedadapt.config import validate_run_config
-from fedadapt.strategies import FedAvg, FedDuA, Scaffold, wire
+from fedadapt.strategies import FedAvg, FedAvgM, FedDuA, Scaffold, wire
 from fedadapt.strategies.legacy import FedDuA as LegacyFedDuA
 from fedadapt.tasks import TASKS
 from tests.helpers import run_in_process, run_legacy_in_process
@@ -94,12 +94,15 @@ LINREG = {"task": "synthetic-linreg", "local-steps": 3, "batch-size": 30}
 
 
 @pytest.mark.usefixtures("task_identity")
-def test_rounds_with_partial_participation_match_a_float64_reference():
-    """Three rounds, 2 of N = 3 nodes each, FedAvg's server (η_g = 1): lines 6-17.
+@pytest.mark.parametrize("eta_g", [1.0, 2.0])
+def test_rounds_with_partial_participation_match_a_float64_reference(eta_g):
+    """Three rounds, 2 of N = 3 nodes each: lines 6-17 of Algorithm 1.
 
     The reference keeps x, c and every c_i in float64; each sampled client
     takes K full-batch steps of y ← y − η_l(∇f_i(y) − c_i + c) on its
-    (1/2n)‖Xy − t‖²; x ← mean y_i (equal num-examples), c ← c + (1/N) Σ Δc_i.
+    (1/2n)‖Xy − t‖²; x ← x + η_g·mean(y_i − x) (equal num-examples),
+    c ← c + (1/N) Σ Δc_i. η_g is the strategy's: FedAvg (η_g = 1), FedAvgM
+    with momentum 0 (η_g = 2).
     """
     num, lr, steps = 3, 0.1, LINREG["local-steps"]
     cfg = validate_run_config(LINREG)
@@ -113,8 +116,12 @@ def test_rounds_with_partial_participation_match_a_float64_reference():
                       RecordDict(), dict(LINREG))
         for node in range(1, num + 1)
     }  # fmt: skip
-    strategy = FedAvg(local_update=Scaffold(), fraction_train=0.5, min_train_nodes=2,
-                      min_available_nodes=num)  # fmt: skip
+    kwargs = dict(local_update=Scaffold(), fraction_train=0.5, min_train_nodes=2,
+                  min_available_nodes=num)  # fmt: skip
+    strategy = (
+        FedAvg(**kwargs) if eta_g == 1
+        else FedAvgM(server_learning_rate=eta_g, server_momentum=0.0, **kwargs)
+    )  # fmt: skip
     torch.manual_seed(0)
     arrays = ArrayRecord(task.build_model().state_dict())
     x = {
@@ -147,7 +154,7 @@ def test_rounds_with_partial_participation_match_a_float64_reference():
             deltas.append({k: plus[k] - c_i[i][k] for k in x})
             c_i[i] = plus
             ys.append(y)
-        x = {k: sum(y[k] for y in ys) / len(ys) for k in x}
+        x = {k: x[k] + eta_g * sum(y[k] - x[k] for y in ys) / len(ys) for k in x}
         c = {k: c[k] + sum(d[k] for d in deltas) / num for k in c}  # 1/N, not 1/|S|
         got = arrays.to_torch_state_dict()["linear.weight"].numpy()
         np.testing.assert_allclose(got, x["linear.weight"], rtol=1e-4, atol=1e-6)
