@@ -128,8 +128,10 @@ _APP_KEYS: tuple[Key, ...] = (
         choices=_registry_names("client-optimizer")),
     Key("local-update", "none", "An algorithm's client-side part, with any "
         "strategy: none (plain local training), fedprox (proximal term "
-        "(μ/2)‖w − w_t‖², Li et al. 2020) or moon (model-contrastive loss, Li, "
-        "He and Song 2021).", choices=_registry_names("local-update")),
+        "(μ/2)‖w − w_t‖², Li et al. 2020), moon (model-contrastive loss, Li, "
+        "He and Song 2021) or scaffold (control variates, option II, Karimireddy "
+        "et al. 2020; η_g is the strategy's server step); its hyperparameters are "
+        "the `<local-update>.*` keys.", choices=_registry_names("local-update")),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "

@@ -17,6 +17,7 @@ from flwr.app import RecordDict
 from fedadapt.client import (
     fedprox,  # noqa: F401 (registers its client half)
     moon,  # noqa: F401 (registers its client half)
+    scaffold,  # noqa: F401 (registers its client half)
 )
 from fedadapt.client.local_update import (
     LocalStart,
@@ -107,7 +108,7 @@ def train_round(
         update.begin(
             LocalStart(
                 model, config or {}, local_arrays or {}, kept, data.train,
-                criterion, cfg["batch-size"], device, server_round, lr,
+                criterion, cfg["batch-size"], device, server_round, lr, reset,
             )
         )  # fmt: skip
     optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)

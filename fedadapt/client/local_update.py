@@ -72,6 +72,9 @@ class LocalStart:
     device: torch.device
     server_round: int
     lr: float  #: the round's client learning rate η_l (after its decay)
+    #: True when a kept state could not be used and was reset (``state`` is
+    #: then None): the client half can tell a lost state from a first round
+    state_reset: bool = False
 
 
 @dataclass

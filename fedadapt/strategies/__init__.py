@@ -18,7 +18,7 @@ hyperparameters, from which both classes, the app's run-config keys
 ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
 An algorithm's client-side part (FedProx's proximal term, …) is a
 :class:`LocalUpdate` given to any strategy:
-``FedAvg(local_update=FedProx(mu=0.01))``.
+``FedAvg(local_update=FedProx(mu=0.01))``, ``FedDuA(local_update=Scaffold())``.
 A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 :class:`FederationFailedError`. Importable with flwr and numpy alone:
 nothing here imports torch.
@@ -45,6 +45,7 @@ from fedadapt.strategies.fedopt import (
 from fedadapt.strategies.fedprox import FedProx
 from fedadapt.strategies.local_update import LocalUpdate
 from fedadapt.strategies.moon import Moon
+from fedadapt.strategies.scaffold import Scaffold
 from fedadapt.strategies.screening import reject_reason
 
 #: The declared algorithms by run-config ``strategy`` name (in this order in
@@ -74,6 +75,7 @@ __all__ = [
     "Moon",
     "RoundStatistics",
     "RuleStrategy",
+    "Scaffold",
     "ServerRule",
     "records_from_bytes",
     "records_to_bytes",
