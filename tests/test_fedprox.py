@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import Code, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 from torch import nn
@@ -32,7 +32,8 @@ from fedadapt.config import validate_run_config
 from fedadapt.strategies import FedLAMB, FedProx, wire
 from fedadapt.strategies.legacy import FedLAMB as LegacyFedLAMB
 from fedadapt.tasks import TASKS
-from tests.test_local_update import _Grid, _Proxy
+from tests.test_local_update import _contexts as _plain_contexts
+from tests.test_local_update import _global_state, _Grid, _Proxy
 
 CPU = torch.device("cpu")
 PROX = {wire.LOCAL_UPDATE: "fedprox"}
@@ -182,11 +183,6 @@ def _cfg(**overrides: Any) -> dict[str, Any]:
     return validate_run_config({**base, **overrides})
 
 
-def _global_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return TASKS.get("digits-mlp").build_model().state_dict()
-
-
 def test_fedprox_mu_zero_with_fed_lamb_is_the_plain_client_bit_for_bit():
     """μ = 0 with Fed-LAMB: same model and same second moments as no FedProx."""
     cfg, state = _cfg(), _global_state()
@@ -210,23 +206,13 @@ def test_fedprox_mu_zero_with_fed_lamb_is_the_plain_client_bit_for_bit():
 
 
 def _contexts(num: int) -> dict[int, Context]:
-    run_config = {
-        "task": "digits-mlp",
-        "local-steps": 2,
-        "batch-size": 16,
-        "client-optimizer": "fed-lamb",
-        "strategy": "fed-lamb",
-    }
-    return {
-        node: Context(
-            1,
-            node,
-            {"partition-id": node - 1, "num-partitions": num},
-            RecordDict(),
-            dict(run_config),
+    """Nodes as in tests/test_local_update.py, with Fed-LAMB clients."""
+    contexts = _plain_contexts(num)
+    for context in contexts.values():
+        context.run_config.update(
+            {"client-optimizer": "fed-lamb", "strategy": "fed-lamb"}
         )
-        for node in range(1, num + 1)
-    }
+    return contexts
 
 
 @pytest.mark.usefixtures("task_identity")
