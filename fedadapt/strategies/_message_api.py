@@ -105,7 +105,7 @@ def _describe_trainable(trainable: Trainable | None) -> str:
     return f"{len(trainable)} named arrays"
 
 
-def _traffic(content: RecordDict, scalars: str) -> tuple[list[bytes], int]:
+def _record_bytes(content: RecordDict, scalars: str) -> tuple[list[bytes], int]:
     """Return a message's serialized arrays and the bytes of its ``scalars``.
 
     ``scalars`` is ``"config"`` or ``"metrics"`` (see
@@ -315,7 +315,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
                 message.content[wire.LOCAL_ARRAYS] = record
         self._traffic = RoundTraffic()
         for message in messages:
-            data, config_bytes = _traffic(message.content, "config")
+            data, config_bytes = _record_bytes(message.content, "config")
             self._traffic.add_sent(message.metadata.dst_node_id, data, config_bytes)
         return messages
 
@@ -347,7 +347,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         traffic, self._traffic = self._traffic or RoundTraffic(), None
         for message in replies:
             if not message.has_error():
-                data, metric_bytes = _traffic(message.content, "metrics")
+                data, metric_bytes = _record_bytes(message.content, "metrics")
                 traffic.add_received(message.metadata.src_node_id, data, metric_bytes)
         report = self.round_reports.setdefault(server_round, {})
         report["communication"] = traffic.as_dict()
