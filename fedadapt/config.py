@@ -182,6 +182,10 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("client-lr-decay", 1.0, "Client learning rate decay per round: round t "
         "trains with client-lr·decay^(t−1) (DUA/FedExP image tasks: 0.998).",
         minimum=0.0, maximum=1.0, exclusive_minimum=True),
+    Key("client-lr-schedule", "constant", "Client learning rate schedule over the "
+        "rounds, on top of client-lr-decay: constant, or step (the Δ-SGD paper's ↓ "
+        "baselines: divided by 10 from round ⌊T/2⌋+1 on and again from ⌊3T/4⌋+1, "
+        "T = num-server-rounds).", choices=("constant", "step")),
     Key("client-weight-decay", 0.0, "L2 weight decay λ of local training: every "
         "gradient gets + λ·x (DUA/FedExP image tasks: 1e-4).", minimum=0.0),
     Key("client-grad-clip", 0.0, "Clip each local loss gradient to this L2 norm "

@@ -6,6 +6,7 @@ Both the Message-API ClientApp and the legacy NumPyClient call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,14 +50,38 @@ def client_seed(cfg: Mapping[str, Any], server_round: int, partition_id: int) ->
     return cfg["seed"] * 1_000_003 + server_round * 10_007 + partition_id
 
 
-def round_lr(lr: float, decay: float, server_round: int) -> float:
+#: the step schedule's milestones, fractions of the rounds (Δ-SGD ICLR §4)
+STEP_MILESTONES = (0.5, 0.75)
+
+
+def round_lr(
+    lr: float,
+    decay: float,
+    server_round: int,
+    schedule: str = "constant",
+    num_rounds: int = 1,
+) -> float:
     """Return the client learning rate of round ``server_round`` (1-based).
 
     η_l·decay^(t−1): the per-round decay of DUA App. H.1 ("learning rate decay
     of 0.998", after FedExP's code, which multiplies η_l by 0.998 after each
     round). Round 0 (no round sent) counts as round 1.
+
+    ``schedule="step"`` also divides by 10 for each milestone ⌊f·T⌋ (f in
+    :data:`STEP_MILESTONES`, T = ``num_rounds``) that the 0-based round t − 1
+    has reached: the Δ-SGD paper's ↓ baselines ("divided by 10 after 50%,
+    and another by 10 after 75% of the total rounds", ICLR §4; its code
+    decays at rounds int(0.5T)+1 and int(0.75T)+1). With T = 500, rounds
+    1-250 train with η_l, 251-375 with η_l/10, 376-500 with η_l/100.
     """
-    return lr * decay ** max(server_round - 1, 0)
+    t = max(server_round - 1, 0)
+    rate = lr * decay**t
+    if schedule == "constant":
+        return rate
+    if schedule != "step":
+        raise ValueError(f"unknown client-lr-schedule {schedule!r} (constant, step)")
+    passed = sum(t >= math.floor(f * num_rounds) for f in STEP_MILESTONES)
+    return rate / 10**passed
 
 
 def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
@@ -84,8 +109,9 @@ def train_round(
     ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
     the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes). The
     learning rate is decayed by run-config ``client-lr-decay`` per round
-    (:func:`round_lr`); ``client-weight-decay`` and ``client-grad-clip`` act
-    on every local gradient (:func:`train_local`).
+    and follows ``client-lr-schedule`` (:func:`round_lr`);
+    ``client-weight-decay`` and ``client-grad-clip`` act on every local
+    gradient (:func:`train_local`).
 
     ``config`` is the server's train config: when it names a local update
     (``local-update``), its client half
@@ -100,7 +126,13 @@ def train_round(
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
     criterion = task.criterion()
-    lr = round_lr(lr, cfg["client-lr-decay"], server_round)
+    lr = round_lr(
+        lr,
+        cfg["client-lr-decay"],
+        server_round,
+        cfg["client-lr-schedule"],
+        cfg["num-server-rounds"],
+    )
     update = client_update(config or {})
     reset = False
     if update is not None:

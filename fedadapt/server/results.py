@@ -113,6 +113,7 @@ class RunRecorder:
             "replies": report.get("train_replies"),
             "evaluate_replies": report.get("evaluate_replies"),
             "strategy": report.get("diagnostics", {}),
+            "communication": report.get("communication"),
         }
         if "nodes" in report:  # fewer nodes than wanted after node loss
             entry["nodes"] = report["nodes"]
@@ -123,6 +124,11 @@ class RunRecorder:
         for total in ("norm_mismatches", "clipped"):  # run totals of the rounds'
             self.data[total] = sum(
                 (r.get("replies") or {}).get(total, 0) for r in self.data["rounds"]
+            )
+        for total in ("sent_bytes", "received_bytes"):  # training traffic
+            self.data[total] = sum(
+                (r.get("communication") or {}).get(total, 0)
+                for r in self.data["rounds"]
             )
         self.write()
         log(logging.INFO, "%s", format_round(entry, num_rounds))

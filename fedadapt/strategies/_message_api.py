@@ -55,6 +55,7 @@ from fedadapt.strategies.screening import (
     failed_reply,
     screen,
 )
+from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
 
 class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -102,6 +103,17 @@ def _describe_trainable(trainable: Trainable | None) -> str:
     if callable(trainable):
         return f"those {getattr(trainable, '__name__', repr(trainable))} accepts"
     return f"{len(trainable)} named arrays"
+
+
+def _record_bytes(content: RecordDict, scalars: str) -> tuple[list[bytes], int]:
+    """Return a message's serialized arrays and the bytes of its ``scalars``.
+
+    ``scalars`` is ``"config"`` or ``"metrics"`` (see
+    :mod:`fedadapt.strategies.traffic`).
+    """
+    arrays = [a.data for r in content.array_records.values() for a in r.values()]
+    records = content.config_records if scalars == "config" else content.metric_records
+    return arrays, sum(scalar_bytes(r) for r in records.values())
 
 
 def _recipients(messages: Iterable[Message]) -> dict[str, int]:
@@ -230,6 +242,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         self.local_update = local_update
         self._sent: Arrays | None = None
+        self._traffic: RoundTraffic | None = None  # the train messages' bytes
         self._asked: dict[str, list[Message]] = {"train": [], "evaluate": []}
         self._last_output: ArrayRecord | None = None
         # with average_last_two: w_{t+1}, which training continues from
@@ -300,6 +313,10 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             record = _to_record(local)
             for message in messages:
                 message.content[wire.LOCAL_ARRAYS] = record
+        self._traffic = RoundTraffic()
+        for message in messages:
+            data, config_bytes = _record_bytes(message.content, "config")
+            self._traffic.add_sent(message.metadata.dst_node_id, data, config_bytes)
         return messages
 
     def _training_record(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -326,6 +343,14 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         self.completed_round = server_round
         key = self.rule.client_state_key
         asked = _recipients(self._asked["train"])
+        replies = list(replies)
+        traffic, self._traffic = self._traffic or RoundTraffic(), None
+        for message in replies:
+            if not message.has_error():
+                data, metric_bytes = _record_bytes(message.content, "metrics")
+                traffic.add_received(message.metadata.src_node_id, data, metric_bytes)
+        report = self.round_reports.setdefault(server_round, {})
+        report["communication"] = traffic.as_dict()
         candidates = [_unpack_train(m, key, asked) for m in replies]
         screen_replies(self.local_update, candidates)
         new, valid = self.run_rule(

@@ -76,6 +76,7 @@ from fedadapt.strategies.local_update import (
     screen_replies,
 )
 from fedadapt.strategies.screening import TrainReply, failed_reply
+from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
 WEIGHT_KEY = wire.NUM_EXAMPLES
 
@@ -211,6 +212,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self._last_output: Parameters | None = None
         self._iterate: Arrays | None = None  # w_{t+1} with average_last_two
         self._output: Arrays | None = None  # what _last_output holds
+        self._traffic: RoundTraffic | None = None  # the fit instructions' bytes
         self._stopped_after: int | None = None
 
     def __repr__(self) -> str:
@@ -259,10 +261,15 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 (proxy, FitIns(ins.parameters, {**ins.config, **scalars}))
                 for proxy, ins in pairs
             ]
-        if not extra:
-            return pairs
-        packed = ndarrays_to_parameters(model + extra)
-        return [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
+        if extra:
+            packed = ndarrays_to_parameters(model + extra)
+            pairs = [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
+        self._traffic = RoundTraffic()
+        for proxy, ins in pairs:
+            self._traffic.add_sent(
+                proxy.cid, ins.parameters.tensors, scalar_bytes(ins.config)
+            )
+        return pairs
 
     def _training_model(self, parameters: Parameters) -> tuple[Parameters, NDArrays]:
         """Return the model clients train from when the global one is ``parameters``."""
@@ -294,8 +301,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         candidates: list[TrainReply | str] = [_failure(f) for f in failures]
         size = len(self._sent or {})
         with_state = self.rule.client_state_key is not None
+        traffic, self._traffic = self._traffic or RoundTraffic(), None
         for proxy, res in results:
             reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
+            traffic.add_received(proxy.cid, res.parameters.tensors, scalar_bytes(reply))
             arrays = parameters_to_ndarrays(res.parameters)
             local, problem = _local_arrays(reply, arrays, size)
             model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
@@ -307,6 +316,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     local_arrays=local,
                 )
             )  # fmt: skip
+        report = self.round_reports.setdefault(server_round, {})
+        report["communication"] = traffic.as_dict()
         screen_replies(self.local_update, candidates)
         # Flower's contract: with failures and accept_failures=False, no update
         keep = bool(failures) and not self.accept_failures

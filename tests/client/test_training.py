@@ -95,6 +95,53 @@ def test_client_lr_decays_per_round():
     assert round_lr(0.1, 1.0, 500) == 0.1
 
 
+def test_client_lr_step_schedule_is_the_delta_sgd_down_baseline():
+    """client-lr-schedule=step: η_l/10 after 50% and /100 after 75% of T rounds.
+
+    Δ-SGD ICLR §4 ("divided by 10 after 50%, and another by 10 after 75% of
+    the total training rounds"); with T = 500 the official code decays at
+    1-based rounds 251 and 376. Composes with client-lr-decay.
+    """
+    from fedadapt.client.local import round_lr
+
+    def paper(t: int, total: int) -> float:  # the rounds written out
+        done = t - 1  # rounds finished before round t
+        return 0.1 if done < total // 2 else 0.01 if done < 3 * total // 4 else 0.001
+
+    for total in (500, 20, 7, 4):
+        for t in range(1, total + 1):
+            got = round_lr(0.1, 1.0, t, "step", total)
+            assert got == pytest.approx(paper(t, total), rel=1e-15), (total, t)
+    assert [round_lr(0.1, 1.0, t, "step", 500) for t in (250, 251, 375, 376)] == [
+        pytest.approx(v, rel=1e-15) for v in (0.1, 0.01, 0.01, 0.001)
+    ]
+    assert round_lr(0.1, 0.5, 12, "step", 20) == pytest.approx(
+        0.1 * 0.5**11 / 10, rel=1e-15
+    )
+    assert round_lr(0.1, 0.998, 400, "constant", 500) == round_lr(0.1, 0.998, 400)
+    with pytest.raises(ValueError, match="client-lr-schedule"):
+        round_lr(0.1, 1.0, 1, "cosine", 10)
+
+
+def test_train_round_follows_the_client_lr_schedule(cfg):
+    """train_round (both client APIs) trains round t with the step schedule's lr."""
+    from fedadapt.client.local import train_round
+
+    config = cfg(**{"local-steps": 1, "batch-size": 4096, "num-server-rounds": 4})
+    step = {**config, "client-lr-schedule": "step"}
+    torch.manual_seed(0)
+    state = TASKS.get("digits-mlp").build_model().state_dict()
+
+    def norm(run_config, server_round):
+        run = train_round(run_config, 0, 10, state, 0.1, server_round=server_round)
+        return run.metrics["update-sq-norm"]
+
+    # one full-batch SGD step: ‖Δ‖² ∝ lr²; T = 4: rounds 1-2 η, 3 η/10, 4 η/100
+    assert norm(step, 2) == norm(config, 2)
+    assert norm(step, 3) == pytest.approx(norm(config, 3) / 1e2, rel=1e-5)
+    assert norm(step, 4) == pytest.approx(norm(config, 4) / 1e4, rel=1e-5)
+
+
 def test_train_round_applies_the_decayed_lr_and_tricks(cfg):
     """train_round passes client-lr-decay, weight decay and clipping on."""
     from fedadapt.client.local import train_round

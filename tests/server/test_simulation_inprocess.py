@@ -186,6 +186,17 @@ def test_each_client_optimizer_improves_the_loss(
         assert 0 < train["opt-eta-min"] <= train["opt-eta-mean"] <= train["opt-eta-max"]
     if strategy == "fed-lamb":
         assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0
+    # the traffic, the same in both APIs: the MLP's .npy bytes (4 per float32
+    # value + 128 per array) each way; Fed-LAMB's v̂ / v double it (v̂ from
+    # round 2 on)
+    model = 4 * (64 * 64 + 64 + 64 * 10 + 10) + 4 * 128
+    moments = model if strategy == "fed-lamb" else 0
+    for r in data["rounds"]:
+        comm = r["communication"]
+        assert len(comm["sent"]) == len(comm["received"]) == 3
+        for node, sent in comm["sent"].items():
+            assert sent["arrays"] == model + (moments if r["round"] > 1 else 0)
+            assert comm["received"][node]["arrays"] == model + moments
 
 
 def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
