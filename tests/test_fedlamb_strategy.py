@@ -58,7 +58,9 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
         # 1/n), not num-examples weighted
         np.testing.assert_allclose(new["w"].numpy(), np.mean(thetas, axis=0), rtol=1e-5)
         expected_v_hat = np.maximum(expected_v_hat, np.mean(vs, axis=0))
-        np.testing.assert_allclose(strategy.local_update.v_hat["w"], expected_v_hat, rtol=1e-6)
+        np.testing.assert_allclose(
+            strategy.local_update.v_hat["w"], expected_v_hat, rtol=1e-6
+        )
         arrays = new
     diag = strategy.round_reports[3]["diagnostics"]
     assert diag["v-hat-mean"] == pytest.approx(float(expected_v_hat.mean()), rel=1e-6)
@@ -96,7 +98,9 @@ def test_v_hat_survives_a_state_dict_round_trip():
     )
     restored = FedLAMB()
     restored.load_state_dict(strategy.state_dict())
-    np.testing.assert_array_equal(restored.local_update.v_hat["w"], strategy.local_update.v_hat["w"])
+    np.testing.assert_array_equal(
+        restored.local_update.v_hat["w"], strategy.local_update.v_hat["w"]
+    )
 
 
 # --- one rule, two adapters ---------------------------------------------------
@@ -155,7 +159,9 @@ def test_legacy_and_message_fed_lamb_keep_the_same_v_hat():
         assert len(sent) == (1 if server_round == 1 else 2)  # v̂ after the model
         model = parameters_to_ndarrays(new)
         np.testing.assert_allclose(model[0], np.mean(thetas, axis=0), rtol=1e-6)
-        np.testing.assert_array_equal(old_api.local_update.v_hat["w"], message.local_update.v_hat["w"])
+        np.testing.assert_array_equal(
+            old_api.local_update.v_hat["w"], message.local_update.v_hat["w"]
+        )
 
 
 def test_legacy_first_round_moments_of_another_shape_are_rejected_not_a_crash():
