@@ -246,3 +246,25 @@ def test_aggregated_v_hat_equals_the_rule_of_algorithm_1():
     np.testing.assert_allclose(weighted.v_hat["w"], [2.5, 1.0])
     again = aggregate_second_moments(weighted.v_hat, [{"w": np.zeros(2, np.float32)}])
     np.testing.assert_array_equal(again["w"], weighted.v_hat["w"])  # never decreases
+
+
+@pytest.mark.e2e
+def test_fed_lamb_with_fedprox_runs_in_flower_simulation(tmp_path):
+    """Flower carries v̂, v and μ (serialised records, ``<name>/<key>`` arrays)."""
+    import json
+
+    from tests.helpers import run_in_process
+
+    cfg = {k: v for k, v in RUN_CONFIG.items() if k != "task"}
+    run_in_process(
+        {"output-dir": str(tmp_path), "run-name": "lamb", "num-server-rounds": 2,
+         **cfg},
+        num_supernodes=2,
+    )  # fmt: skip
+    data = json.loads((tmp_path / "lamb" / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert data["local_update"]["name"] == "fed-lamb+fedprox"
+    for r in data["rounds"]:
+        assert r["replies"]["used"] == 2
+        assert r["train"]["fedprox-term"] > 0  # FedProx's half ran
+        assert r["strategy"]["v-hat-mean"] > 0  # the clients' v reached v̂
