@@ -21,7 +21,8 @@ import torch
 from fedadapt.client.local import train_round
 from fedadapt.config import validate_run_config
 from fedadapt.server.run import initial_state
-from fedadapt.strategies.core import aggregate_second_moments
+from fedadapt.strategies import wire
+from fedadapt.strategies.fedlamb import SecondMoments, aggregate_second_moments
 from fedadapt.tasks import TASKS, evaluate_model
 
 GRIDS = {
@@ -46,8 +47,20 @@ def accuracy_curve(overrides: dict, rounds: int, clients: int, per_round: int):
     v_hat, curve = None, []
     for r in range(1, rounds + 1):
         chosen = np.sort(rng.choice(clients, per_round, replace=False))
+        config = {wire.LOCAL_UPDATE: SecondMoments.name}  # Fed-LAMB's client half
+        if cfg["strategy"] != "fed-lamb":
+            config = {}
         outs = [
-            train_round(cfg, int(p), clients, state, cfg["client-lr"], r, v_hat)
+            train_round(
+                cfg,
+                int(p),
+                clients,
+                state,
+                cfg["client-lr"],
+                r,
+                config=config,
+                local_arrays=v_hat,
+            )
             for p in chosen
         ]
         w = np.array([o.metrics["num-examples"] for o in outs], float)
@@ -58,8 +71,8 @@ def accuracy_curve(overrides: dict, rounds: int, clients: int, per_round: int):
             ).astype(v.dtype)
             for k, v in state.items()
         }
-        if outs[0].second_moments is not None:
-            v_hat = aggregate_second_moments(v_hat, [o.second_moments for o in outs])
+        if outs[0].local_arrays is not None:
+            v_hat = aggregate_second_moments(v_hat, [o.local_arrays for o in outs])
         model = task.build_model()
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         scores = evaluate_model(task, model, test, 256, torch.device("cpu"))

@@ -74,7 +74,7 @@ def test_server_side_spells_no_wire_name():
     from tests.helpers import ROOT
 
     names = {wire.LR, wire.SERVER_ROUND, wire.NUM_EXAMPLES, wire.UPDATE_SQ_NORM,
-             wire.SECOND_MOMENTS, wire.PARTITION_ID, wire.NUM_PARTITIONS}  # fmt: skip
+             wire.LOCAL_ARRAYS, wire.PARTITION_ID, wire.NUM_PARTITIONS}  # fmt: skip
     found = []
     for package in ("strategies", "server"):
         for path in sorted((ROOT / "fedadapt" / package).rglob("*.py")):

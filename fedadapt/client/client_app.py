@@ -2,12 +2,11 @@
 
 Each SuperNode must provide ``partition-id`` and ``num-partitions`` in its
 node config (the simulation engine does this automatically; in deployment
-pass ``--node-config "partition-id=0 num-partitions=10"``). For Fed-LAMB /
-Fed-AMS the server's v̂ arrives, and the client's v leaves, as a second
-ArrayRecord named ``second-moments``. When the train config names a local
-update (``local-update``, :mod:`fedadapt.client.local_update`), its arrays
-arrive and leave as the ArrayRecord ``local-update-arrays`` and its client
-state is kept in the node's ``context.state``. A ``query`` message is
+pass ``--node-config "partition-id=0 num-partitions=10"``). When the train
+config names a local update (``local-update``,
+:mod:`fedadapt.client.local_update`; Fed-LAMB's v̂ and v among them), its
+arrays arrive and leave as the ArrayRecord ``local-update-arrays`` and its
+client state is kept in the node's ``context.state``. A ``query`` message is
 answered with the node's ``partition-id`` and ``num-partitions`` (the
 ServerApp's seeded sampling orders nodes by them).
 """
@@ -62,7 +61,6 @@ def train(msg: Message, context: Context) -> Message:
         records[wire.ARRAYS].to_torch_state_dict(),
         lr=config_number(config.get(wire.LR, cfg["client-lr"])),
         server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
-        v_hat=_numpy(records.get(wire.SECOND_MOMENTS)),
         config=config,
         local_arrays=_numpy(records.get(wire.LOCAL_ARRAYS)),
         client_state=context.state,
@@ -73,8 +71,6 @@ def train(msg: Message, context: Context) -> Message:
             wire.METRICS: MetricRecord(dict(result.metrics)),
         }
     )
-    if result.second_moments is not None:
-        content[wire.SECOND_MOMENTS] = _record(result.second_moments)
     if result.local_arrays is not None:
         content[wire.LOCAL_ARRAYS] = _record(result.local_arrays)
     return Message(content=content, reply_to=msg)

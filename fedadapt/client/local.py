@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from fedadapt.client import (
-    fedprox,  # noqa: F401 (registers its client half)
-    moon,  # noqa: F401 (registers its client half)
-    scaffold,  # noqa: F401 (registers its client half)
+from fedadapt.client import (  # noqa: F401 (they register their client halves)
+    fedlamb,
+    fedprox,
+    moon,
+    scaffold,
 )
 from fedadapt.client.local_update import (
     LocalStart,
@@ -27,12 +28,9 @@ from fedadapt.client.local_update import (
     save_client_state,
 )
 from fedadapt.client.training import train_local
-from fedadapt.optimizers import OPTIMIZERS, uses_second_moments
+from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, evaluate_model, pick_device
-
-#: metric / record name of the optimizer's second moments (Fed-LAMB, Fed-AMS)
-SECOND_MOMENTS_KEY = wire.SECOND_MOMENTS
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,6 @@ class RoundResult:
 
     state: dict[str, torch.Tensor]  # CPU state_dict of the trained model
     metrics: dict[str, float | int]
-    second_moments: dict[str, np.ndarray] | None  # v per parameter name
     local_arrays: dict[str, np.ndarray] | None = None  # the local update's, sent back
 
 
@@ -97,15 +94,13 @@ def train_round(
     global_state: Mapping[str, Any],
     lr: float,
     server_round: int,
-    v_hat: Mapping[str, np.ndarray] | None = None,
     config: Mapping[str, Any] | None = None,
     local_arrays: Mapping[str, np.ndarray] | None = None,
     client_state: RecordDict | None = None,
 ) -> RoundResult:
     """Train the global model on this client's partition for one round.
 
-    ``v_hat`` is the server's v̂ for Fed-LAMB/Fed-AMS (None in round 1:
-    v̂_0 = ε·1). Metrics: ``train-loss``, ``train-accuracy``,
+    Metrics: ``train-loss``, ``train-accuracy``,
     ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
     the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes). The
     learning rate is decayed by run-config ``client-lr-decay`` per round
@@ -116,10 +111,11 @@ def train_round(
     ``config`` is the server's train config: when it names a local update
     (``local-update``), its client half
     (:mod:`fedadapt.client.local_update`) gets ``config``, the server's
-    ``local_arrays`` and the state it kept in ``client_state`` (the node's
-    ``Context.state``, updated in place), acts inside every local step, and
-    adds its metrics and arrays (:attr:`RoundResult.local_arrays`) to the
-    reply.
+    ``local_arrays``, the state it kept in ``client_state`` (the node's
+    ``Context.state``, updated in place) and the round's optimizer, acts
+    inside every local step, and adds its metrics and arrays
+    (:attr:`RoundResult.local_arrays`) to the reply. Fed-LAMB/Fed-AMS's
+    v̂ and v travel so (:mod:`fedadapt.client.fedlamb`).
     """
     task = TASKS.get(cfg["task"])
     data = task.load_client(cfg, partition_id, num_partitions)
@@ -134,21 +130,17 @@ def train_round(
         cfg["num-server-rounds"],
     )
     update = client_update(config or {})
+    optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
     reset = False
     if update is not None:
         kept, reset = load_client_state(client_state, update)
         update.begin(
             LocalStart(
                 model, config or {}, local_arrays or {}, kept, data.train,
-                criterion, cfg["batch-size"], device, server_round, lr, reset,
+                criterion, cfg["batch-size"], device, server_round, lr,
+                state_reset=reset, optimizer=optimizer,
             )
         )  # fmt: skip
-    optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
-    names = [name for name, _ in model.named_parameters()]
-    if uses_second_moments(optimizer):
-        optimizer.load_second_moments(  # type: ignore[attr-defined]
-            None if v_hat is None else [torch.as_tensor(v_hat[n]) for n in names]
-        )
     result = train_local(
         model,
         optimizer,
@@ -173,12 +165,6 @@ def train_round(
     }
     if result.accuracy is not None:
         metrics["train-accuracy"] = result.accuracy
-    second = None
-    if uses_second_moments(optimizer):
-        moments = optimizer.second_moments()  # type: ignore[attr-defined]
-        second = {
-            n: v.detach().cpu().numpy() for n, v in zip(names, moments, strict=True)
-        }
     local = None
     if update is not None:
         end = update.end(model, result.steps)
@@ -188,7 +174,7 @@ def train_round(
             metrics[wire.LOCAL_STATE_RESET] = 1
         local = end.arrays or None
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return RoundResult(state, metrics, second, local)
+    return RoundResult(state, metrics, local)
 
 
 def evaluate_round(

@@ -10,7 +10,8 @@ APIs). A round runs
 
 1. :meth:`ClientUpdate.begin` with a :class:`LocalStart`: the model at the
    global x_t, the server's config and arrays, this client's state from its
-   last round (None the first time) and its data (for a full-batch gradient);
+   last round (None the first time), its data (for a full-batch gradient)
+   and the round's optimizer;
 2. per local step, inside the optimizer's closure (so a re-evaluating
    optimizer such as Δ-SGD's same-batch mode sees it in every pass):
    :meth:`ClientUpdate.loss_term` added to the task loss before
@@ -31,7 +32,7 @@ be read back, or that :meth:`ClientUpdate.check_state` refuses, is reset
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from logging import WARNING
 from typing import Any, ClassVar
 
@@ -45,10 +46,12 @@ from torch.utils.data import Dataset
 from fedadapt.registry import Registry
 from fedadapt.strategies import wire
 from fedadapt.strategies._records import state_from_records, state_to_records
+from fedadapt.strategies.local_update import MEMBER, SEPARATOR, split_arrays
 
 __all__ = [
     "CLIENT_UPDATES",
     "ClientUpdate",
+    "ClientUpdates",
     "LocalEnd",
     "LocalStart",
     "client_update",
@@ -75,6 +78,9 @@ class LocalStart:
     #: True when a kept state could not be used and was reset (``state`` is
     #: then None): the client half can tell a lost state from a first round
     state_reset: bool = False
+    #: the round's client optimizer, built before :meth:`ClientUpdate.begin`
+    #: (Fed-LAMB's half loads v̂ into it); None where a caller has none
+    optimizer: torch.optim.Optimizer | None = None
 
 
 @dataclass
@@ -131,14 +137,94 @@ CLIENT_UPDATES: Registry[type[ClientUpdate]] = Registry("local-update")
 CLIENT_UPDATES.register("none")(ClientUpdate)
 
 
+class ClientUpdates(ClientUpdate):
+    """The client halves of combined local updates, applied in order.
+
+    The client side of :class:`fedadapt.strategies.local_update.LocalUpdates`:
+    each member sees its own arrays (``<name>/<key>``) and state; loss terms
+    are summed, gradients changed in order, the members' arrays sent back
+    keyed ``<name>/<key>``, their states kept as ``{name: state}``.
+    """
+
+    def __init__(self, updates: list[ClientUpdate]) -> None:
+        self.updates = updates
+        # the instance's wire name (the base declares it per class)
+        self.name = SEPARATOR.join(u.name for u in updates)  # type: ignore[misc]
+
+    def begin(self, start: LocalStart) -> None:
+        """Begin each member with its own arrays and state."""
+        parts, unknown = split_arrays(start.arrays, [u.name for u in self.updates])
+        if unknown:
+            raise ValueError(
+                f"local-update array '{unknown[0]}' names none of {self.name}"
+            )
+        state = start.state or {}
+        for update in self.updates:
+            own = replace(
+                start, arrays=parts[update.name], state=state.get(update.name)
+            )
+            update.begin(own)
+
+    def check_state(self, state: Mapping[str, Any]) -> str | None:
+        """Return the first member's reason to refuse its state, or None."""
+        for update in self.updates:
+            own = state.get(update.name)
+            reason = None if own is None else update.check_state(own)
+            if reason is not None:
+                return f"{update.name}: {reason}"
+        return None
+
+    def loss_term(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        outputs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Return the sum of the members' terms (None: none has one)."""
+        total = None
+        for update in self.updates:
+            term = update.loss_term(model, inputs, targets, outputs)
+            if term is not None:
+                total = term if total is None else total + term
+        return total
+
+    def after_backward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """Each member changes the gradients, in order."""
+        for update in self.updates:
+            update.after_backward(model, inputs, targets)
+
+    def end(self, model: nn.Module, steps: int) -> LocalEnd:
+        """Return the members' arrays (``<name>/<key>``), metrics and states."""
+        result = LocalEnd()
+        states: dict[str, Any] = {}
+        for update in self.updates:
+            own = update.end(model, steps)
+            result.arrays.update(
+                {f"{update.name}{MEMBER}{k}": a for k, a in own.arrays.items()}
+            )
+            result.metrics.update(own.metrics)
+            if own.state is not None:
+                states[update.name] = own.state
+        result.state = states or None
+        return result
+
+
 def client_update(config: Mapping[str, Any]) -> ClientUpdate | None:
-    """Return the client half the server's train config names (None: plain)."""
+    """Return the client half the server's train config names (None: plain).
+
+    Names joined by ``+`` (combined local updates) give a
+    :class:`ClientUpdates` of their client halves.
+    """
     name = config.get(wire.LOCAL_UPDATE, "none")
     if name == "none":
         return None
     if not isinstance(name, str):
         raise TypeError(f"'{wire.LOCAL_UPDATE}' in the train config must be a name")
-    return CLIENT_UPDATES.get(name)()
+    updates = [CLIENT_UPDATES.get(n)() for n in name.split(SEPARATOR)]
+    return updates[0] if len(updates) == 1 else ClientUpdates(updates)
 
 
 def _record_name(update: ClientUpdate) -> str:

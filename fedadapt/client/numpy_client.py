@@ -4,11 +4,8 @@ Use with :mod:`fedadapt.server.legacy_app` (components
 ``fedadapt.server.legacy_app:app`` / ``fedadapt.client.numpy_client:app``).
 
 Parameter packing: the list is the model's ``state_dict`` arrays in order.
-For Fed-LAMB / Fed-AMS the second moments follow, one array per trainable
-parameter in ``named_parameters()`` order: the server appends v̂ (from
-round 2 on) and the client appends its v; the model part always comes
-first, so ``len(state_dict)`` splits the list. A local update's arrays
-(:mod:`fedadapt.client.local_update`) come last, both ways, their names a
+A local update's arrays (:mod:`fedadapt.client.local_update`; Fed-LAMB's
+v̂ and v among them) follow, both ways, their names a
 JSON list under ``local-update-arrays`` in the fit config (server → client)
 and in the fit metrics (client → server); its client state is kept in the
 node's ``context.state``, as the Message-API ClientApp keeps it.
@@ -66,7 +63,7 @@ class FedAdaptClient(NumPyClient):
     def fit(
         self, parameters: NDArrays, config: dict[str, Scalar]
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        """Train one round; return (arrays [+ moments] [+ local], n, metrics)."""
+        """Train one round; return (arrays [+ local], n, metrics)."""
         n = len(self.keys)
         local_names: list[str] | str = []
         if wire.LOCAL_ARRAYS in config:
@@ -75,10 +72,10 @@ class FedAdaptClient(NumPyClient):
                 raise ValueError(local_names)
         cut = len(parameters) - len(local_names)
         parameters, local = parameters[:cut], parameters[cut:]
-        moments = parameters[n:]
-        if moments and len(moments) != len(self.names):
+        if len(parameters) != n:
             raise ValueError(
-                f"expected {len(self.names)} second-moment arrays, got {len(moments)}"
+                f"expected {n} model arrays (+ {len(local_names)} local-update "
+                f"arrays), got {len(parameters)} (+ {len(local)})"
             )
         result = train_round(
             self.cfg,
@@ -87,14 +84,11 @@ class FedAdaptClient(NumPyClient):
             dict(zip(self.keys, parameters[:n], strict=True)),
             lr=config_number(config.get(wire.LR, self.cfg["client-lr"])),
             server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
-            v_hat=dict(zip(self.names, moments, strict=True)) if moments else None,
             config=config,
             local_arrays=dict(zip(local_names, local, strict=True)),
             client_state=self.state,
         )
         arrays = [result.state[k].numpy() for k in self.keys]
-        if result.second_moments is not None:
-            arrays += [result.second_moments[name] for name in self.names]
         metrics: dict[str, Scalar] = dict(result.metrics)
         if result.local_arrays is not None:
             arrays += list(result.local_arrays.values())

@@ -19,7 +19,6 @@ from fedadapt.config import ConfigError
 from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
 from fedadapt.strategies import ALGORITHMS
 from fedadapt.strategies.core import ServerRule
-from fedadapt.strategies.local_update import build_local_update
 
 StrategySpec = tuple[ServerRule, dict[str, Any]]
 
@@ -110,11 +109,11 @@ def build_strategy(
     ``extra`` goes to the constructor (e.g. legacy ``initial_parameters``,
     ``evaluate_fn``, ``on_fit_config_fn``; the policies of :class:`RunStrategy`
     or :class:`LegacyRunStrategy`). Run-config ``local-update`` picks the
-    server half of the clients' local update (``None`` for ``none``).
+    server half of the clients' local update (``None`` for ``none``); the
+    algorithm may add its own (Fed-LAMB's second moments).
     """
     rule, options = build_rule(cfg)
     kwargs = {**options, **trust_kwargs(cfg), **stop_kwargs(cfg), **extra}
-    kwargs["local_update"] = build_local_update(cfg)
     if api == "legacy":
         return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"
@@ -122,5 +121,9 @@ def build_strategy(
 
 
 def build_rule(cfg: Mapping[str, Any]) -> StrategySpec:
-    """Return the rule of run-config ``strategy`` and its adapter options."""
+    """Return the rule of run-config ``strategy`` and its adapter options.
+
+    The options' ``local_update`` is the server half the clients' local
+    update needs (run-config ``local-update`` and the algorithm's own).
+    """
     return ALGORITHMS.get(cfg["strategy"]).from_run_config(cfg)

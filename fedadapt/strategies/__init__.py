@@ -18,7 +18,9 @@ hyperparameters, from which both classes, the app's run-config keys
 ``fedadapt.strategies.legacy.LegacyRuleStrategy``).
 An algorithm's client-side part (FedProx's proximal term, …) is a
 :class:`LocalUpdate` given to any strategy:
-``FedAvg(local_update=FedProx(mu=0.01))``, ``FedDuA(local_update=Scaffold())``.
+``FedAvg(local_update=FedProx(mu=0.01))``, ``FedDuA(local_update=Scaffold())``;
+Fed-LAMB's exchange of second moments is one (:class:`SecondMoments`) that
+:class:`FedLAMB` always runs, combined with a given one (:class:`LocalUpdates`).
 A run whose replies all fail for ``max_failed_rounds`` rounds ends with
 :class:`FederationFailedError`. Importable with flwr and numpy alone:
 nothing here imports torch.
@@ -33,7 +35,7 @@ from fedadapt.strategies.declaration import Algorithm, Param
 from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM, FedAvg, FedAvgM
 from fedadapt.strategies.feddua import FEDDUA, FedDuA
 from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM, FedExP, FedExPM
-from fedadapt.strategies.fedlamb import FED_LAMB, FedLAMB
+from fedadapt.strategies.fedlamb import FED_LAMB, FedLAMB, SecondMoments
 from fedadapt.strategies.fedopt import (
     FEDADAGRAD,
     FEDADAM,
@@ -43,7 +45,7 @@ from fedadapt.strategies.fedopt import (
     FedYogi,
 )
 from fedadapt.strategies.fedprox import FedProx
-from fedadapt.strategies.local_update import LocalUpdate
+from fedadapt.strategies.local_update import LocalUpdate, LocalUpdates
 from fedadapt.strategies.moon import Moon
 from fedadapt.strategies.scaffold import Scaffold
 from fedadapt.strategies.screening import reject_reason
@@ -72,10 +74,12 @@ __all__ = [
     "FederationFailedError",
     "Param",
     "LocalUpdate",
+    "LocalUpdates",
     "Moon",
     "RoundStatistics",
     "RuleStrategy",
     "Scaffold",
+    "SecondMoments",
     "ServerRule",
     "records_from_bytes",
     "records_to_bytes",

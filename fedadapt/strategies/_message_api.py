@@ -142,14 +142,11 @@ def _unpack_evaluate(
 
 
 def _unpack_train(
-    message: Message,
-    state_key: str | None = None,
-    recipients: dict[str, int] | None = None,
+    message: Message, recipients: dict[str, int] | None = None
 ) -> TrainReply | str:
-    """Unpack a reply into metrics, model arrays and the rule's client state.
+    """Unpack a reply into metrics, model arrays and a local update's arrays.
 
-    The client state is the ArrayRecord named ``state_key`` (when the rule
-    has one), a local update's arrays the one named
+    A local update's arrays are the ArrayRecord named
     :data:`~fedadapt.strategies.wire.LOCAL_ARRAYS`; exactly one other
     ArrayRecord must hold the model. Failures as in :func:`_unpack_evaluate`.
     """
@@ -160,14 +157,12 @@ def _unpack_train(
     if reply.problem is not None:
         return TrainReply(node, metrics, message, reply.problem)
     records = dict(message.content.array_records)
-    state = records.pop(state_key, None) if state_key is not None else None
     local = records.pop(wire.LOCAL_ARRAYS, None)
     if len(records) != 1:
         return TrainReply(node, metrics, message, "expected one ArrayRecord")
     arrays = LazyArrays(next(iter(records.values())))
-    client_state = None if state is None else _to_numpy(state)
     return TrainReply(
-        node, metrics, message, arrays=arrays, client_state=client_state,
+        node, metrics, message, arrays=arrays,
         local_arrays=None if local is None else _to_numpy(local),
     )  # fmt: skip
 
@@ -286,11 +281,9 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
 
         When ``arrays`` is the model this strategy returned (with
         ``average_last_two`` the average of the last two iterates) the
-        clients get the iterate w_{t+1} instead. A rule's
-        :meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`
-        (Fed-LAMB's v̂) travels with the model as a second ArrayRecord named
-        by its ``client_state_key``; a ``local_update``'s scalars join the
-        train config and its arrays travel as ``local-update-arrays``.
+        clients get the iterate w_{t+1} instead. A ``local_update``'s
+        scalars join the train config and its arrays (Fed-LAMB's v̂) travel
+        with the model as the ArrayRecord ``local-update-arrays``.
         """
         self.check_trainable(arrays)
         arrays = self._training_record(arrays)
@@ -304,11 +297,6 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             config = ConfigRecord({**config, **scalars})
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._asked["train"] = messages  # the grid gives them ids when it sends
-        state = self.rule.broadcast_state()
-        if state is not None and self.rule.client_state_key is not None:
-            record = _to_record(state)
-            for message in messages:
-                message.content[self.rule.client_state_key] = record
         if local:
             record = _to_record(local)
             for message in messages:
@@ -341,7 +329,6 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         round's training).
         """
         self.completed_round = server_round
-        key = self.rule.client_state_key
         asked = _recipients(self._asked["train"])
         replies = list(replies)
         traffic, self._traffic = self._traffic or RoundTraffic(), None
@@ -351,7 +338,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
                 traffic.add_received(message.metadata.src_node_id, data, metric_bytes)
         report = self.round_reports.setdefault(server_round, {})
         report["communication"] = traffic.as_dict()
-        candidates = [_unpack_train(m, key, asked) for m in replies]
+        candidates = [_unpack_train(m, asked) for m in replies]
         screen_replies(self.local_update, candidates)
         new, valid = self.run_rule(
             server_round, candidates, self._sent, self.weighted_by_key

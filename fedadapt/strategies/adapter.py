@@ -19,12 +19,11 @@ only then are the replies scanned one by one to find and drop the culprits.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from logging import ERROR, WARNING
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from flwr.common.logger import log
-from numpy.typing import NDArray
 
 from fedadapt._validation import check_choice, check_scalar
 from fedadapt.strategies import wire
@@ -157,10 +156,6 @@ class RuleHost:
     #: clients); set by the adapters' ``local_update`` argument
     local_update: LocalUpdate | None = None
 
-    #: whether replies key the rule's client state by array name (Message
-    #: API) rather than by position (legacy parameter lists)
-    client_state_named: bool = True
-
     def __init__(
         self,
         rule: ServerRule,
@@ -234,24 +229,6 @@ class RuleHost:
             )
         return ratio
 
-    def _client_state_check(
-        self, reference: Arrays | None
-    ) -> Callable[[TrainReply], str | None] | None:
-        """Return the screening check of the rule's client state (if it has one)."""
-        if self.rule.client_state_key is None:
-            return None
-        model = reference if self.client_state_named else None
-        accepted: list[Mapping[str, NDArray[Any]]] = []
-
-        def check(candidate: TrainReply) -> str | None:
-            peer = accepted[0] if accepted else None
-            reason = self.rule.check_client_state(candidate.client_state, model, peer)
-            if reason is None and candidate.client_state is not None:
-                accepted.append(candidate.client_state)
-            return reason
-
-        return check
-
     def run_rule(
         self,
         server_round: int,
@@ -270,7 +247,6 @@ class RuleHost:
         entry = self.round_reports.setdefault(server_round, {})
         valid, report = screen(
             candidates, reference, weight_key, label,
-            self._client_state_check(reference),
             weight_optional=self.rule.weighting == "uniform",
             norm_required=self.secure_aggregation and self.rule.needs_sq_norms,
         )  # fmt: skip
@@ -289,14 +265,6 @@ class RuleHost:
         self._count_failed_round(label, report, failed=report.used == 0)
         if new is None:
             return None, []
-        if self.rule.client_state_key is not None:
-            diagnostics.update(
-                self.rule.aggregate_client_state(
-                    # the rule's check_client_state accepted each state
-                    [c.client_state or {} for c in valid],
-                    [float(c.metrics[weight_key]) for c in valid],
-                )
-            )
         entry["diagnostics"] = diagnostics
         return new, valid
 
@@ -357,14 +325,17 @@ class RuleHost:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (before training starts).
 
-        Checkpoints written before Fed-LAMB's v̂ moved into its rule keep it
-        beside the rule's state; it is folded back in.
+        A checkpoint without a ``local_update`` entry restores the local
+        update from the rule's state: older checkpoints kept Fed-LAMB's v̂
+        there (older still, beside it), where
+        :class:`~fedadapt.strategies.fedlamb.SecondMoments` finds it.
         """
-        local = state.get("local_update")
-        if local is not None and self.local_update is not None:
-            self.local_update.load_state_dict(local)
         extra = {k: v for k, v in state.items() if k not in ("rule", "local_update")}
-        self.rule.load_state_dict({**state["rule"], **extra})
+        rule_state = {**state["rule"], **extra}
+        if self.local_update is not None:
+            own = state.get("local_update")
+            self.local_update.load_state_dict(rule_state if own is None else own)
+        self.rule.load_state_dict(rule_state)
 
 
 class FederationFailedError(RuntimeError):

@@ -20,12 +20,17 @@ Importable with flwr and numpy alone (no torch).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
 from fedadapt.strategies._message_api import FedAvgKwargs, RuleStrategy
 from fedadapt.strategies.core.base import WEIGHTINGS, ServerRule
+from fedadapt.strategies.local_update import (
+    LocalUpdate,
+    build_local_update,
+    combine_local_updates,
+)
 from fedadapt.strategies.param import Param
 
 __all__ = ["AVERAGE_LAST_TWO", "Algorithm", "Param", "message_class", "weighting"]
@@ -59,6 +64,10 @@ class Algorithm:
         key.
     notes : str
         More docstring text after the summary (paper, choices).
+    local_update : Callable[[Mapping[str, Any]], LocalUpdate] | None
+        The server half of the algorithm's own client-side part, built from
+        the checked params (Fed-LAMB's second-moment exchange); it runs
+        beside a local update the user selects (:meth:`build`).
     """
 
     name: str
@@ -70,6 +79,7 @@ class Algorithm:
     rule_names: Mapping[str, str] = field(default_factory=dict)
     compat: tuple[Param, ...] = ()
     notes: str = ""
+    local_update: Callable[[Mapping[str, Any]], LocalUpdate] | None = None
 
     def __post_init__(self) -> None:
         names = [p.name for p in (*self.params, *self.compat)]
@@ -81,11 +91,15 @@ class Algorithm:
         name = param if isinstance(param, str) else param.name
         return f"{self.name}.{name.replace('_', '-')}"
 
-    def build(self, values: Mapping[str, Any]) -> tuple[ServerRule, dict[str, Any]]:
+    def build(
+        self, values: Mapping[str, Any], local_update: LocalUpdate | None = None
+    ) -> tuple[ServerRule, dict[str, Any]]:
         """Return (rule, adapter options) from {param name: value}.
 
         Every declared param must be given; each is checked (ValueError
-        naming it) before the rule is built.
+        naming it) before the rule is built. The options hold the
+        ``local_update`` the strategy runs: the algorithm's own (see
+        :attr:`local_update`) combined with the given one.
         """
         unknown = set(values) - {p.name for p in self.params}
         if unknown:
@@ -96,14 +110,23 @@ class Algorithm:
             for n, v in checked.items()
             if n not in self.adapter
         }
-        options = {n: v for n, v in checked.items() if n in self.adapter}
+        options: dict[str, Any] = {
+            n: v for n, v in checked.items() if n in self.adapter
+        }
+        own = None if self.local_update is None else self.local_update(checked)
+        options["local_update"] = combine_local_updates(own, local_update)
         return self.rule(**rule_kwargs), options
 
     def from_run_config(
         self, cfg: Mapping[str, Any]
     ) -> tuple[ServerRule, dict[str, Any]]:
-        """Return (rule, adapter options) from a run config's ``<name>.*`` keys."""
-        return self.build({p.name: cfg[self.key(p)] for p in self.params})
+        """Return (rule, adapter options) from a run config's ``<name>.*`` keys.
+
+        The options' ``local_update`` includes the one of run-config
+        ``local-update``.
+        """
+        values = {p.name: cfg[self.key(p)] for p in self.params}
+        return self.build(values, build_local_update(cfg))
 
     def docstring(self, legacy: bool = False, flower: str = "") -> str:
         """Return the classes' numpydoc docstring, generated from the params."""
@@ -147,7 +170,7 @@ class Algorithm:
         def __init__(self: Any, **kwargs: Any) -> None:
             values = {n: kwargs.pop(n, d) for n, d in defaults.items()}
             kept = {n: values.pop(n) for n in compat}
-            rule, options = algorithm.build(values)
+            rule, options = algorithm.build(values, kwargs.pop("local_update", None))
             parent: Any = super(cls, self)
             parent.__init__(rule, **options, **kwargs)
             for name, value in kept.items():

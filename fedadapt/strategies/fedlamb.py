@@ -17,27 +17,40 @@ it, line 4). Choices where the paper is silent or loose:
   the one clients use in round r+1 (the index shift in line 16).
 - v̂ never decreases, so it is server state that must be checkpointed.
 
-v̂ travels to the clients, and each v_i back, as a second ArrayRecord named
-``second-moments`` keyed by parameter name; in round 1 none is sent and
-clients start from v̂_0 = ε·1. The rule is pure NumPy (no Flower, no torch).
+The exchange of v̂ and v is Fed-LAMB's client-side part, a local update
+(:mod:`fedadapt.strategies.local_update`): :class:`SecondMoments` is its
+server half, which every Fed-LAMB strategy runs (beside a local update the
+user gives), and :class:`fedadapt.client.fedlamb.SecondMomentsClient` the
+client half, which loads v̂ into the client's Fed-LAMB/Fed-AMS optimizer
+and sends its v back. Both travel as the local update's arrays
+(``local-update-arrays``), keyed by parameter name; in round 1 no v̂ is
+sent and clients start from v̂_0 = ε·1. The models are averaged by
+:class:`FedLAMBRule`. Pure NumPy (no Flower, no torch).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from fedadapt._validation import check_scalar
-from fedadapt.strategies import wire
-from fedadapt.strategies.core.base import Arrays, client_weights
+from fedadapt._validation import check_choice, check_scalar
+from fedadapt.strategies.core.base import WEIGHTINGS, Arrays, client_weights
 from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
 from fedadapt.strategies.fedavg import FedAvgRule
+from fedadapt.strategies.local_update import LocalUpdate
+from fedadapt.strategies.param import Scalar
 
-__all__ = ["FED_LAMB", "FedLAMB", "FedLAMBRule", "aggregate_second_moments"]
+__all__ = [
+    "FED_LAMB",
+    "FedLAMB",
+    "FedLAMBRule",
+    "SecondMoments",
+    "aggregate_second_moments",
+]
 
 
 def _check_array(where: str, value: object) -> NDArray[np.floating]:
@@ -173,15 +186,11 @@ def _moments_problem(state: Mapping[str, NDArray[Any]]) -> str | None:
 
 
 class FedLAMBRule(FedAvgRule):
-    """Model mean plus v̂ = max(v̂, Σω_i v_i) (Fed-LAMB Algorithm 1 lines 15-16).
+    """The model mean of Fed-LAMB and Fed-AMS (Algorithm 1 line 15).
 
-    The server side of both Fed-LAMB and Fed-AMS (they differ only on the
-    clients). The models are averaged as :class:`FedAvgRule` does; the
-    clients' second moments are the rule's *client state*
-    (:attr:`client_state_key`): an adapter sends :meth:`broadcast_state`
-    with the model, hands each reply's moments to
-    :meth:`check_client_state` and those of the used replies to
-    :meth:`aggregate_client_state`.
+    The models are averaged as :class:`FedAvgRule` does (η_g = 1, no
+    momentum); v̂ is kept by the strategy's local update
+    :class:`SecondMoments`, built from ``eps`` and ``weighting``.
 
     Parameters
     ----------
@@ -191,15 +200,7 @@ class FedLAMBRule(FedAvgRule):
         ω for both the models and v (Algorithm 1 lines 15-16).
     plain_average : Callable[[str], bool] | None (default: None)
         See :class:`~fedadapt.strategies.core.ServerRule`.
-
-    Attributes
-    ----------
-    v_hat : Arrays | None
-        v̂ after the last aggregation (None before the first): keyed like
-        the clients' moments, part of :meth:`state_dict`.
     """
-
-    client_state_key = wire.SECOND_MOMENTS
 
     def __init__(
         self,
@@ -210,71 +211,129 @@ class FedLAMBRule(FedAvgRule):
     ) -> None:
         super().__init__(weighting=weighting, plain_average=plain_average)
         self.eps = check_scalar("eps", eps, low=0, low_inclusive=False)
+
+
+def _positional(model: Mapping[str, Any]) -> bool:
+    """Whether ``model`` is keyed by position (a legacy list without names)."""
+    return list(model) == [str(i) for i in range(len(model))]
+
+
+class SecondMoments(LocalUpdate):
+    """Fed-LAMB's exchange of second moments: v̂ down, each client's v up.
+
+    The server half of Fed-LAMB's client-side part (Algorithm 1 lines 4,
+    13, 16); every Fed-LAMB strategy runs it (``FedLAMB().local_update``).
+    Each round it sends v̂ (nothing in round 1: clients start from
+    v̂_0 = ε·1), requires every train reply to carry its v (finite, >= 0,
+    one array per model parameter of its shape, the same names as v̂ or,
+    before v̂ exists, as the first reply accepted in the round) and keeps
+    v̂ = max(v̂, Σω_i v_i) over the used replies
+    (:func:`aggregate_second_moments`), checkpointed. The client half is
+    :class:`fedadapt.client.fedlamb.SecondMomentsClient`.
+
+    Parameters
+    ----------
+    eps : float (default: 1e-8)
+        ε > 0 of v̂_0 = ε·1 (Algorithm 1 line 2; the clients' ε).
+    weighting : str (default: "uniform")
+        ω of Σω_i v_i: ``"uniform"`` (Algorithm 1 line 16) or
+        ``"num_examples"``; the strategy's rule weights the models alike.
+
+    Attributes
+    ----------
+    v_hat : Arrays | None
+        v̂ after the last aggregation (None before the first), keyed by
+        parameter name; part of :meth:`state_dict`.
+    """
+
+    name: ClassVar[str] = "fed-lamb"
+
+    def __init__(self, eps: float = 1e-8, weighting: str = "uniform") -> None:
+        self.eps = check_scalar("eps", eps, low=0, low_inclusive=False)
+        self.weighting = check_choice("weighting", weighting, WEIGHTINGS)
         self.v_hat: Arrays | None = None
+        self._model: Mapping[str, NDArray[Any]] | None = None
+        self._peer: Mapping[str, NDArray[Any]] | None = None
 
-    def broadcast_state(self) -> Arrays | None:
-        """Return v̂ for the clients (None in round 1: they start from ε·1)."""
-        return self.v_hat
+    def configure(
+        self, server_round: int, model: Mapping[str, NDArray[Any]], num_nodes: int
+    ) -> tuple[dict[str, Scalar], Arrays]:
+        """Send v̂ (nothing before the first aggregation)."""
+        # replies are matched against the model when it is keyed by name
+        self._model = None if _positional(model) else model
+        self._peer = None
+        return {}, ({} if self.v_hat is None else dict(self.v_hat))
 
-    def check_client_state(
-        self,
-        state: Mapping[str, NDArray[Any]] | None,
-        model: Mapping[str, NDArray[Any]] | None = None,
-        peer: Mapping[str, NDArray[Any]] | None = None,
+    def check_reply(
+        self, arrays: Mapping[str, NDArray[Any]] | None, metrics: Mapping[str, Any]
     ) -> str | None:
         """Return why a reply's second moments are unusable, or None.
 
         They must exist, be finite and non-negative floats and match v̂
-        (names and shapes) once there is one. Before that they must match
-        ``model`` (moments keyed by parameter name: each names a model
-        array of its shape) or, when their keys are positions (legacy
-        parameter lists), ``peer`` (moments already accepted this round).
+        (names and shapes) once there is one. Before that each must name a
+        model array of its shape (when the model is keyed by name) and all
+        must name the arrays of the first reply accepted in the round.
         """
-        if not state:
-            return (
-                f"no '{self.client_state_key}' record (is the client Fed-LAMB/Fed-AMS?)"
-            )
-        problem = _moments_problem(state)
+        if not arrays:
+            return "no second moments (is the client optimizer fed-lamb or fed-ams?)"
+        problem = _moments_problem(arrays)
         if problem is not None:
             return problem
-        exact = self.v_hat if self.v_hat is not None else peer
-        if exact is not None and set(state) != set(exact):
+        exact = self.v_hat if self.v_hat is not None else self._peer
+        if exact is not None and set(arrays) != set(exact):
             return "second moments name other arrays than v̂"
-        reference = exact if exact is not None else model
-        for name, v in state.items():
+        reference = exact if exact is not None else self._model
+        for name, v in arrays.items():
             ref = None if reference is None else reference.get(name)
             if reference is not None and (ref is None or ref.shape != v.shape):
                 return f"second moment '{name}' does not match a model parameter"
+        if self._peer is None:
+            self._peer = arrays
         return None
 
-    def aggregate_client_state(
+    def aggregate(
         self,
-        states: Sequence[Mapping[str, NDArray[Any]]],
-        num_examples: Sequence[float],
+        replies: Sequence[Mapping[str, NDArray[Any]] | None],
+        weights: Sequence[float],
     ) -> dict[str, float]:
         """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used replies; diagnostics."""
-        omega = client_weights(num_examples, self.weighting)
+        omega = client_weights(weights, self.weighting)
         self.v_hat = aggregate_second_moments(
-            self.v_hat, states, weights=list(omega), eps=self.eps
-        )
+            # check_reply accepted each reply's moments
+            self.v_hat, [r or {} for r in replies], weights=list(omega), eps=self.eps
+        )  # fmt: skip
         flat = np.concatenate([v.ravel() for v in self.v_hat.values()])
         return {"v-hat-mean": float(flat.mean())}
 
     def _state(self) -> dict[str, Any]:
-        return {**super()._state(), "v_hat": self.v_hat}
+        return {"v_hat": self.v_hat}
 
-    def _load(self, state: Mapping[str, Any]) -> None:
-        super()._load(state)
-        self.v_hat = state["v_hat"]
+    def _load(self, state: dict[str, Any]) -> None:
+        # a checkpoint from before v̂ left the rule: the rule's state (see
+        # RuleHost.load_state_dict), with or without v_hat
+        self.v_hat = state.get("v_hat")
+
+    def describe(self) -> dict[str, Scalar]:
+        """Name, ε and weighting, as results.json records."""
+        return {"name": self.name, "eps": self.eps, "weighting": self.weighting}
 
 
-SECOND_MOMENTS_KEY = FedLAMBRule.client_state_key
+def _second_moments(values: Mapping[str, Any]) -> SecondMoments:
+    return SecondMoments(eps=values["eps"], weighting=values["weighting"])
+
 
 FED_LAMB = Algorithm(
     name="fed-lamb",
     title="FedLAMB",
     summary="Model averaging plus v̂ = max(v̂, mean v) (Fed-LAMB and Fed-AMS servers).",
     rule=FedLAMBRule,
+    local_update=_second_moments,
+    notes="""
+        The exchange of v̂ and the clients' v is the strategy's local update
+        :class:`~fedadapt.strategies.fedlamb.SecondMoments`, which it always
+        runs (``local_update`` given too: both, combined); the clients need
+        the optimizer fed-lamb or fed-ams.
+    """,
     params=(
         Param("eps", 1e-8, "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' "
               "optimizer ε (1e-8).", "Fed-LAMB Algorithm 1 line 2 (the clients' "

@@ -173,7 +173,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     local_update : LocalUpdate | None (default: None)
         The server half of an algorithm's client-side part (see
         :mod:`fedadapt.strategies.local_update`): its scalars join each
-        client's fit config, its arrays follow the model's (and the rule's)
+        client's fit config, its arrays follow the model's
         in the parameter list, their names a JSON list under
         ``local-update-arrays`` in the fit config; a client's reply appends
         its local-update arrays the same way (names in its fit metrics).
@@ -184,17 +184,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         too), then the aggregated fit metrics.
     **kwargs
         Any argument of ``flwr.server.strategy.FedAvg``.
-
-    A rule's client state (Fed-LAMB's second moments) travels in the
-    parameter list after the model's arrays: server → client from the
-    second round on (:meth:`~fedadapt.strategies.core.ServerRule.broadcast_state`,
-    in its key order), client → server always, one array per trainable
-    parameter (see :mod:`fedadapt.client.numpy_client`). The model part
-    has the length of the global model's list; the rest is keyed by
-    position ``"0"``, ``"1"``, ...
     """
-
-    client_state_named = False
 
     def __init__(
         self,
@@ -247,8 +237,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self._sent = _keyed(model, self.array_names)
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
-        state = self.rule.broadcast_state()
-        extra = [] if state is None else list(state.values())
+        extra: NDArrays = []
         if self.local_update is not None and pairs:
             num_nodes = client_manager.num_available()
             scalars, local = round_config(
@@ -256,7 +245,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             )
             if local:
                 scalars[wire.LOCAL_ARRAYS] = json.dumps(list(local))
-            extra += list(local.values())
+            extra = list(local.values())
             pairs = [
                 (proxy, FitIns(ins.parameters, {**ins.config, **scalars}))
                 for proxy, ins in pairs
@@ -300,20 +289,16 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.completed_round = server_round
         candidates: list[TrainReply | str] = [_failure(f) for f in failures]
         size = len(self._sent or {})
-        with_state = self.rule.client_state_key is not None
         traffic, self._traffic = self._traffic or RoundTraffic(), None
         for proxy, res in results:
             reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
             traffic.add_received(proxy.cid, res.parameters.tensors, scalar_bytes(reply))
             arrays = parameters_to_ndarrays(res.parameters)
             local, problem = _local_arrays(reply, arrays, size)
-            model, rest = (arrays[:size], arrays[size:]) if with_state else (arrays, [])
             candidates.append(
                 TrainReply(
                     proxy.cid, reply, (proxy, res), problem,
-                    arrays=_keyed(model, self.array_names),
-                    client_state=_keyed(rest) if with_state else None,
-                    local_arrays=local,
+                    arrays=_keyed(arrays, self.array_names), local_arrays=local,
                 )
             )  # fmt: skip
         report = self.round_reports.setdefault(server_round, {})
@@ -403,8 +388,6 @@ FedYogi = _legacy_class(FEDYOGI)
 FedExP = _legacy_class(FEDEXP)
 FedExPM = _legacy_class(FEDEXPM)
 FedDuA = _legacy_class(FEDDUA)
-#: Fed-LAMB's second moments travel after the model's arrays in the
-#: parameter list (see :class:`LegacyRuleStrategy`).
 FedLAMB = _legacy_class(FED_LAMB)
 
 

@@ -40,7 +40,13 @@ from fedadapt.strategies import wire
 from fedadapt.strategies.core import Arrays
 from fedadapt.strategies.param import Param, Scalar
 
-__all__ = ["LOCAL_UPDATES", "LocalUpdate", "build_local_update"]
+__all__ = [
+    "LOCAL_UPDATES",
+    "LocalUpdate",
+    "LocalUpdates",
+    "build_local_update",
+    "combine_local_updates",
+]
 
 
 class LocalUpdate:
@@ -128,6 +134,120 @@ class LocalUpdate:
         params = {k: v for k, v in self.describe().items() if k != "name"}
         shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
         return f"{type(self).__name__}({shown})"
+
+
+#: separates the names of combined local updates on the wire and the
+#: member's name from an array's key (``fed-lamb/fc.weight``)
+SEPARATOR = "+"
+MEMBER = "/"
+
+
+def split_arrays(
+    arrays: Mapping[str, Any], names: Sequence[str]
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Split ``<name>/<key>`` arrays by member name; also the keys of no member."""
+    parts: dict[str, dict[str, Any]] = {name: {} for name in names}
+    unknown = []
+    for key, value in arrays.items():
+        name, sep, rest = key.partition(MEMBER)
+        if sep and name in parts:
+            parts[name][rest] = value
+        else:
+            unknown.append(key)
+    return parts, unknown
+
+
+class LocalUpdates(LocalUpdate):
+    """Several local updates in one round (Fed-LAMB's moments with FedProx).
+
+    Our choice: on the wire the members' names are joined by ``+``
+    (``local-update = "fed-lamb+fedprox"``; the client combines the client
+    halves of those names), each member's arrays are keyed
+    ``<name>/<key>`` in both directions, its scalars are namespaced as
+    always. Each member screens and aggregates its own arrays (a reply one
+    member rejects is dropped); the state is kept per member.
+    """
+
+    def __init__(self, *updates: LocalUpdate) -> None:
+        names = [u.name for u in updates]
+        if len(updates) < 2 or len(set(names)) != len(names):
+            raise ValueError(f"combine two or more different local updates: {names}")
+        self.updates = updates
+        # the instance's wire name (the base declares it per class)
+        self.name = SEPARATOR.join(names)  # type: ignore[misc]
+
+    def configure(
+        self, server_round: int, model: Mapping[str, NDArray[Any]], num_nodes: int
+    ) -> tuple[dict[str, Scalar], Arrays]:
+        """Return each member's scalars, and its arrays keyed ``<name>/<key>``."""
+        scalars: dict[str, Scalar] = {}
+        arrays: Arrays = {}
+        for update in self.updates:
+            own, own_arrays = update.configure(server_round, model, num_nodes)
+            scalars.update(own)
+            arrays.update(
+                {f"{update.name}{MEMBER}{k}": a for k, a in own_arrays.items()}
+            )
+        return scalars, arrays
+
+    def _split(
+        self, arrays: Mapping[str, NDArray[Any]] | None
+    ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        return split_arrays(arrays or {}, [u.name for u in self.updates])
+
+    def check_reply(
+        self, arrays: Mapping[str, NDArray[Any]] | None, metrics: Mapping[str, Any]
+    ) -> str | None:
+        """Return the first member's reason to reject its arrays, or None."""
+        parts, unknown = self._split(arrays)
+        if unknown:
+            return f"array '{unknown[0]}' names none of {self.name}"
+        for update in self.updates:
+            reason = update.check_reply(parts[update.name] or None, metrics)
+            if reason is not None:
+                return f"{update.name}: {reason}"
+        return None
+
+    def aggregate(
+        self,
+        replies: Sequence[Mapping[str, NDArray[Any]] | None],
+        weights: Sequence[float],
+    ) -> dict[str, float]:
+        """Each member aggregates its part of the replies; their diagnostics."""
+        parts = [self._split(r)[0] for r in replies]
+        diagnostics: dict[str, float] = {}
+        for update in self.updates:
+            own = [p[update.name] or None for p in parts]
+            diagnostics.update(update.aggregate(own, weights))
+        return diagnostics
+
+    def _state(self) -> dict[str, Any]:
+        return {u.name: u.state_dict() for u in self.updates}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for update in self.updates:  # older checkpoints: not split by member
+            update.load_state_dict(state.get(update.name, state))
+
+    def describe(self) -> dict[str, Scalar]:
+        """Return the joined name and each member's ``<name>.<param>``."""
+        described: dict[str, Scalar] = {"name": self.name}
+        for update in self.updates:
+            own = update.describe()
+            described.update(
+                {f"{own['name']}.{k}": v for k, v in own.items() if k != "name"}
+            )
+        return described
+
+
+def combine_local_updates(*updates: LocalUpdate | None) -> LocalUpdate | None:
+    """Return the local update that runs ``updates`` (None: none of them)."""
+    given = [u for u in updates if u is not None]
+    if len(given) < 2:
+        return given[0] if given else None
+    members: list[LocalUpdate] = []
+    for update in given:
+        members += update.updates if isinstance(update, LocalUpdates) else [update]
+    return LocalUpdates(*members)
 
 
 #: run-config ``local-update`` → server half (its client half has the same name)

@@ -67,14 +67,13 @@ class EvaluateReply:
 
 @dataclass
 class TrainReply(EvaluateReply):
-    """One train reply, unpacked: its metrics, model arrays and client state.
+    """One train reply, unpacked: its metrics, model and local-update arrays.
 
     ``arrays`` are plain NumPy arrays or :class:`~fedadapt.strategies.arrays.
     LazyArrays`; a reply with a ``problem`` carries none (empty).
     """
 
     arrays: Mapping[str, NDArray[Any]] = field(default_factory=dict)
-    client_state: Mapping[str, NDArray[Any]] | None = None  # see ServerRule
     local_arrays: Mapping[str, NDArray[Any]] | None = None  # see LocalUpdate
 
 
@@ -191,7 +190,7 @@ def screen(
 
     A ``str`` in ``candidates`` stands for a failed reply
     (:func:`failed_reply`: node id and error text).
-    ``extra_check`` adds rule-specific checks (e.g. Fed-LAMB's moments).
+    ``extra_check`` adds checks of its own (run after the generic ones).
     With ``weight_optional`` (uniform weighting) a usable reply without
     ``weight_key`` gets weight 1 in its ``metrics`` (``defaulted_weight``
     set). ``norm_required``: see :func:`reject_reason`.

@@ -15,7 +15,6 @@ from typing import Final
 ARRAYS: Final = "arrays"  #: the model (ArrayRecord), both directions
 CONFIG: Final = "config"  #: server → client settings (ConfigRecord)
 METRICS: Final = "metrics"  #: client → server numbers (MetricRecord)
-SECOND_MOMENTS: Final = "second-moments"  #: Fed-LAMB/Fed-AMS v̂ down, v up
 LOCAL_ARRAYS: Final = "local-update-arrays"  #: a local update's arrays, both ways
 
 # entries of the server's train config

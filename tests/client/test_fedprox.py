@@ -189,18 +189,29 @@ def test_fedprox_mu_zero_with_fed_lamb_is_the_plain_client_bit_for_bit():
     names = [n for n, _ in TASKS.get("digits-mlp").build_model().named_parameters()]
     v_hat = {n: np.full(tuple(state[n].shape), 1e-3, np.float32) for n in names}
 
-    def run(config: dict[str, Any] | None):
-        return train_round(
-            cfg, 0, 3, state, lr=0.01, server_round=2, v_hat=v_hat, config=config
-        )
+    def run(config: dict[str, Any]):
+        # a lone local update's arrays travel unprefixed, combined ones as
+        # <name>/<key> (fedadapt.strategies.local_update.LocalUpdates)
+        prefix = "fed-lamb/" if "+" in config[wire.LOCAL_UPDATE] else ""
+        arrays = {prefix + n: v for n, v in v_hat.items()}
+        result = train_round(
+            cfg, 0, 3, state, lr=0.01, server_round=2, config=config,
+            local_arrays=arrays,
+        )  # fmt: skip
+        moments = {k.removeprefix(prefix): v for k, v in result.local_arrays.items()}
+        return result, moments
 
-    plain, zero = run(None), run({**PROX, "fedprox.mu": 0.0})
-    prox = run({**PROX, "fedprox.mu": 1.0})
+    both = {wire.LOCAL_UPDATE: "fed-lamb+fedprox"}
+    (plain, plain_v), (zero, zero_v) = (
+        run({wire.LOCAL_UPDATE: "fed-lamb"}),
+        run({**both, "fedprox.mu": 0.0}),
+    )
+    prox, _ = run({**both, "fedprox.mu": 1.0})
     for key, value in plain.state.items():
         assert torch.equal(zero.state[key], value), key
-    assert plain.second_moments is not None and zero.second_moments is not None
-    for name, v in plain.second_moments.items():
-        np.testing.assert_array_equal(zero.second_moments[name], v)
+    assert set(plain_v) == set(names) == set(zero_v)
+    for name, v in plain_v.items():
+        np.testing.assert_array_equal(zero_v[name], v)
     assert not all(torch.equal(prox.state[k], v) for k, v in plain.state.items())
     assert prox.metrics["fedprox-term"] > 0
 
@@ -233,7 +244,7 @@ def test_fedprox_with_fed_lamb_strategy_message_api():
             )
         )
         # round 2 carries the server's v̂ next to the model, with μ in the config
-        assert (wire.SECOND_MOMENTS in messages[0].content) == (server_round > 1)
+        assert (wire.LOCAL_ARRAYS in messages[0].content) == (server_round > 1)
         assert messages[0].content[wire.CONFIG]["fedprox.mu"] == 0.1
         replies = [
             client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages
@@ -243,7 +254,9 @@ def test_fedprox_with_fed_lamb_strategy_message_api():
         assert strategy.round_reports[server_round]["train_replies"]["used"] == 2
         assert metrics["fedprox-term"] > 0
         arrays = new
-    assert strategy.rule.v_hat is not None  # the clients' v reached the server
+    assert (
+        strategy.local_update.updates[0].v_hat is not None
+    )  # the clients' v reached the server
 
 
 def test_fedprox_with_fed_lamb_strategy_legacy_api():
@@ -267,7 +280,9 @@ def test_fedprox_with_fed_lamb_strategy_legacy_api():
         pairs = strategy.configure_fit(server_round, parameters, manager)
         assert pairs[0][1].config["fedprox.mu"] == 0.1
         sent = len(parameters_to_ndarrays(pairs[0][1].parameters))
-        assert sent == len(state) + (len(list(strategy.rule.v_hat or {})))
+        assert sent == len(state) + (
+            len(list(strategy.local_update.updates[0].v_hat or {}))
+        )
         results = [(p, p.fit(ins, None, None)) for p, ins in pairs]
         assert all(r.status.code == Code.OK for _, r in results)
         new, metrics = strategy.aggregate_fit(server_round, results, [])
@@ -275,4 +290,4 @@ def test_fedprox_with_fed_lamb_strategy_legacy_api():
         assert metrics["fedprox-term"] > 0
         assert strategy.round_reports[server_round]["train_replies"]["used"] == 2
         parameters = new
-    assert strategy.rule.v_hat is not None
+    assert strategy.local_update.updates[0].v_hat is not None

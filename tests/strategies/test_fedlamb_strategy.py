@@ -6,6 +6,7 @@ server averages both and keeps the running maximum v̂.
 
 from __future__ import annotations
 
+import json
 from unittest.mock import Mock
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
-from fedadapt.strategies import FedLAMB
+from fedadapt.strategies import FedLAMB, wire
 from tests.helpers import make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -28,7 +29,7 @@ def _grid():
 def _reply(theta, v, node, n=10):
     message = make_reply({"w": theta}, {"num-examples": n}, node_id=node)
     if v is not None:
-        message.content["second-moments"] = ArrayRecord({"w": Array(v)})
+        message.content[wire.LOCAL_ARRAYS] = ArrayRecord({"w": Array(v)})
     return message
 
 
@@ -41,9 +42,9 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(),
                                                  _grid()))  # fmt: skip
         if server_round == 1:
-            assert "second-moments" not in messages[0].content.array_records
+            assert wire.LOCAL_ARRAYS not in messages[0].content.array_records
         else:
-            sent = messages[0].content["second-moments"]["w"].numpy()
+            sent = messages[0].content[wire.LOCAL_ARRAYS]["w"].numpy()
             np.testing.assert_allclose(sent, expected_v_hat, rtol=1e-6)
         thetas = [rng.normal(size=4).astype(np.float32) for _ in range(3)]
         vs = [rng.uniform(0, 1.0 / server_round, size=4).astype(np.float32)
@@ -57,7 +58,9 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
         # 1/n), not num-examples weighted
         np.testing.assert_allclose(new["w"].numpy(), np.mean(thetas, axis=0), rtol=1e-5)
         expected_v_hat = np.maximum(expected_v_hat, np.mean(vs, axis=0))
-        np.testing.assert_allclose(strategy.rule.v_hat["w"], expected_v_hat, rtol=1e-6)
+        np.testing.assert_allclose(
+            strategy.local_update.v_hat["w"], expected_v_hat, rtol=1e-6
+        )
         arrays = new
     diag = strategy.round_reports[3]["diagnostics"]
     assert diag["v-hat-mean"] == pytest.approx(float(expected_v_hat.mean()), rel=1e-6)
@@ -66,7 +69,7 @@ def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
 @pytest.mark.parametrize(
     ("v", "reason"),
     [
-        (None, "no 'second-moments' record"),
+        (None, "no second moments"),
         (np.array([np.nan, 0, 0, 0], np.float32), "finite and >= 0"),
         (np.array([-1.0, 0, 0, 0], np.float32), "finite and >= 0"),
         (np.zeros(3, np.float32), "does not match"),
@@ -83,7 +86,7 @@ def test_replies_with_bad_second_moments_are_rejected(v, reason):
     np.testing.assert_allclose(new["w"].numpy(), 1.0)
     report = strategy.round_reports[1]["train_replies"]
     assert report["rejected"] == 1 and reason in report["rejections"][0]
-    np.testing.assert_allclose(strategy.rule.v_hat["w"], 1.0)
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], 1.0)
 
 
 def test_v_hat_survives_a_state_dict_round_trip():
@@ -95,7 +98,9 @@ def test_v_hat_survives_a_state_dict_round_trip():
     )
     restored = FedLAMB()
     restored.load_state_dict(strategy.state_dict())
-    np.testing.assert_array_equal(restored.rule.v_hat["w"], strategy.rule.v_hat["w"])
+    np.testing.assert_array_equal(
+        restored.local_update.v_hat["w"], strategy.local_update.v_hat["w"]
+    )
 
 
 # --- one rule, two adapters ---------------------------------------------------
@@ -116,8 +121,9 @@ def _legacy_round(strategy, server_round, model, results):
     manager.num_available.return_value = len(proxies)
     manager.sample.return_value = proxies
     pairs = strategy.configure_fit(server_round, ndarrays_to_parameters(model), manager)
+    names = {wire.LOCAL_ARRAYS: json.dumps(["w"])}  # the moments' names
     fit = [
-        (proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, {}))
+        (proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, names))
         for proxy, (arrays, n) in zip(proxies, results, strict=True)
     ]
     new, _ = strategy.aggregate_fit(server_round, fit, [])
@@ -153,7 +159,9 @@ def test_legacy_and_message_fed_lamb_keep_the_same_v_hat():
         assert len(sent) == (1 if server_round == 1 else 2)  # v̂ after the model
         model = parameters_to_ndarrays(new)
         np.testing.assert_allclose(model[0], np.mean(thetas, axis=0), rtol=1e-6)
-        np.testing.assert_array_equal(old_api.rule.v_hat["0"], message.rule.v_hat["w"])
+        np.testing.assert_array_equal(
+            old_api.local_update.v_hat["w"], message.local_update.v_hat["w"]
+        )
 
 
 def test_legacy_first_round_moments_of_another_shape_are_rejected_not_a_crash():
@@ -169,19 +177,23 @@ def test_legacy_first_round_moments_of_another_shape_are_rejected_not_a_crash():
     assert new is not None
     report = strategy.round_reports[1]["train_replies"]
     assert report["rejected"] == 1 and "does not match" in report["rejections"][0]
-    np.testing.assert_allclose(strategy.rule.v_hat["0"], 1.0)
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], 1.0)
 
 
-def test_checkpoint_with_v_hat_beside_the_rule_state_still_loads():
-    """Checkpoints written before v̂ moved into the rule keep it at top level."""
+@pytest.mark.parametrize("where", ["in the rule", "beside the rule"])
+def test_checkpoint_with_v_hat_in_or_beside_the_rule_state_still_loads(where):
+    """Checkpoints written before v̂ moved into the local update kept it in
+    the rule's state; older ones beside it, at top level."""
     strategy = FedLAMB()
     list(strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(2, np.float32))}),
                                   ConfigRecord(), _grid()))  # fmt: skip
     strategy.aggregate_train(1, [_reply(np.ones(2, np.float32),
                                         np.full(2, 0.5, np.float32), 1)])  # fmt: skip
     state = strategy.state_dict()
-    old = {"rule": {k: v for k, v in state["rule"].items() if k != "v_hat"},
-           "v_hat": state["rule"]["v_hat"]}  # fmt: skip
+    v_hat = state["local_update"]["v_hat"]
+    old = {"rule": {**state["rule"], "v_hat": v_hat}}  # before: v̂ in the rule
+    if where == "beside the rule":
+        old = {"rule": state["rule"], "v_hat": v_hat}
     restored = FedLAMB()
     restored.load_state_dict(old)
-    np.testing.assert_array_equal(restored.rule.v_hat["w"], 0.5)
+    np.testing.assert_array_equal(restored.local_update.v_hat["w"], 0.5)

@@ -108,14 +108,6 @@ class ServerRule(ABC):
     #: whether :meth:`update` uses A_t (per-client squared update norms)
     needs_sq_norms: bool = False
 
-    #: Name of per-client state the rule aggregates besides the model
-    #: (:class:`~fedadapt.strategies.core.FedLAMBRule`: the optimizers'
-    #: "second-moments"), None for rules that need none. Adapters send
-    #: :meth:`broadcast_state` with the model under this name and give each
-    #: reply's state to :meth:`check_client_state`, the used replies' to
-    #: :meth:`aggregate_client_state`.
-    client_state_key: str | None = None
-
     def __init__(
         self,
         *,
@@ -144,34 +136,6 @@ class ServerRule(ABC):
 
     def _load(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
         """Restore what :meth:`_state` returned."""
-
-    # --- client state (rules with a client_state_key override these) ------------
-
-    def broadcast_state(self) -> Arrays | None:
-        """Return the state sent to clients with the model (None: nothing)."""
-        return None
-
-    def check_client_state(
-        self,
-        state: Mapping[str, NDArray[Any]] | None,
-        model: Mapping[str, NDArray[Any]] | None = None,
-        peer: Mapping[str, NDArray[Any]] | None = None,
-    ) -> str | None:
-        """Return why a reply's client state is unusable, or None.
-
-        ``model`` is the global model when the state is keyed by array name
-        (None when keyed by position); ``peer`` a state already accepted in
-        this round (None for the first).
-        """
-        return None
-
-    def aggregate_client_state(
-        self,
-        states: Sequence[Mapping[str, NDArray[Any]]],
-        num_examples: Sequence[float],
-    ) -> dict[str, float]:
-        """Fold the used replies' client states into the rule; diagnostics."""
-        return {}
 
     # --- shared machinery ------------------------------------------------------
 
