@@ -111,9 +111,12 @@ class RunControl:
         self.stop_rule: StopRule | None = None
         if stop_metric is not None:
             self.stop_rule = StopRule(
-                stop_metric, mode=stop_mode, target=stop_target,
-                patience=stop_patience, min_delta=stop_min_delta,
-            )  # fmt: skip
+                stop_metric,
+                mode=stop_mode,
+                target=stop_target,
+                patience=stop_patience,
+                min_delta=stop_min_delta,
+            )
         super().__init__(*args, **kwargs)
         self.stop_reason: str | None = None
         self.stop_message: str | None = None
@@ -151,16 +154,24 @@ class RunControl:
         if seen is None or seen[0] != server_round:
             if not self._stop_metric_missed:
                 self._stop_metric_missed = True
-                log(WARNING, "fedadapt: stop metric %r was not reported in round "
+                log(
+                    WARNING,
+                    "fedadapt: stop metric %r was not reported in round "
                     "%s; rounds without it do not count for the stop rule",
-                    self.stop_rule.metric, server_round)  # fmt: skip
+                    self.stop_rule.metric,
+                    server_round,
+                )
             return False
         reason = self.stop_rule.update(server_round, seen[2])
         if reason is None or not rounds_left:
             return False
         self.stop_reason, self.stop_message = reason, self.stop_rule.message
-        log(INFO, "fedadapt: stopping after round %s: %s",
-            server_round, self.stop_message)  # fmt: skip
+        log(
+            INFO,
+            "fedadapt: stopping after round %s: %s",
+            server_round,
+            self.stop_message,
+        )
         return True
 
     # --- resume ------------------------------------------------------------------
@@ -193,9 +204,12 @@ class RunControl:
         if found == digest:
             return iterate
         if found != arrays_digest(iterate):
-            log(WARNING, "fedadapt: the arrays to train from are not the model "
+            log(
+                WARNING,
+                "fedadapt: the arrays to train from are not the model "
                 "saved with the loaded strategy state; training continues from "
-                "them, not from the saved iterate")  # fmt: skip
+                "them, not from the saved iterate",
+            )
         return None
 
     def state_to_records(self) -> RecordDict:

@@ -162,9 +162,12 @@ def _unpack_train(
         return TrainReply(node, metrics, message, "expected one ArrayRecord")
     arrays = LazyArrays(next(iter(records.values())))
     return TrainReply(
-        node, metrics, message, arrays=arrays,
+        node,
+        metrics,
+        message,
+        arrays=arrays,
         local_arrays=None if local is None else _to_numpy(local),
-    )  # fmt: skip
+    )
 
 
 def _metrics_content(reply: TrainReply) -> RecordDict:
@@ -257,15 +260,27 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             log(INFO, "\t├──> Stop rule: %r", self.stop_rule)
         log(INFO, "\t├──> Trained arrays: %s", _describe_trainable(self.trainable))
         log(INFO, "\t├──> Sampling:")
-        log(INFO, "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
-            self.fraction_train, self.fraction_evaluate)  # fmt: skip
-        log(INFO, "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
-            self.min_train_nodes, self.min_evaluate_nodes)  # fmt: skip
+        log(
+            INFO,
+            "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
+            self.fraction_train,
+            self.fraction_evaluate,
+        )
+        log(
+            INFO,
+            "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
+            self.min_train_nodes,
+            self.min_evaluate_nodes,
+        )
         log(INFO, "\t│\t└──Minimum available nodes: %d", self.min_available_nodes)
         log(INFO, "\t└──> Keys in records:")
         if self.rule.weighting == "uniform":
-            log(INFO, "\t\t├── Model update weighted: uniformly (1/|S_t|; replies "
-                "without '%s' are accepted)", key)  # fmt: skip
+            log(
+                INFO,
+                "\t\t├── Model update weighted: uniformly (1/|S_t|; replies "
+                "without '%s' are accepted)",
+                key,
+            )
         else:
             log(INFO, "\t\t├── Model update weighted by: '%s'", key)
         log(INFO, "\t\t├── Metrics weighted by: '%s'", key)
@@ -455,9 +470,14 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             arrays = self._one_round(
-                current_round, arrays, result, grid, timeout,
-                (train_config, evaluate_config), evaluate_fn,
-            )  # fmt: skip
+                current_round,
+                arrays,
+                result,
+                grid,
+                timeout,
+                (train_config, evaluate_config),
+                evaluate_fn,
+            )
             for source, records in (
                 (CENTRAL, result.evaluate_metrics_serverapp),
                 (FEDERATED, result.evaluate_metrics_clientapp),

@@ -246,21 +246,29 @@ class RuleHost:
         label = f"Round {server_round}"
         entry = self.round_reports.setdefault(server_round, {})
         valid, report = screen(
-            candidates, reference, weight_key, label,
+            candidates,
+            reference,
+            weight_key,
+            label,
             weight_optional=self.rule.weighting == "uniform",
             norm_required=self.secure_aggregation and self.rule.needs_sq_norms,
-        )  # fmt: skip
+        )
         new: Arrays | None = None
         diagnostics: dict[str, Any] = {}
         if valid and reference is not None:
             new, diagnostics, valid = apply_rule(
-                self.rule, reference, valid, weight_key, report, label,
+                self.rule,
+                reference,
+                valid,
+                weight_key,
+                report,
+                label,
                 secure_aggregation=self.secure_aggregation,
                 max_norm=self.max_update_norm,
                 max_norm_ratio=self.max_update_norm_ratio,
                 aggregation=self.aggregation,
                 trim_fraction=self.trim_fraction,
-            )  # fmt: skip
+            )
         entry["train_replies"] = report.as_dict()
         self._count_failed_round(label, report, failed=report.used == 0)
         if new is None:
@@ -411,14 +419,20 @@ def apply_rule(
             report.reject_late(candidate.node, reason, round_label)
         ordered = [c for c in ordered if all(c is not b for b in bad)]
     else:
-        log(WARNING, "%s: no usable replies (%s failed, %s rejected)",
-            round_label, report.failed, report.rejected)  # fmt: skip
+        log(
+            WARNING,
+            "%s: no usable replies (%s failed, %s rejected)",
+            round_label,
+            report.failed,
+            report.rejected,
+        )
         return None, {}, []
     if stats.client_sq_norms is not None:
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)
         if stats.clip_scales is not None:
-            _count_clipped(ordered, stats.client_sq_norms, stats.clip_scales,
-                           report, round_label)  # fmt: skip
+            _count_clipped(
+                ordered, stats.client_sq_norms, stats.clip_scales, report, round_label
+            )
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
@@ -440,9 +454,14 @@ def _count_clipped(
     for candidate, sq, scale in zip(used, sq_norms, scales, strict=True):
         if scale < 1:
             report.clipped += 1
-            log(WARNING, "%s: clipped the update of node %s from norm %.6g to %.6g",
-                round_label, candidate.node, math.sqrt(sq),
-                scale * math.sqrt(sq))  # fmt: skip
+            log(
+                WARNING,
+                "%s: clipped the update of node %s from norm %.6g to %.6g",
+                round_label,
+                candidate.node,
+                math.sqrt(sq),
+                scale * math.sqrt(sq),
+            )
 
 
 def _check_reported_norms(
@@ -457,9 +476,16 @@ def _check_reported_norms(
         if claimed is None or math.isclose(claimed, own, rel_tol=NORM_RTOL):
             continue
         report.norm_mismatches += 1
-        log(WARNING, "%s: node %s reported %s = %.6g but its arrays give %.6g; "
-            "using the server's value", round_label, candidate.node,
-            wire.UPDATE_SQ_NORM, claimed, own)  # fmt: skip
+        log(
+            WARNING,
+            "%s: node %s reported %s = %.6g but its arrays give %.6g; "
+            "using the server's value",
+            round_label,
+            candidate.node,
+            wire.UPDATE_SQ_NORM,
+            claimed,
+            own,
+        )
 
 
 def evaluation_average(previous: Arrays, new: Arrays) -> Arrays:

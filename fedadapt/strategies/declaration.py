@@ -182,10 +182,12 @@ class Algorithm:
             kind = type(p.default)
             parameters.append(
                 inspect.Parameter(
-                    p.name, inspect.Parameter.KEYWORD_ONLY,
-                    default=defaults[p.name], annotation=kind,
+                    p.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=defaults[p.name],
+                    annotation=kind,
                 )
-            )  # fmt: skip
+            )
             annotations[p.name] = kind
         unpacked = Unpack[kwargs_type]  # type: ignore[valid-type]
         parameters.append(
@@ -203,29 +205,41 @@ class Algorithm:
         cls: type[Any] = type(
             self.title,
             (base,),
-            {"__init__": __init__, "__doc__": doc, "__module__": module,
-             "algorithm": self},
-        )  # fmt: skip
+            {
+                "__init__": __init__,
+                "__doc__": doc,
+                "__module__": module,
+                "algorithm": self,
+            },
+        )
         return cls
 
 
 def message_class(algorithm: Algorithm, module: str) -> type[Any]:
     """Return ``algorithm``'s Message-API class (a :class:`RuleStrategy`)."""
     return algorithm.strategy_class(
-        RuleStrategy, FedAvgKwargs, module=module,
+        RuleStrategy,
+        FedAvgKwargs,
+        module=module,
         flower="flwr.serverapp.strategy.FedAvg",
-    )  # fmt: skip
+    )
 
 
 def weighting(default: str, source: str) -> Param:
     """Return the ``weighting`` param (client weights ω of Δ̄ and A)."""
     return Param(
-        "weighting", default, "Client weights ω: the papers' uniform mean or "
-        "Flower's num-examples weighting.", source, choices=WEIGHTINGS,
-    )  # fmt: skip
+        "weighting",
+        default,
+        "Client weights ω: the papers' uniform mean or "
+        "Flower's num-examples weighting.",
+        source,
+        choices=WEIGHTINGS,
+    )
 
 
 AVERAGE_LAST_TWO = Param(
-    "average_last_two", True, "Evaluate and return (w_t + w_{t+1})/2; training "
-    "continues from w_{t+1}.", "FedExP §5 and FedDuA §5.1 (as in FedExP)",
-)  # fmt: skip
+    "average_last_two",
+    True,
+    "Evaluate and return (w_t + w_{t+1})/2; training continues from w_{t+1}.",
+    "FedExP §5 and FedDuA §5.1 (as in FedExP)",
+)

@@ -215,23 +215,56 @@ FEDDUA = Algorithm(
     + ε_g) adapts every round (DUA Algorithm 1, eq. (3)).""",
     rule=FedDuARule,
     params=(
-        Param("variant", "adam", "FedDuAdam or FedDuAdagrad.", "DUA §5.1 "
-              "(FedDuAdam, the paper's main method)", choices=VARIANTS),
-        Param("beta_1", 0.9, "Decay rate β1 of v and m (adam variant).",
-              "DUA §5.1", low=0.0, high=1.0, high_open=True),
-        Param("beta_2", 0.99, "Decay rate β2 of s (adam variant).", "DUA §5.1",
-              low=0.0, high=1.0, high_open=True),
-        Param("epsilon", 1e-9, "ε in the preconditioner G = diag(√s + ε).",
-              "DUA §5.1 and App. H.3", low=0.0),
-        Param("epsilon_g", 0.0, "ε_g in the step-size denominator.",
-              "DUA §5.2 (0 works)", low=0.0),
-        Param("preconditioner", "diagonal", "G = diag(√s + ε), or identity "
-              "(G ≡ I: FedExP without max(1,·) / FedExPM).", "DUA Algorithm 1",
-              choices=PRECONDITIONERS),
+        Param(
+            "variant",
+            "adam",
+            "FedDuAdam or FedDuAdagrad.",
+            "DUA §5.1 (FedDuAdam, the paper's main method)",
+            choices=VARIANTS,
+        ),
+        Param(
+            "beta_1",
+            0.9,
+            "Decay rate β1 of v and m (adam variant).",
+            "DUA §5.1",
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+        Param(
+            "beta_2",
+            0.99,
+            "Decay rate β2 of s (adam variant).",
+            "DUA §5.1",
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+        Param(
+            "epsilon",
+            1e-9,
+            "ε in the preconditioner G = diag(√s + ε).",
+            "DUA §5.1 and App. H.3",
+            low=0.0,
+        ),
+        Param(
+            "epsilon_g",
+            0.0,
+            "ε_g in the step-size denominator.",
+            "DUA §5.2 (0 works)",
+            low=0.0,
+        ),
+        Param(
+            "preconditioner",
+            "diagonal",
+            "G = diag(√s + ε), or identity (G ≡ I: FedExP without max(1,·) / FedExPM).",
+            "DUA Algorithm 1",
+            choices=PRECONDITIONERS,
+        ),
         weighting("uniform", "DUA Algorithm 1 lines 9 and 12"),
         AVERAGE_LAST_TWO,
     ),
     adapter=frozenset({"average_last_two"}),
-)  # fmt: skip
+)
 
 FedDuA = message_class(FEDDUA, __name__)

@@ -213,16 +213,23 @@ FEDEXPM = Algorithm(
     rule=FedExPRule,
     params=(
         _EPSILON,
-        Param("server_momentum", 0.9, "Momentum β of v and m.", "DUA §5.1 "
-              "(the β1 it fixes for its momentum methods)", low=0.0, high=1.0,
-              low_open=True, high_open=True),
+        Param(
+            "server_momentum",
+            0.9,
+            "Momentum β of v and m.",
+            "DUA §5.1 (the β1 it fixes for its momentum methods)",
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+        ),
         _EPS_FORM,
         _EPS_DECAY,
         weighting("uniform", _UNIFORM),
         AVERAGE_LAST_TWO,
     ),
     adapter=frozenset({"average_last_two"}),
-)  # fmt: skip
+)
 
 FedExP = message_class(FEDEXP, __name__)
 FedExPM = message_class(FEDEXPM, __name__)

@@ -300,8 +300,11 @@ class SecondMoments(LocalUpdate):
         omega = client_weights(weights, self.weighting)
         self.v_hat = aggregate_second_moments(
             # check_reply accepted each reply's moments
-            self.v_hat, [r or {} for r in replies], weights=list(omega), eps=self.eps
-        )  # fmt: skip
+            self.v_hat,
+            [r or {} for r in replies],
+            weights=list(omega),
+            eps=self.eps,
+        )
         flat = np.concatenate([v.ravel() for v in self.v_hat.values()])
         return {"v-hat-mean": float(flat.mean())}
 
@@ -335,11 +338,16 @@ FED_LAMB = Algorithm(
         the optimizer fed-lamb or fed-ams.
     """,
     params=(
-        Param("eps", 1e-8, "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' "
-              "optimizer ε (1e-8).", "Fed-LAMB Algorithm 1 line 2 (the clients' "
-              "ε)", low=0.0, low_open=True),
+        Param(
+            "eps",
+            1e-8,
+            "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' optimizer ε (1e-8).",
+            "Fed-LAMB Algorithm 1 line 2 (the clients' ε)",
+            low=0.0,
+            low_open=True,
+        ),
         weighting("uniform", "Fed-LAMB Algorithm 1 lines 15-16"),
     ),
-)  # fmt: skip
+)
 
 FedLAMB = message_class(FED_LAMB, __name__)

@@ -234,29 +234,55 @@ class FedYogiRule(FedOptRule):
 
 
 def _eta(default: float, flower: str) -> Param:
-    return Param("eta", default, "Server learning rate η.", flower,
-                 low=0.0, low_open=True)  # fmt: skip
+    return Param(
+        "eta", default, "Server learning rate η.", flower, low=0.0, low_open=True
+    )
 
 
 def _eta_l(default: float, flower: str) -> Param:
-    return Param("eta_l", default, "Client learning rate: accepted and kept as "
-                 "``self.eta_l`` like Flower's, which does not send it either.",
-                 flower, low=0.0)  # fmt: skip
+    return Param(
+        "eta_l",
+        default,
+        "Client learning rate: accepted and kept as "
+        "``self.eta_l`` like Flower's, which does not send it either.",
+        flower,
+        low=0.0,
+    )
 
 
 def _betas(flower: str) -> tuple[Param, Param]:
     return (
-        Param("beta_1", 0.9, "First-moment decay rate β1.", flower,
-              low=0.0, high=1.0, high_open=True),
-        Param("beta_2", 0.99, "Second-moment decay rate β2.", flower,
-              low=0.0, high=1.0, high_open=True),
-    )  # fmt: skip
+        Param(
+            "beta_1",
+            0.9,
+            "First-moment decay rate β1.",
+            flower,
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+        Param(
+            "beta_2",
+            0.99,
+            "Second-moment decay rate β2.",
+            flower,
+            low=0.0,
+            high=1.0,
+            high_open=True,
+        ),
+    )
 
 
 def _tau(flower: str, legacy: float | None = None) -> Param:
     source = flower if legacy is None else f"{flower} (legacy class: {legacy:g})"
-    return Param("tau", 1e-3, "Adaptivity τ, added to √v.", source, low=0.0,
-                 legacy_default=legacy)  # fmt: skip
+    return Param(
+        "tau",
+        1e-3,
+        "Adaptivity τ, added to √v.",
+        source,
+        low=0.0,
+        legacy_default=legacy,
+    )
 
 
 _NUM_EXAMPLES = "Flower's FedOpt strategies (the paper: uniform)"
@@ -270,13 +296,18 @@ FEDADAM = Algorithm(
         _eta(1e-1, "Flower's FedAdam"),
         *_betas("Flower's FedAdam (FedDuA §5.1)"),
         _tau("Flower's FedAdam", legacy=1e-9),
-        Param("bias_correction", "flower", "Bias correction of η: Flower's, none "
-              "(Reddi et al., FedDuA) or torch.optim.Adam's.", "Flower's FedAdam",
-              choices=BIAS_CORRECTIONS),
+        Param(
+            "bias_correction",
+            "flower",
+            "Bias correction of η: Flower's, none "
+            "(Reddi et al., FedDuA) or torch.optim.Adam's.",
+            "Flower's FedAdam",
+            choices=BIAS_CORRECTIONS,
+        ),
         weighting("num_examples", _NUM_EXAMPLES),
     ),
     compat=(_eta_l(1e-1, "Flower's FedAdam"),),
-)  # fmt: skip
+)
 FEDADAGRAD = Algorithm(
     name="fedadagrad",
     title="FedAdagrad",

@@ -297,10 +297,14 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             local, problem = _local_arrays(reply, arrays, size)
             candidates.append(
                 TrainReply(
-                    proxy.cid, reply, (proxy, res), problem,
-                    arrays=_keyed(arrays, self.array_names), local_arrays=local,
+                    proxy.cid,
+                    reply,
+                    (proxy, res),
+                    problem,
+                    arrays=_keyed(arrays, self.array_names),
+                    local_arrays=local,
                 )
-            )  # fmt: skip
+            )
         report = self.round_reports.setdefault(server_round, {})
         report["communication"] = traffic.as_dict()
         screen_replies(self.local_update, candidates)
@@ -375,9 +379,12 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
 
 def _legacy_class(algorithm: Algorithm) -> type[Any]:
     return algorithm.strategy_class(
-        LegacyRuleStrategy, LegacyFedAvgKwargs, module=__name__, legacy=True,
+        LegacyRuleStrategy,
+        LegacyFedAvgKwargs,
+        module=__name__,
+        legacy=True,
         flower="flwr.server.strategy.FedAvg",
-    )  # fmt: skip
+    )
 
 
 FedAvg = _legacy_class(FEDAVG)

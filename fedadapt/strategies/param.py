@@ -68,9 +68,13 @@ class Param:
                 return value
             return check_choice(self.name, value, self.choices)
         number = check_scalar(
-            self.name, value, low=self.low, high=self.high,
-            low_inclusive=not self.low_open, high_inclusive=not self.high_open,
-        )  # fmt: skip
+            self.name,
+            value,
+            low=self.low,
+            high=self.high,
+            low_inclusive=not self.low_open,
+            high_inclusive=not self.high_open,
+        )
         if kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"Invalid {self.name}: {value!r} (expected an int)")

@@ -101,8 +101,9 @@ class Scaffold(LocalUpdate):
         num_nodes = max(self.num_nodes, len(used))  # N ≥ |S|
         for key in self.c:
             self.c[key] = self.c[key] + sum(r[key] for r in used) / num_nodes
-        norm = np.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64)))
-                           for a in self.c.values()))  # fmt: skip
+        norm = np.sqrt(
+            sum(float(np.sum(np.square(a, dtype=np.float64))) for a in self.c.values())
+        )
         return {"scaffold-c-norm": float(norm)}
 
     def _state(self) -> dict[str, Any]:

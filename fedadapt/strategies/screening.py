@@ -207,9 +207,13 @@ def screen(
             continue
         arrays = candidate.arrays if isinstance(candidate, TrainReply) else None
         reason = candidate.problem or reject_reason(
-            arrays, candidate.metrics, reference, weight_key,
-            weight_optional=weight_optional, norm_required=norm_required,
-        )  # fmt: skip
+            arrays,
+            candidate.metrics,
+            reference,
+            weight_key,
+            weight_optional=weight_optional,
+            norm_required=norm_required,
+        )
         if reason is None and extra_check is not None:
             reason = extra_check(candidate)
         if reason is None:
@@ -220,12 +224,22 @@ def screen(
             continue
         report.rejected += 1
         report.rejections.append(f"node {candidate.node}: {reason}")
-        log(WARNING, "%s: rejected reply from node %s: %s",
-            round_label, candidate.node, reason)  # fmt: skip
+        log(
+            WARNING,
+            "%s: rejected reply from node %s: %s",
+            round_label,
+            candidate.node,
+            reason,
+        )
     report.used = len(valid)
     if candidates and not valid:
-        log(WARNING, "%s: no usable replies (%s failed, %s rejected)",
-            round_label, report.failed, report.rejected)  # fmt: skip
+        log(
+            WARNING,
+            "%s: no usable replies (%s failed, %s rejected)",
+            round_label,
+            report.failed,
+            report.rejected,
+        )
     return valid, report
 
 

@@ -317,10 +317,14 @@ def round_statistics(
         keys = list(current) if aggregation == "mean" else (adaptive if compute else [])
         keyed = set(adaptive) if compute else set()
         mean_update = {
-            k: _weighted_sum(current[k], [c[k] for c in clients], weights,
-                             norms if k in keyed else None)
+            k: _weighted_sum(
+                current[k],
+                [c[k] for c in clients],
+                weights,
+                norms if k in keyed else None,
+            )
             for k in keys
-        }  # fmt: skip
+        }
     bound, scales = None, None
     if clip:
         assert norms is not None, "clipping computes the clients' norms"
@@ -379,8 +383,9 @@ def _robust_update(
         if scales is not None and k in adaptive:
             factors = scales.astype(stack.dtype)
             stack *= factors.reshape((-1,) + (1,) * x_t.ndim)
-        out[k] = np.asarray(robust_mean(stack, aggregation, trim_fraction),
-                            dtype=stack.dtype)  # fmt: skip
+        out[k] = np.asarray(
+            robust_mean(stack, aggregation, trim_fraction), dtype=stack.dtype
+        )
     return out
 
 
@@ -398,8 +403,7 @@ def _clipped_sum(
     adaptive arrays, so their differences are held in one model-sized
     buffer (reused) while the norm is formed; a single pass still.
     """
-    buffers = {k: np.empty(current[k].shape, _acc_dtype(current[k]))
-               for k in adaptive}  # fmt: skip
+    buffers = {k: np.empty(current[k].shape, _acc_dtype(current[k])) for k in adaptive}
     sums = {k: np.zeros_like(b) for k, b in buffers.items()}
     for i, (client, w) in enumerate(zip(clients, weights, strict=True)):
         for k, delta in buffers.items():
