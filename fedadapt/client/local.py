@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from fedadapt.client import fedprox  # noqa: F401 (registers its client half)
+from fedadapt.client import fedprox, mime  # noqa: F401 (register client halves)
 from fedadapt.client.local_update import (
     LocalStart,
     client_update,

@@ -44,6 +44,7 @@ from fedadapt.strategies.fedopt import (
 )
 from fedadapt.strategies.fedprox import FedProx
 from fedadapt.strategies.local_update import LocalUpdate
+from fedadapt.strategies.mime import Mime, MimeLite
 from fedadapt.strategies.screening import reject_reason
 
 #: The declared algorithms by run-config ``strategy`` name (in this order in
@@ -70,6 +71,8 @@ __all__ = [
     "FederationFailedError",
     "Param",
     "LocalUpdate",
+    "Mime",
+    "MimeLite",
     "RoundStatistics",
     "RuleStrategy",
     "ServerRule",
