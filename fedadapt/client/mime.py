@@ -16,8 +16,9 @@ y ← y − η_l((1 − β)·g + β·m), with
 At the start of the round the client computes its full-batch gradient
 ∇f_i(x) of the task loss over its train split at x and sends it back (one
 array per trainable parameter) for the server's momentum. Gradients at x
-are taken in training mode (dropout active, as in the local steps) on a
-copy, so the trained model's buffers are untouched. Mime keeps no client
+are taken in training mode (dropout active, as in the local steps; the
+train split as training loads it, augmentation included) on a copy, so the
+trained model's buffers are untouched. Mime keeps no client
 state across rounds. The server half is
 :class:`fedadapt.strategies.mime.Mime` / :class:`~fedadapt.strategies.mime.MimeLite`.
 """
@@ -94,7 +95,7 @@ class MimeLiteClient(ClientUpdate):
                 f"server half, fedadapt.strategies.{self.server.__name__}, sends it)"
             )
         self.beta = float(beta)
-        self.at_x = copy.deepcopy(start.model).train()
+        at_x = copy.deepcopy(start.model).train()
         self.criterion = start.criterion
         params = {
             n: p for n, p in start.model.named_parameters() if p.requires_grad
@@ -108,8 +109,10 @@ class MimeLiteClient(ClientUpdate):
             extra = unknown or [CORRECTION + "*"]
             raise ValueError(f"{self.name}: unexpected server arrays {extra}")
         self.grad_x = full_batch_gradient(
-            self.at_x, start.criterion, start.data, start.batch_size, start.device
+            at_x, start.criterion, start.data, start.batch_size, start.device
         )
+        #: the frozen copy of x for ∇f_i(x; ζ), kept only while c corrects
+        self.at_x = at_x if self.c is not None else None
 
     def _server_arrays(
         self,
@@ -136,7 +139,7 @@ class MimeLiteClient(ClientUpdate):
         """p.grad ← (1 − β)·g + β·m (Mime: g gains −∇f_i(x; ζ) + c)."""
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         at_x = None
-        if self.c is not None:
+        if self.at_x is not None:
             x_params = [p for p in self.at_x.parameters() if p.requires_grad]
             loss = self.criterion(self.at_x(inputs), targets)
             at_x = torch.autograd.grad(loss, x_params, allow_unused=True)
