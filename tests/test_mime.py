@@ -52,8 +52,12 @@ def _grad(w, b, x, t):
 def _order(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
     """The example indices of each local step (the loader's seeded shuffling)."""
     shuffle = torch.Generator().manual_seed(seed)
-    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size,
-                        shuffle=True, generator=shuffle)  # fmt: skip
+    loader = DataLoader(
+        TensorDataset(torch.arange(n)),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=shuffle,
+    )
     batches: list[np.ndarray] = []
     while len(batches) < steps:
         batches += [b[0].numpy() for b in loader]
@@ -86,13 +90,24 @@ def _client_round(name, x, data, config, arrays, lr, steps, batch_size, seed):
     model = _linear(*x)
     dataset = TensorDataset(*(torch.from_numpy(a) for a in data))
     client = CLIENT_UPDATES.get(name)()
-    client.begin(LocalStart(model, config, arrays, None, dataset, nn.MSELoss(),
-                            batch_size, CPU, 1, lr))  # fmt: skip
+    client.begin(
+        LocalStart(
+            model, config, arrays, None, dataset, nn.MSELoss(), batch_size, CPU, 1, lr
+        )
+    )
     train_local(
-        model, torch.optim.SGD(model.parameters(), lr=lr), nn.MSELoss(), dataset,
-        epochs=0, steps=steps, batch_size=batch_size, seed=seed, device=CPU,
-        classification=False, local_update=client,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        nn.MSELoss(),
+        dataset,
+        epochs=0,
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        device=CPU,
+        classification=False,
+        local_update=client,
+    )
     end = client.end(model, steps)
     y = (model.weight.detach().numpy(), model.bias.detach().numpy())
     return y, end
@@ -123,10 +138,12 @@ def test_local_steps_match_a_float64_reference(name):
         np.sqrt(np.sum(grad_x[0] ** 2) + np.sum(grad_x[1] ** 2))
     )
     # not vacuous: plain SGD (and the other variant) end elsewhere
-    plain, _ = _reference_client(x, data, (0 * m[0], 0 * m[1]), None, 0.0, lr,
-                                 _order(12, 4, steps, 7))  # fmt: skip
-    other, _ = _reference_client(x, data, m, None if name == "mime" else c, beta,
-                                 lr, _order(12, 4, steps, 7))  # fmt: skip
+    plain, _ = _reference_client(
+        x, data, (0 * m[0], 0 * m[1]), None, 0.0, lr, _order(12, 4, steps, 7)
+    )
+    other, _ = _reference_client(
+        x, data, m, None if name == "mime" else c, beta, lr, _order(12, 4, steps, 7)
+    )
     assert not np.allclose(y[0], plain[0]) and not np.allclose(y[0], other[0])
 
 
@@ -151,8 +168,9 @@ def test_rounds_match_a_float64_reference(server):
         config, arrays = round_config(update, t, model, num_nodes=2)
         replies, ys = [], []
         for i, data in enumerate(clients):
-            y, end = _client_round(update.name, x, data, config, arrays, lr, steps,
-                                   4, seed=10 * t + i)  # fmt: skip
+            y, end = _client_round(
+                update.name, x, data, config, arrays, lr, steps, 4, seed=10 * t + i
+            )
             assert update.check_reply(end.arrays, end.metrics) is None
             replies.append(end.arrays)
             ys.append(y)
@@ -245,8 +263,10 @@ def test_message_api_server_momentum_from_the_clients_full_batch_gradients():
     # the round-2 step used m and c: plain SGD from the same x and seed differs
     plain = train_round(cfg, 0, 2, x2, lr=0.1, server_round=2)
     node_1 = next(r for r in sent if r.metadata.src_node_id == 1)
-    assert not np.allclose(node_1.content[wire.ARRAYS]["net.1.weight"].numpy(),
-                           plain.state["net.1.weight"].numpy())  # fmt: skip
+    assert not np.allclose(
+        node_1.content[wire.ARRAYS]["net.1.weight"].numpy(),
+        plain.state["net.1.weight"].numpy(),
+    )
     # Mime keeps no client state
     assert not any("mime" in name for c in contexts.values() for name in c.state)
     # the server half's state survives the records round trip (a resume)
@@ -267,10 +287,12 @@ def test_legacy_api_matches_the_message_api(task_identity):
     for proxy in (_Proxy(c) for c in _contexts(2).values()):
         manager.register(proxy)
     strategy = LegacyFedAvg(
-        local_update=MimeLite(), array_names=keys, min_fit_clients=2,
+        local_update=MimeLite(),
+        array_names=keys,
+        min_fit_clients=2,
         min_available_clients=2,
         on_fit_config_fn=lambda r: {wire.LR: 0.1, wire.SERVER_ROUND: r},
-    )  # fmt: skip
+    )
     parameters = ndarrays_to_parameters([v.numpy() for v in _global_state().values()])
     for server_round in (1, 2):
         pairs = strategy.configure_fit(server_round, parameters, manager)
@@ -294,8 +316,9 @@ def test_legacy_api_matches_the_message_api(task_identity):
 def test_feddua_with_mime_is_built_from_the_run_config(api):
     from fedadapt.server.strategy_factory import build_strategy
 
-    cfg = validate_run_config({"strategy": "feddua", "local-update": "mime",
-                               "mime.beta": 0.5})  # fmt: skip
+    cfg = validate_run_config(
+        {"strategy": "feddua", "local-update": "mime", "mime.beta": 0.5}
+    )
     strategy = build_strategy(cfg, 2, api=api)
     assert type(strategy.local_update) is Mime
     assert strategy.local_update.beta == 0.5
@@ -340,8 +363,9 @@ def test_client_half_refuses_a_bad_server_message(client):
     data = TensorDataset(torch.zeros(4, 3), torch.zeros(4, 1))
 
     def begin(config: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        client().begin(LocalStart(model, config, arrays, None, data, nn.MSELoss(),
-                                  2, CPU, 2, 0.1))  # fmt: skip
+        client().begin(
+            LocalStart(model, config, arrays, None, data, nn.MSELoss(), 2, CPU, 2, 0.1)
+        )
 
     beta = {f"{client.name}.beta": 0.9}
     with pytest.raises(ValueError, match=rf"{client.name}.beta must be a number"):
@@ -370,11 +394,15 @@ def test_feddua_with_mime_runs_in_flower_simulation(tmp_path):
     name = "mime"
     run_in_process(
         {
-            "output-dir": str(tmp_path), "run-name": "mime", "num-server-rounds": 2,
-            "strategy": "feddua", "local-update": name, "local-steps": 5,
+            "output-dir": str(tmp_path),
+            "run-name": "mime",
+            "num-server-rounds": 2,
+            "strategy": "feddua",
+            "local-update": name,
+            "local-steps": 5,
         },
         num_supernodes=2,
-    )  # fmt: skip
+    )
     data = json.loads((tmp_path / "mime" / "results.json").read_text())
     assert data["status"] == "completed"
     assert data["local_update"] == {"name": name, "beta": 0.9}

@@ -97,9 +97,8 @@ class MimeLiteClient(ClientUpdate):
         self.beta = float(beta)
         at_x = copy.deepcopy(start.model).train()
         self.criterion = start.criterion
-        params = {
-            n: p for n, p in start.model.named_parameters() if p.requires_grad
-        }  # fmt: skip
+        params = dict(start.model.named_parameters())
+        params = {n: p for n, p in params.items() if p.requires_grad}
         self.m = self._server_arrays(start.arrays, MOMENTUM, params)
         self.c = self._server_arrays(start.arrays, CORRECTION, params)
         unknown = sorted(
