@@ -385,19 +385,17 @@ def test_client_half_refuses_a_bad_server_message(client):
 
 
 @pytest.mark.e2e
-def test_feddua_with_mime_runs_in_flower_simulation(tmp_path):
-    """local-update=mime with strategy=feddua (FedDuA Fig. 4), through Flower.
-
-    FedAvg with Mime and MimeLite runs through fedadapt's ClientApp and
-    NumPyClient in the API tests above (one e2e run: the test-time budget).
-    """
-    name = "mime"
+@pytest.mark.parametrize(
+    ("strategy", "name"), [("fedavg", "mimelite"), ("feddua", "mime")]
+)
+def test_mime_runs_in_flower_simulation(tmp_path, strategy, name):
+    """local-update=mime(lite) with FedAvg, and with FedDuA (FedDuA Fig. 4)."""
     run_in_process(
         {
             "output-dir": str(tmp_path),
             "run-name": "mime",
             "num-server-rounds": 2,
-            "strategy": "feddua",
+            "strategy": strategy,
             "local-update": name,
             "local-steps": 5,
         },
