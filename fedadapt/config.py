@@ -129,9 +129,11 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("local-update", "none", "An algorithm's client-side part, with any "
         "strategy: none (plain local training), fedprox (proximal term "
         "(μ/2)‖w − w_t‖², Li et al. 2020), moon (model-contrastive loss, Li, "
-        "He and Song 2021) or scaffold (control variates, option II, Karimireddy "
-        "et al. 2020; η_g is the strategy's server step); its hyperparameters are "
-        "the `<local-update>.*` keys.", choices=_registry_names("local-update")),
+        "He and Song 2021), scaffold (control variates, option II, Karimireddy "
+        "et al. 2020b; η_g is the strategy's server step), mime or mimelite "
+        "(local steps with the server's SGDm momentum, Karimireddy et al. 2020a; "
+        "client-optimizer=sgd); its hyperparameters are the `<local-update>.*` "
+        "keys.", choices=_registry_names("local-update")),
     Key("data-dir", "data", "Folder with the datasets in their standard on-disk "
         "formats (nothing is downloaded); use an absolute path."),
     Key("augment", True, "Train-time augmentation of CIFAR tasks (random crop + "
@@ -318,6 +320,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     for name, value in run_config.items():
         config[name] = KEYS[name].check(value)
     _check_strategy_keys(config)
+    _check_local_update_optimizer(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
             "local-epochs", "local-epochs and local-steps are both 0: no local work"
@@ -396,6 +399,19 @@ def _check_strategy_keys(config: RunConfig) -> None:
                 f"does not read it (only {prefix}* keys); remove it or set "
                 f"{selector}={key.name.split('.', 1)[0]!r}",
             )
+
+
+def _check_local_update_optimizer(config: RunConfig) -> None:
+    """Refuse a client optimizer the selected local update does not work with."""
+    name = config["local-update"]
+    allowed = LOCAL_UPDATES.get(name).client_optimizers
+    if allowed is not None and config["client-optimizer"] not in allowed:
+        raise ConfigError(
+            "client-optimizer",
+            f"local-update={name!r} sets the local step's direction itself and "
+            f"needs client-optimizer in {list(allowed)}, got "
+            f"{config['client-optimizer']!r}",
+        )
 
 
 def _check_stop_metric_is_reported(config: RunConfig) -> None:

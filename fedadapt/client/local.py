@@ -18,6 +18,7 @@ from flwr.app import RecordDict
 from fedadapt.client import (  # noqa: F401 (they register their client halves)
     fedlamb,
     fedprox,
+    mime,
     moon,
     scaffold,
 )

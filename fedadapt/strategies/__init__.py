@@ -46,6 +46,7 @@ from fedadapt.strategies.fedopt import (
 )
 from fedadapt.strategies.fedprox import FedProx
 from fedadapt.strategies.local_update import LocalUpdate, LocalUpdates
+from fedadapt.strategies.mime import Mime, MimeLite
 from fedadapt.strategies.moon import Moon
 from fedadapt.strategies.scaffold import Scaffold
 from fedadapt.strategies.screening import reject_reason
@@ -75,6 +76,8 @@ __all__ = [
     "Param",
     "LocalUpdate",
     "LocalUpdates",
+    "Mime",
+    "MimeLite",
     "Moon",
     "RoundStatistics",
     "RuleStrategy",

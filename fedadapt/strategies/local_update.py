@@ -62,6 +62,10 @@ class LocalUpdate:
     #: the hyperparameters, declared once: constructor keywords of the same
     #: name, run-config keys ``<name>.<param>`` and docs rows derive from them
     params: ClassVar[tuple[Param, ...]] = ()
+    #: run-config ``client-optimizer`` values the client half works with
+    #: (None: any); e.g. Mime, whose client half sets the step direction for
+    #: plain SGD to take. The run config refuses the others.
+    client_optimizers: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def key(cls, param: Param | str) -> str:
