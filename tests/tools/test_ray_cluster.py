@@ -165,8 +165,14 @@ def _finish(proc: subprocess.Popen[str], tmp_path: Path, name: str) -> dict:
 
 
 def _shape(value: Any) -> Any:
-    """Keys and value types, recursively: what two runs of one config share."""
+    """Keys and value types, recursively: what two runs of one config share.
+
+    Node ids differ between runs: a mapping keyed by them (results.json's
+    per-node ``communication``) becomes the list of its values' shapes.
+    """
     if isinstance(value, dict):
+        if value and all(str(k).isdigit() for k in value):
+            return {"<node ids>": [_shape(v) for v in value.values()]}
         return {k: _shape(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_shape(v) for v in value]
