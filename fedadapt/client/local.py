@@ -137,11 +137,20 @@ def train_round(
         kept, reset = load_client_state(client_state, update)
         update.begin(
             LocalStart(
-                model, config or {}, local_arrays or {}, kept, data.train,
-                criterion, cfg["batch-size"], device, server_round, lr,
-                state_reset=reset, optimizer=optimizer,
+                model,
+                config or {},
+                local_arrays or {},
+                kept,
+                data.train,
+                criterion,
+                cfg["batch-size"],
+                device,
+                server_round,
+                lr,
+                state_reset=reset,
+                optimizer=optimizer,
             )
-        )  # fmt: skip
+        )
     result = train_local(
         model,
         optimizer,

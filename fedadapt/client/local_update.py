@@ -261,8 +261,12 @@ def log_state_reset(update: ClientUpdate, reason: str) -> None:
     shapes) calls it too and reports :data:`~fedadapt.strategies.wire.LOCAL_STATE_RESET`
     = 1 in :attr:`LocalEnd.metrics`.
     """
-    log(WARNING, "fedadapt: local update %s: client state reset: %s",
-        update.name, reason)  # fmt: skip
+    log(
+        WARNING,
+        "fedadapt: local update %s: client state reset: %s",
+        update.name,
+        reason,
+    )
 
 
 def save_client_state(
