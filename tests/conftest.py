@@ -36,3 +36,20 @@ def task_identity():
 def partition_cache(tmp_path_factory):
     """Keep computed partitions (and every process the tests start) out of ~/.cache."""
     os.environ["FEDADAPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("fedadapt-cache"))
+
+
+@pytest.fixture(autouse=True)
+def keep_pythonpath():
+    """Undo Flower's write of the driver's sys.path into ``PYTHONPATH``.
+
+    Flower's Ray backend (``RayBackend.init_ray``) sets ``os.environ
+    ["PYTHONPATH"]`` to this process's ``sys.path`` and leaves it there, so
+    every later subprocess of the test session, system tools such as
+    ``docker-compose`` included, would import this virtualenv's packages.
+    """
+    saved = os.environ.get("PYTHONPATH")
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved

@@ -120,7 +120,9 @@ def test_compose_files_parse_and_merge(overrides, tmp_path):
     files = []
     for name in ["compose.yaml", *overrides]:
         files += ["-f", str(DOCKER / name)]
-    env = {**os.environ, "FEDADAPT_CERTS": str(tmp_path)}
+    # a system tool: none of this interpreter's Python path (conftest.py)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["FEDADAPT_CERTS"] = str(tmp_path)
     done = subprocess.run(
         [*tool, "-p", "fadconfig", *files, "config"],
         capture_output=True,
