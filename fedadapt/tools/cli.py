@@ -20,7 +20,6 @@ results.json (docs/failures.md).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -33,6 +32,8 @@ from fedadapt.tools.submission import (
     RunOutcome,
     SimulationSuperLink,
     Submitted,
+    Terminated,
+    raise_on_termination,
     settle_run,
     submit_run,
 )
@@ -105,14 +106,6 @@ def report(outcome: RunOutcome) -> int:
     for problem in outcome.problems:
         print(f"fedadapt: problem: {problem}", file=sys.stderr)
     return 0 if outcome.ok else 1
-
-
-class Terminated(SystemExit):
-    """SIGTERM or SIGHUP arrived: unwind (stopping everything), then exit."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.reason = f"{signal.Signals(signum).name} received"
 
 
 def _settle(track: Submitted, status: str, reason: str) -> None:
@@ -253,11 +246,6 @@ def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
     parser.add_argument("--quiet", action="store_true", help="do not stream run logs")
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    """Turn SIGTERM/SIGHUP into an exception that stops the daemons on its way."""
-    raise Terminated(signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedadapt`` command."""
     parser = argparse.ArgumentParser(prog="fedadapt", description=__doc__)
@@ -307,8 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--count", type=int, required=True)
     keys.add_argument("--force", action="store_true", help="replace existing files")
     args = parser.parse_args(argv)
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # stop what we started
-        signal.signal(signum, _exit_on_signal)
+    raise_on_termination()  # SIGTERM/SIGHUP unwind too: stop what we started
     handlers = {
         "simulate": simulate,
         "deploy": deploy,

@@ -38,6 +38,7 @@ import itertools
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -290,6 +291,17 @@ def _seed_list(text: str) -> list[int]:
 # --- running -------------------------------------------------------------------
 
 
+def _stop_reason(error: BaseException) -> str:
+    """Why a suite's unfinished cells were stopped, for their results.json."""
+    from fedadapt.tools.submission import Terminated
+
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C / SIGINT to fedadapt-exp)"
+    if isinstance(error, Terminated):
+        return f"fedadapt-exp stopped the suite: {error.reason}"
+    return f"fedadapt-exp ended with an error: {error!r}"
+
+
 def cell_done(results: Path, rounds: int) -> bool:
     """Whether a cell's results.json says it completed all its rounds."""
     try:
@@ -320,7 +332,13 @@ def run_suite(
 
     from tqdm import tqdm
 
-    from fedadapt.tools.submission import SimulationSuperLink, submit_run
+    from fedadapt.tools.submission import (
+        Cancelled,
+        SimulationSuperLink,
+        Submitted,
+        settle_run,
+        submit_run,
+    )
 
     out = (output_root / suite.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -338,34 +356,60 @@ def run_suite(
     failed = 0
     if not todo:
         return 0
-    with SimulationSuperLink(out / ".flwr") as superlink:
+    cancel = threading.Event()
+    tracks: dict[str, Submitted] = {}
+    finished: set[str] = set()
+    bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
+    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
 
-        def run(cell: Cell) -> tuple[Cell, Any]:
-            # a cell not done replaces its failed or stopped attempt in its
-            # folder (a live one is still refused: docs/failures.md)
-            overrides = {**cell.overrides, "overwrite": True}
-            return cell, submit_run(
-                superlink,
-                app,
-                overrides,
-                suite.num_supernodes,
-                suite.timeout,
-                federation_config=federation_config,
-            )
+    def run(cell: Cell) -> tuple[Cell, Any]:
+        if cancel.is_set():  # a stop arrived before this cell started
+            raise Cancelled(cell.run_name)
+        # a cell not done replaces its failed or stopped attempt in its folder
+        # (a live one is still refused: docs/failures.md)
+        overrides = {**cell.overrides, "overwrite": True}
+        track = tracks.setdefault(cell.run_name, Submitted())
+        return cell, submit_run(
+            superlink,
+            app,
+            overrides,
+            suite.num_supernodes,
+            suite.timeout,
+            federation_config=federation_config,
+            track=track,
+            cancel=cancel,
+        )
 
-        bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
-        with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-            for future in as_completed([pool.submit(run, c) for c in todo]):
-                cell, outcome = future.result()
-                bar.update()
-                bar.set_postfix_str(f"{cell.method} {cell.point_label} done")
-                if not outcome.ok:
-                    failed += 1
-                    tqdm.write(
-                        f"FAILED {cell.run_name}: {outcome.status} "
-                        f"{outcome.details} {outcome.problems}"
-                    )
+    try:
+        with SimulationSuperLink(out / ".flwr") as superlink:
+            try:
+                for future in as_completed([pool.submit(run, c) for c in todo]):
+                    cell, outcome = future.result()
+                    finished.add(cell.run_name)
+                    bar.update()
+                    bar.set_postfix_str(f"{cell.method} {cell.point_label} done")
+                    if not outcome.ok:
+                        failed += 1
+                        tqdm.write(
+                            f"FAILED {cell.run_name}: {outcome.status} "
+                            f"{outcome.details} {outcome.problems}"
+                        )
+            finally:
+                # on any way out (Ctrl-C, SIGTERM, an error): start no further
+                # cell and end the waits; leaving the block stops the
+                # SuperLink and every simulation it started
+                cancel.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+    except BaseException as error:
+        pool.shutdown(wait=True)  # the waits end within one poll
+        reason = _stop_reason(error)
+        for name, track in tracks.items():
+            if name not in finished:
+                settle_run(track, "stopped", reason)
+        raise
+    finally:
         bar.close()
+    pool.shutdown(wait=True)
     return failed
 
 
@@ -589,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{suite.name}: {len(suite.cells(output))} cells, valid")
         return 0
     if args.command == "run":
+        from fedadapt.tools.submission import Terminated, raise_on_termination
+
+        raise_on_termination()  # SIGTERM/SIGHUP stop the suite like Ctrl-C
         started = time.monotonic()
         try:
             failed = run_suite(
@@ -601,6 +648,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as error:  # flwr refused the run (e.g. a bad setting)
             print(f"fedadapt-exp: {error}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(
+                "fedadapt-exp: interrupted; no further cell started, every "
+                "process started was stopped",
+                file=sys.stderr,
+            )
+            return 130
+        except Terminated as stop:
+            print(
+                f"fedadapt-exp: {stop.reason}; no further cell started, every "
+                "process started was stopped",
+                file=sys.stderr,
+            )
+            return int(stop.code or 1)
         print(
             f"{suite.name}: finished in {time.monotonic() - started:.0f}s, "
             f"{failed} failed"

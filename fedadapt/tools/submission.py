@@ -10,8 +10,10 @@ results.json and Flower's status, and returns how it really ended. Used by
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +200,34 @@ def problems_in(results: dict[str, Any], num_rounds: int) -> list[str]:
     return found
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived: unwind (stopping everything), then exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.reason = f"{signal.Signals(signum).name} received"
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def raise_on_termination() -> None:
+    """Turn SIGTERM/SIGHUP into :class:`Terminated` in the main thread.
+
+    A command that starts processes calls this first, so that a ``kill`` or
+    a closed terminal unwinds its ``with`` blocks (which stop and verify
+    what they started) like Ctrl-C does, instead of ending the command and
+    leaving its SuperLink, ServerApps and Ray behind.
+    """
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_terminated)
+
+
+class Cancelled(Exception):
+    """:func:`submit_run` stopped waiting because its caller is stopping."""
+
+
 @dataclass
 class Submitted:
     """Where a submitted run writes, filled in by :func:`submit_run` as it goes.
@@ -256,6 +286,7 @@ def submit_run(
     results_dir: Path | None = None,
     federation_config: str = "",
     track: Submitted | None = None,
+    cancel: threading.Event | None = None,
 ) -> RunOutcome:
     """Run the app once on ``superlink`` and wait for its real outcome.
 
@@ -268,7 +299,9 @@ def submit_run(
     ``federation_config`` adds simulation settings (``flwr run
     --federation-config``), e.g. ``"client-resources-num-cpus=1"``.
     ``track`` is filled in with the run id and results.json as soon as
-    they are known (see :func:`settle_run`).
+    they are known (see :func:`settle_run`). ``cancel``, when set by another
+    thread, ends the wait with :class:`Cancelled` (the caller stops the
+    SuperLink and settles the run).
 
     While it waits, a results.json left ``running`` by a ServerApp that died
     (kill -9, lost machine) is marked ``failed`` (:func:`settle`), and such a
@@ -331,7 +364,10 @@ def submit_run(
                 _stop_run(run_id, conn, env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
-            time.sleep(RESULTS_POLL_S)
+            if cancel is None:
+                time.sleep(RESULTS_POLL_S)
+            elif cancel.wait(RESULTS_POLL_S):
+                raise Cancelled(f"run {run_id}: its caller is stopping")
     finally:
         if streamer is not None:
             time.sleep(1.0)  # let the last log lines through

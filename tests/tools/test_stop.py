@@ -1,4 +1,5 @@
-"""Issue #26 part 1: stopping ``fedadapt simulate`` stops everything it started.
+"""Issue #26 part 1: stopping ``fedadapt simulate`` (and ``fedadapt-exp run``)
+stops everything it started.
 
 Each test runs the real CLI on a tiny simulation, lists the process tree it
 started while it runs (every process whose FLWR_HOME is the test's: the
@@ -35,27 +36,35 @@ RUN_CONFIG = (
 class TreeWatch:
     """The CLI under test, and every process of its tree seen while it ran."""
 
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.home = tmp_path / "flwr-home"
-        self.results = tmp_path / "out" / "r" / "results.json"
+    def __init__(
+        self,
+        tmp_path: Path,
+        *extra: str,
+        argv: list[str] | None = None,
+        home: Path | None = None,
+        results: Path | None = None,
+    ) -> None:
+        self.home = home or tmp_path / "flwr-home"
+        self.results = results or tmp_path / "out" / "r" / "results.json"
         self.seen: dict[int, str] = {}
+        argv = argv or [
+            str(VENV_BIN / "fedadapt"),
+            "simulate",
+            "--app",
+            str(ROOT),
+            "--num-supernodes",
+            "2",
+            "--flwr-home",
+            str(self.home),
+            "--quiet",
+            "--port",
+            str(free_port()),
+            *extra,
+            "--run-config",
+            RUN_CONFIG.format(out=tmp_path / "out"),
+        ]
         self.cli = subprocess.Popen(
-            [
-                str(VENV_BIN / "fedadapt"),
-                "simulate",
-                "--app",
-                str(ROOT),
-                "--num-supernodes",
-                "2",
-                "--flwr-home",
-                str(self.home),
-                "--quiet",
-                "--port",
-                str(free_port()),
-                *extra,
-                "--run-config",
-                RUN_CONFIG.format(out=tmp_path / "out"),
-            ],
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -156,3 +165,60 @@ def test_kill_9_of_the_serverapp_ends_the_run_failed(tmp_path, cleanup):
     data = watch.data()
     assert data is not None and data["status"] == "failed", data
     assert f"the ServerApp (pid {owner['pid']} on {owner['host']})" in data["error"]
+
+
+SUITE = """\
+name: stop-suite
+num-supernodes: 2
+rounds: 10000
+seeds: [0]
+metric: eval-loss
+base: {task: synthetic-linreg, local-steps: 1, evaluate-every: 0}
+methods:
+  first: {strategy: fedavg}
+  second: {strategy: fedavg}
+  third: {strategy: fedavg}
+timeout: 600
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_a_suite_stops_its_processes_and_starts_no_further_cell(
+    tmp_path, cleanup, signum
+):
+    """SIGTERM (kill) and Ctrl-C to ``fedadapt-exp run``: the running cell is
+    marked stopped with the reason, no further cell starts, nothing is left."""
+    (tmp_path / "suite.yaml").write_text(SUITE)
+    out = tmp_path / "out" / "stop-suite"
+    argv = [
+        str(VENV_BIN / "fedadapt-exp"),
+        "run",
+        str(tmp_path / "suite.yaml"),
+        "--app",
+        str(ROOT),
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    # one cell at a time: the first runs, the other two wait their turn
+    results: Path | None = None
+    watch = TreeWatch(tmp_path, argv=argv, home=out / ".flwr", results=out)
+    cleanup(watch)
+    deadline = time.monotonic() + 240
+    while results is None and time.monotonic() < deadline:
+        found = sorted(out.glob("*/results.json"))
+        if found and json.loads(found[0].read_text() or "{}").get("status") == (
+            "running"
+        ):
+            results = found[0]
+        assert watch.cli.poll() is None, watch.cli.communicate()
+        time.sleep(0.3)
+    assert results is not None, "the first cell did not start in time"
+    watch.cli.send_signal(signum)
+    code, out_text, err = watch.finish(ray=False)
+    assert code == 128 + signum if signum == signal.SIGTERM else code == 130, err
+    assert "no further cell started, every process started was stopped" in err
+    data = json.loads(results.read_text())
+    assert data["status"] == "stopped", data
+    expected = "SIGTERM received" if signum == signal.SIGTERM else "interrupted (Ctrl-C"
+    assert expected in data["error"], data
+    assert [p.parent for p in out.glob("*/results.json")] == [results.parent]
