@@ -33,7 +33,7 @@ from fedadapt.strategies import legacy as legacy_strategies
 from fedadapt.strategies.fedlamb import SecondMoments, aggregate_second_moments
 from fedadapt.strategies.local_update import LocalUpdates
 from fedadapt.tasks import TASKS
-from tests.client.test_local_update import _Grid, _Proxy
+from tests.client.harness import Grid, InProcessProxy
 
 RUN_CONFIG = {
     "task": "digits-mlp", "local-steps": 3, "batch-size": 16,
@@ -135,7 +135,7 @@ def _message_rounds(strategy, contexts, rounds):
     arrays = ArrayRecord(_global_state())
     for server_round in range(1, rounds + 1):
         messages = list(strategy.configure_train(
-            server_round, arrays, ConfigRecord({wire.LR: 0.01}), _Grid(list(contexts))
+            server_round, arrays, ConfigRecord({wire.LR: 0.01}), Grid(list(contexts))
         ))  # fmt: skip
         sent = messages[0].content.array_records.get(wire.LOCAL_ARRAYS)
         assert (sent is None) == (server_round == 1)  # v̂ from round 2 on
@@ -167,7 +167,7 @@ def test_both_apis_carry_v_hat_and_v_alike_with_fedprox_beside():
 
     manager = SimpleClientManager()
     for context in _contexts(2).values():
-        manager.register(_Proxy(context))
+        manager.register(InProcessProxy(context))
     state = _global_state()
     legacy = legacy_strategies.FedLAMB(
         local_update=FedProx(mu=0.5), array_names=list(state), min_fit_clients=2,

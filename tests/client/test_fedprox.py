@@ -32,8 +32,8 @@ from fedadapt.optimizers.fedlamb import FedLAMB as FedLAMBOptimizer
 from fedadapt.strategies import FedLAMB, FedProx, wire
 from fedadapt.strategies.legacy import FedLAMB as LegacyFedLAMB
 from fedadapt.tasks import TASKS
-from tests.client.test_local_update import _contexts as _plain_contexts
-from tests.client.test_local_update import _global_state, _Grid, _Proxy
+from tests.client.harness import Grid, InProcessProxy, global_state
+from tests.client.harness import make_contexts as _plain_contexts
 
 CPU = torch.device("cpu")
 PROX = {wire.LOCAL_UPDATE: "fedprox"}
@@ -185,7 +185,7 @@ def _cfg(**overrides: Any) -> dict[str, Any]:
 
 def test_fedprox_mu_zero_with_fed_lamb_is_the_plain_client_bit_for_bit():
     """μ = 0 with Fed-LAMB: same model and same second moments as no FedProx."""
-    cfg, state = _cfg(), _global_state()
+    cfg, state = _cfg(), global_state()
     names = [n for n, _ in TASKS.get("digits-mlp").build_model().named_parameters()]
     v_hat = {n: np.full(tuple(state[n].shape), 1e-3, np.float32) for n in names}
 
@@ -233,14 +233,14 @@ def test_fedprox_with_fed_lamb_strategy_message_api():
     strategy = FedLAMB(
         local_update=FedProx(mu=0.1), min_train_nodes=2, min_available_nodes=2
     )
-    arrays = ArrayRecord(_global_state())
+    arrays = ArrayRecord(global_state())
     for server_round in (1, 2):
         messages = list(
             strategy.configure_train(
                 server_round,
                 arrays,
                 ConfigRecord({wire.LR: 0.01}),
-                _Grid(list(contexts)),
+                Grid(list(contexts)),
             )
         )
         # round 2 carries the server's v̂ next to the model, with μ in the config
@@ -263,8 +263,8 @@ def test_fedprox_with_fed_lamb_strategy_legacy_api():
     """The same with the legacy FedLAMB and fedadapt's NumPyClient."""
     manager = SimpleClientManager()
     for context in _contexts(2).values():
-        manager.register(_Proxy(context))
-    state = _global_state()
+        manager.register(InProcessProxy(context))
+    state = global_state()
     strategy = LegacyFedLAMB(
         local_update=FedProx(mu=0.1),
         array_names=list(state),

@@ -8,14 +8,12 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedadapt.client import client_app, numpy_client
 from fedadapt.client.fedprox import FedProxClient
 from fedadapt.client.local import train_round
 from fedadapt.client.local_update import (
@@ -29,6 +27,13 @@ from fedadapt.config import validate_run_config
 from fedadapt.strategies import FedAvg, FedProx, LocalUpdate, wire
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.tasks import TASKS
+from tests.client.harness import (
+    RUN_CONFIG,
+    InProcessProxy,
+    global_state,
+    make_contexts,
+    message_rounds,
+)
 from tests.helpers import ROOT, run_in_process
 
 # --- FedProx against its algorithm box -----------------------------------------------
@@ -75,16 +80,11 @@ def _cfg(**overrides: Any) -> dict[str, Any]:
     return validate_run_config({**base, **overrides})
 
 
-def _global_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return TASKS.get("digits-mlp").build_model().state_dict()
-
-
 @pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 0.1), ("delta-sgd", 0.2)])
 def test_fedprox_mu_zero_trains_as_the_plain_client_bit_for_bit(optimizer, lr):
     """μ = 0 changes nothing (Δ-SGD re-evaluates the objective: both passes)."""
     cfg = _cfg(**{"client-optimizer": optimizer})
-    state = _global_state()
+    state = global_state()
 
     def run(config: dict[str, Any] | None):
         return train_round(cfg, 0, 3, state, lr=lr, server_round=1, config=config)
@@ -161,59 +161,12 @@ def counter(monkeypatch):
     monkeypatch.setitem(CLIENT_UPDATES._items, "counter", CounterClient)
 
 
-RUN_CONFIG = {"task": "digits-mlp", "local-steps": 2, "batch-size": 16}
-
-
-class _Grid:
-    def __init__(self, nodes: list[int]) -> None:
-        self.nodes = nodes
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.nodes)
-
-
-def _contexts(num: int) -> dict[int, Context]:
-    return {
-        node: Context(
-            1,
-            node,
-            {"partition-id": node - 1, "num-partitions": num},
-            RecordDict(),
-            dict(RUN_CONFIG),
-        )  # fmt: skip
-        for node in range(1, num + 1)
-    }
-
-
-def _message_rounds(strategy, contexts, rounds, replies_hook=None, first=1):
-    """Run ``rounds`` rounds: strategy ↔ fedadapt's ClientApp, without Flower's loop.
-
-    Round ``first`` trains from the strategy's last model (the initial one
-    when ``first`` is 1).
-    """
-    arrays = strategy.training_arrays if first > 1 else ArrayRecord(_global_state())
-    reports = []
-    for server_round in range(first, first + rounds):
-        messages = strategy.configure_train(
-            server_round, arrays, ConfigRecord({wire.LR: 0.1}), _Grid(list(contexts))
-        )
-        replies = [
-            client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages
-        ]
-        if replies_hook is not None:
-            replies_hook(replies)
-        new, metrics = strategy.aggregate_train(server_round, replies)
-        arrays = new if new is not None else arrays
-        reports.append((metrics, strategy.round_reports[server_round]))
-    return reports
-
-
 @pytest.mark.usefixtures("task_identity", "counter")
 def test_message_api_client_state_survives_rounds_and_arrays_travel_both_ways():
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Counter(), fraction_train=1.0, min_train_nodes=2,
                       min_available_nodes=2)  # fmt: skip
-    reports = _message_rounds(strategy, contexts, 3)
+    reports = message_rounds(strategy, contexts, 3)
     for server_round, (metrics, report) in enumerate(reports, start=1):
         assert report["train_replies"]["used"] == 2
         assert metrics["count"] == server_round  # kept in Context.state
@@ -230,13 +183,13 @@ def test_message_api_client_state_survives_rounds_and_arrays_travel_both_ways():
 
 @pytest.mark.usefixtures("task_identity", "counter")
 def test_corrupt_client_state_is_reset_logged_and_counted(caplog):
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Counter(), min_train_nodes=2, min_available_nodes=2)
-    _message_rounds(strategy, contexts, 2)
+    message_rounds(strategy, contexts, 2)
     broken = contexts[1].state  # node 1's state, as a restart could leave it
     broken["local-update.counter.layout"] = ConfigRecord({"layout": "{", "format": 1})
     contexts[2].state["local-update.counter.values"] = ConfigRecord({"count": "two"})
-    (metrics, report), = _message_rounds(strategy, contexts, 1)  # fmt: skip
+    (metrics, report), = message_rounds(strategy, contexts, 1)  # fmt: skip
     assert report["train_replies"]["used"] == 2  # no crash, no rejection
     assert metrics[wire.LOCAL_STATE_RESET] == 1  # both reset (weighted mean of 1s)
     assert metrics["count"] == 1  # started afresh
@@ -245,13 +198,13 @@ def test_corrupt_client_state_is_reset_logged_and_counted(caplog):
 
 @pytest.mark.usefixtures("task_identity", "counter")
 def test_bad_local_update_replies_are_rejected_and_counted():
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Counter(), min_train_nodes=2, min_available_nodes=2)
 
     def drop_one(replies):
         del replies[0].content[wire.LOCAL_ARRAYS]
 
-    (_, report), = _message_rounds(strategy, contexts, 1, drop_one)  # fmt: skip
+    (_, report), = message_rounds(strategy, contexts, 1, drop_one)  # fmt: skip
     assert report["train_replies"]["used"] == 1
     assert report["train_replies"]["rejected"] == 1
     assert (
@@ -264,42 +217,18 @@ def test_bad_local_update_replies_are_rejected_and_counted():
         replies[0].content[wire.LOCAL_ARRAYS] = ArrayRecord({"x": Array(np.zeros(2))})
 
     plain = FedAvg(min_train_nodes=2, min_available_nodes=2)
-    (_, report), = _message_rounds(plain, _contexts(2), 1, add_arrays)  # fmt: skip
+    (_, report), = message_rounds(plain, make_contexts(2), 1, add_arrays)  # fmt: skip
     assert report["train_replies"]["rejected"] == 1
     assert "no local update runs" in report["train_replies"]["rejections"][0]
-
-
-class _Proxy(ClientProxy):
-    """A legacy client proxy that runs fedadapt's NumPyClient in process."""
-
-    def __init__(self, context: Context) -> None:
-        super().__init__(str(context.node_id))
-        self.context = context
-
-    def fit(self, ins, timeout, group_id):
-        client = numpy_client.client_fn(self.context)
-        return client.fit(ins)
-
-    def get_properties(self, ins, timeout, group_id):  # pragma: no cover
-        raise NotImplementedError
-
-    def get_parameters(self, ins, timeout, group_id):  # pragma: no cover
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):  # pragma: no cover
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):  # pragma: no cover
-        raise NotImplementedError
 
 
 @pytest.mark.usefixtures("counter")
 def test_legacy_api_client_state_survives_rounds_and_arrays_travel_both_ways():
     manager = SimpleClientManager()
-    proxies = [_Proxy(c) for c in _contexts(2).values()]
+    proxies = [InProcessProxy(c) for c in make_contexts(2).values()]
     for proxy in proxies:
         manager.register(proxy)
-    state = _global_state()
+    state = global_state()
     keys = list(state)
     strategy = LegacyFedAvg(
         local_update=Counter(), array_names=keys, min_fit_clients=2,
@@ -406,12 +335,12 @@ def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monke
     from fedadapt.strategies._records import state_from_records
 
     scaffold = _readme_recipe(tmp_path, monkeypatch)
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=scaffold(), min_train_nodes=2,
                       min_available_nodes=2)  # fmt: skip
-    x = {k: v.numpy() for k, v in _global_state().items()}
+    x = {k: v.numpy() for k, v in global_state().items()}
     sent: list = []
-    _message_rounds(strategy, contexts, 1, sent.extend)
+    message_rounds(strategy, contexts, 1, sent.extend)
     steps, lr = RUN_CONFIG["local-steps"], 0.1
     for name, c in strategy.local_update.c.items():
         y = [r.content[wire.ARRAYS][name].numpy() for r in sent]
@@ -419,7 +348,7 @@ def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monke
         np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-6)
     x2 = strategy.training_arrays.to_torch_state_dict()
     sent.clear()
-    _message_rounds(strategy, contexts, 1, sent.extend, first=2)  # c ≠ c_i now
+    message_rounds(strategy, contexts, 1, sent.extend, first=2)  # c ≠ c_i now
     kept = [state_from_records(c.state, "local-update.my-scaffold")
             for c in contexts.values()]  # fmt: skip
     for name, c in strategy.local_update.c.items():
@@ -438,7 +367,7 @@ def test_readme_recipe_runs_as_written_scaffold_control_variates(tmp_path, monke
 
 
 def test_fedprox_client_refuses_a_train_config_without_mu():
-    cfg, state = _cfg(), _global_state()
+    cfg, state = _cfg(), global_state()
     with pytest.raises(ValueError, match="fedprox.mu must be a number >= 0, got None"):
         train_round(cfg, 0, 3, state, lr=0.1, server_round=1,
                     config={wire.LOCAL_UPDATE: "fedprox"})  # fmt: skip

@@ -28,12 +28,12 @@ from fedadapt.strategies import FedAvg, Mime, MimeLite, wire
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.strategies.local_update import round_config
 from fedadapt.tasks import TASKS
-from tests.client.test_local_update import (
+from tests.client.harness import (
     RUN_CONFIG,
-    _contexts,
-    _global_state,
-    _message_rounds,
-    _Proxy,
+    InProcessProxy,
+    global_state,
+    make_contexts,
+    message_rounds,
 )
 from tests.helpers import run_in_process
 
@@ -223,11 +223,11 @@ def _weighted_mean(arrays: list[dict], weights: list[float]) -> dict[str, np.nda
 
 @pytest.mark.usefixtures("task_identity")
 def test_message_api_server_momentum_from_the_clients_full_batch_gradients():
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Mime(), min_train_nodes=2, min_available_nodes=2)
-    x = {k: v.numpy() for k, v in _global_state().items()}
+    x = {k: v.numpy() for k, v in global_state().items()}
     sent: list = []
-    _message_rounds(strategy, contexts, 1, sent.extend)
+    message_rounds(strategy, contexts, 1, sent.extend)
     grads = [
         {k: v.numpy() for k, v in r.content[wire.LOCAL_ARRAYS].items()} for r in sent
     ]
@@ -250,7 +250,7 @@ def test_message_api_server_momentum_from_the_clients_full_batch_gradients():
         np.testing.assert_allclose(strategy.local_update.c[k], g, rtol=1e-12)
     sent.clear()
     x2 = strategy.training_arrays.to_torch_state_dict()
-    _message_rounds(strategy, contexts, 1, sent.extend, first=2)
+    message_rounds(strategy, contexts, 1, sent.extend, first=2)
     grads = [
         {k: v.numpy() for k, v in r.content[wire.LOCAL_ARRAYS].items()} for r in sent
     ]
@@ -282,9 +282,9 @@ def test_message_api_server_momentum_from_the_clients_full_batch_gradients():
 
 
 def test_legacy_api_matches_the_message_api(task_identity):
-    keys = list(_global_state())
+    keys = list(global_state())
     manager = SimpleClientManager()
-    for proxy in (_Proxy(c) for c in _contexts(2).values()):
+    for proxy in (InProcessProxy(c) for c in make_contexts(2).values()):
         manager.register(proxy)
     strategy = LegacyFedAvg(
         local_update=MimeLite(),
@@ -293,7 +293,7 @@ def test_legacy_api_matches_the_message_api(task_identity):
         min_available_clients=2,
         on_fit_config_fn=lambda r: {wire.LR: 0.1, wire.SERVER_ROUND: r},
     )
-    parameters = ndarrays_to_parameters([v.numpy() for v in _global_state().values()])
+    parameters = ndarrays_to_parameters([v.numpy() for v in global_state().values()])
     for server_round in (1, 2):
         pairs = strategy.configure_fit(server_round, parameters, manager)
         names = json.loads(pairs[0][1].config.get(wire.LOCAL_ARRAYS, "[]"))
@@ -303,7 +303,7 @@ def test_legacy_api_matches_the_message_api(task_identity):
         parameters, _ = strategy.aggregate_fit(server_round, results, [])
         assert strategy.round_reports[server_round]["train_replies"]["used"] == 2
     message = FedAvg(local_update=MimeLite(), min_train_nodes=2, min_available_nodes=2)
-    _message_rounds(message, _contexts(2), 2)
+    message_rounds(message, make_contexts(2), 2)
     for k, m in message.local_update.m.items():
         np.testing.assert_array_equal(strategy.local_update.m[k], m)
     assert strategy.local_update.c is None  # MimeLite sends no c

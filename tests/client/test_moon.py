@@ -32,11 +32,11 @@ from fedadapt.strategies._records import state_from_records, state_to_records
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.tasks import TASKS
 from fedadapt.tasks.models import MLP, representation, representation_layer
-from tests.client.test_local_update import (
-    _contexts,
-    _global_state,
-    _message_rounds,
-    _Proxy,
+from tests.client.harness import (
+    InProcessProxy,
+    global_state,
+    make_contexts,
+    message_rounds,
 )
 from tests.helpers import run_in_process
 from tests.tasks.test_models import CASES
@@ -198,7 +198,7 @@ def _previous_state(cfg, state) -> Any:
 def test_moon_mu_zero_trains_as_the_plain_client_bit_for_bit(optimizer, lr):
     """μ = 0 changes nothing, with a previous model (Δ-SGD: both passes)."""
     cfg = _cfg(**{"client-optimizer": optimizer})
-    state = _global_state()
+    state = global_state()
 
     kept = _previous_state(cfg, state)
 
@@ -235,7 +235,7 @@ def test_delta_sgd_second_pass_includes_the_term(monkeypatch):
     for optimizer, second_passes in (("sgd", 0), ("delta-sgd", 3)):
         calls.clear()
         cfg = _cfg(**{"client-optimizer": optimizer})
-        train_round(cfg, 0, 3, _global_state(), lr=0.2, server_round=1, config=MOON)
+        train_round(cfg, 0, 3, global_state(), lr=0.2, server_round=1, config=MOON)
         assert calls.count(False) == 4  # one first pass per local step
         assert calls.count(True) == second_passes  # steps 2-4 re-evaluate
 
@@ -252,7 +252,7 @@ def test_delta_sgd_second_pass_includes_the_term(monkeypatch):
 )
 def test_unusable_client_state_is_reset_to_the_global_model(corrupt, caplog):
     """Reset, logged and counted; the round trains as a first participation."""
-    cfg, state = _cfg(), _global_state()
+    cfg, state = _cfg(), global_state()
     records = _previous_state(cfg, state)
     kept = state_from_records(records, STATE)
     save_client_state(records, MoonClient(), corrupt(kept))
@@ -273,11 +273,11 @@ def test_unusable_client_state_is_reset_to_the_global_model(corrupt, caplog):
 
 @pytest.mark.usefixtures("task_identity")
 def test_message_api_keeps_each_nodes_trained_model_as_its_state():
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Moon(mu=1.0, temperature=0.5), min_train_nodes=2,
                       min_available_nodes=2)  # fmt: skip
     sent: list = []
-    reports = _message_rounds(strategy, contexts, 2, sent.extend)
+    reports = message_rounds(strategy, contexts, 2, sent.extend)
     first, second = (metrics for metrics, _ in reports)
     assert first["moon-term"] == pytest.approx(math.log(2))  # z_prev = z_glob
     assert 0 < second["moon-term"] < math.log(2)  # z_prev: the round-1 model
@@ -294,10 +294,10 @@ def test_message_api_keeps_each_nodes_trained_model_as_its_state():
 
 def test_legacy_api_runs_moon_with_client_state():
     manager = SimpleClientManager()
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     for context in contexts.values():
-        manager.register(_Proxy(context))
-    state = _global_state()
+        manager.register(InProcessProxy(context))
+    state = global_state()
     strategy = LegacyFedAvg(
         local_update=Moon(), array_names=list(state), min_fit_clients=2,
         min_available_clients=2, on_fit_config_fn=lambda r: {wire.LR: 0.1},
@@ -336,7 +336,7 @@ def test_moon_server_half_checks_its_parameters_and_is_picked_by_run_config():
     assert state_to_records(update.state_dict(), "x")  # an empty, storable state
     # a train config without the scalars is refused at the client, by name
     with pytest.raises(ValueError, match="moon.temperature must be a number"):
-        train_round(_cfg(), 0, 3, _global_state(), lr=0.1, server_round=1,
+        train_round(_cfg(), 0, 3, global_state(), lr=0.1, server_round=1,
                     config={wire.LOCAL_UPDATE: "moon", "moon.mu": 1.0})  # fmt: skip
 
 

@@ -23,13 +23,13 @@ from fedadapt.config import validate_run_config
 from fedadapt.strategies import FedAvg, FedAvgM, FedDuA, Scaffold, wire
 from fedadapt.strategies.legacy import FedDuA as LegacyFedDuA
 from fedadapt.tasks import TASKS
-from tests.client.test_local_update import (
+from tests.client.harness import (
     RUN_CONFIG,
-    _contexts,
-    _global_state,
-    _Grid,
-    _message_rounds,
-    _Proxy,
+    Grid,
+    InProcessProxy,
+    global_state,
+    make_contexts,
+    message_rounds,
 )
 from tests.helpers import run_in_process, run_legacy_in_process
 
@@ -131,7 +131,7 @@ def test_rounds_with_partial_participation_match_a_float64_reference(eta_g):
     c_i = [{k: np.zeros_like(v) for k, v in x.items()} for _ in range(num)]
     for server_round in (1, 2, 3):
         messages = strategy.configure_train(
-            server_round, arrays, ConfigRecord({wire.LR: lr}), _Grid(list(contexts))
+            server_round, arrays, ConfigRecord({wire.LR: lr}), Grid(list(contexts))
         )
         replies = [
             client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages
@@ -174,14 +174,14 @@ def test_feddua_with_scaffold_gives_the_same_rounds_in_both_apis():
     the same models and c, bit for bit (the APIs share one code path)."""
     message = FedDuA(local_update=Scaffold(), min_train_nodes=2,
                      min_available_nodes=2)  # fmt: skip
-    reports = _message_rounds(message, _contexts(2), 3)
+    reports = message_rounds(message, make_contexts(2), 3)
     assert all(r["train_replies"]["used"] == 2 for _, r in reports)
     assert reports[-1][1]["diagnostics"]["scaffold-c-norm"] > 0
 
     manager = SimpleClientManager()
-    for context in _contexts(2).values():
-        manager.register(_Proxy(context))
-    state = _global_state()
+    for context in make_contexts(2).values():
+        manager.register(InProcessProxy(context))
+    state = global_state()
     keys = list(state)
     legacy = LegacyFedDuA(
         local_update=Scaffold(), array_names=keys, min_fit_clients=2,
@@ -211,15 +211,15 @@ def test_feddua_with_scaffold_gives_the_same_rounds_in_both_apis():
 def test_a_corrupt_client_variate_is_reset_counted_and_kept_out_of_c(caplog):
     """Node 1's c_i is corrupt in round 2: it steps uncorrected (as plain SGD),
     sends Δc_i = 0, reports the reset; c moves by node 2's Δc_i only."""
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(local_update=Scaffold(), min_train_nodes=2, min_available_nodes=2)
-    _message_rounds(strategy, contexts, 1)
+    message_rounds(strategy, contexts, 1)
     c_1 = {k: v.copy() for k, v in strategy.local_update.c.items()}
     assert any(np.abs(v).max() > 0 for v in c_1.values())
     x_2 = strategy.training_arrays.to_torch_state_dict()
     contexts[1].state["local-update.scaffold.layout"] = ConfigRecord({"layout": "{"})
     sent: list = []
-    ((metrics, report),) = _message_rounds(strategy, contexts, 1, sent.extend, first=2)
+    ((metrics, report),) = message_rounds(strategy, contexts, 1, sent.extend, first=2)
     assert report["train_replies"]["used"] == 2  # no crash, no rejection
     assert "client state reset" in caplog.text
     by_node = {r.metadata.src_node_id: r for r in sent}
@@ -238,7 +238,7 @@ def test_a_corrupt_client_variate_is_reset_counted_and_kept_out_of_c(caplog):
             by_node[1].content[wire.ARRAYS][key].numpy(), value.numpy()
         )
     # the new c_i⁺ was kept: round 3 reads it without a reset
-    (metrics, _), = _message_rounds(strategy, contexts, 1, first=3)  # fmt: skip
+    (metrics, _), = message_rounds(strategy, contexts, 1, first=3)  # fmt: skip
     assert wire.LOCAL_STATE_RESET not in metrics
 
 

@@ -24,7 +24,7 @@ from fedadapt.server.results import RunRecorder
 from fedadapt.strategies import FedAvg, LocalUpdate, wire
 from fedadapt.strategies.legacy import FedAvg as LegacyFedAvg
 from fedadapt.strategies.traffic import scalar_bytes
-from tests.client.test_local_update import _contexts, _global_state, _Grid, _Proxy
+from tests.client.harness import Grid, InProcessProxy, global_state, make_contexts
 
 NPY_HEADER = 128  # np.save, format 1.0, for arrays of up to a few dimensions
 
@@ -62,15 +62,15 @@ def control_variate(monkeypatch):
 
 
 def _message_round(local_update):
-    contexts = _contexts(2)
+    contexts = make_contexts(2)
     strategy = FedAvg(
         local_update=local_update, min_train_nodes=2, min_available_nodes=2
     )
     messages = strategy.configure_train(
         1,
-        ArrayRecord(_global_state()),
+        ArrayRecord(global_state()),
         ConfigRecord({wire.LR: 0.1}),
-        _Grid(list(contexts)),
+        Grid(list(contexts)),
     )
     replies = [client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages]
     strategy.aggregate_train(1, replies)
@@ -81,7 +81,7 @@ def _message_round(local_update):
 @pytest.mark.parametrize("local_update", [None, ControlVariate()])
 def test_message_api_records_the_bytes_of_each_node(local_update):
     traffic, messages, replies = _message_round(local_update)
-    model = _npy_bytes(_global_state().values())
+    model = _npy_bytes(global_state().values())
     extra = 0 if local_update is None else model  # c down, Δc_i up: one more model
     assert set(traffic["sent"]) == set(traffic["received"]) == {"1", "2"}
     for message in messages:
@@ -103,9 +103,9 @@ def test_message_api_records_the_bytes_of_each_node(local_update):
 @pytest.mark.parametrize("local_update", [None, ControlVariate()])
 def test_legacy_api_records_the_same_bytes(local_update):
     manager = SimpleClientManager()
-    for context in _contexts(2).values():
-        manager.register(_Proxy(context))
-    state = _global_state()
+    for context in make_contexts(2).values():
+        manager.register(InProcessProxy(context))
+    state = global_state()
     strategy = LegacyFedAvg(
         local_update=local_update,
         array_names=list(state),
@@ -160,7 +160,7 @@ def test_results_json_has_the_bytes_per_round_and_their_run_totals(tmp_path):
 
 def test_the_model_size_closed_form_is_numpys():
     """The 128-byte header of the closed form, for the shapes of the model."""
-    for value in _global_state().values():
+    for value in global_state().values():
         array = value.numpy()
         assert array.dtype == np.float32
         assert len(ArrayRecord({"a": torch.as_tensor(array)})["a"].data) == (
