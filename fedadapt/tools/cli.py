@@ -3,7 +3,9 @@
 ``fedadapt deploy`` does the same on a real deployment started here (a
 SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
 authentication; ``fedadapt.tools.deploy.local``); ``fedadapt certs`` and
-``fedadapt node-keys`` make the certificates and keys for one elsewhere.
+``fedadapt node-keys`` make the certificates and keys for one elsewhere;
+``fedadapt make-node-data`` writes one on-disk dataset per node (node-config
+``data-path``) from a task's data, for demos and tests.
 
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
 with a private, loopback-only SuperLink that it starts and always stops
@@ -226,6 +228,37 @@ def node_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def make_node_data(args: argparse.Namespace) -> int:
+    """Write one dataset per node from a task's data (demos, tests)."""
+    from fedadapt.config import validate_run_config
+    from fedadapt.tasks import TASKS
+    from fedadapt.tasks.node_data import write_node_datasets
+
+    overrides = parse_config_args([args.run_config] if args.run_config else None)
+    overrides["task"] = args.task
+    for key, value in (
+        ("partition", args.partitioner),
+        ("dirichlet-alpha", args.alpha),
+        ("seed", args.seed),
+    ):
+        if value is not None:
+            overrides[key] = value
+    cfg = validate_run_config(overrides)
+    formats = [f for part in args.format for f in part.split(",") if f]
+    paths = write_node_datasets(
+        TASKS.get(cfg["task"]),
+        cfg,
+        args.num_nodes,
+        Path(args.out),
+        formats,
+        hf_images=not args.hf_arrays,
+        force=args.force,
+    )
+    for path in paths:
+        print(f'{path}  (--node-config "data-path={path}")')
+    return 0
+
+
 def positive_int(text: str) -> int:
     """Parse ``--num-supernodes``: an integer of at least 1 (argparse type)."""
     try:
@@ -306,7 +339,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--out", required=True, help="output folder")
     keys.add_argument("--count", type=int, required=True)
     keys.add_argument("--force", action="store_true", help="replace existing files")
+    mkd = commands.add_parser(
+        "make-node-data",
+        help="write one on-disk dataset per node from a task's data (node-config "
+        "data-path), split with a run-config partitioner",
+    )
+    mkd.add_argument("--task", default="digits-mlp", help="task whose data to split")
+    mkd.add_argument("--num-nodes", type=positive_int, required=True)
+    mkd.add_argument(
+        "--partitioner",
+        help="run-config partition (iid, dirichlet, dirichlet-equal, shards, "
+        "delta-sgd; default: the run config's)",
+    )
+    mkd.add_argument("--alpha", type=float, help="run-config dirichlet-alpha")
+    mkd.add_argument("--seed", type=int, help="run-config seed of the partition")
+    mkd.add_argument(
+        "--run-config",
+        help="further run-config keys, e.g. \"classes-per-client=2 data-dir='/d'\"",
+    )
+    mkd.add_argument(
+        "--format",
+        action="append",
+        default=[],
+        help="hf (Hugging Face save_to_disk, as flwr-datasets create writes), npz "
+        "or imagefolder; several (comma-separated or repeated) are used in turn "
+        "over the nodes (default: hf)",
+    )
+    mkd.add_argument(
+        "--hf-arrays",
+        action="store_true",
+        help="hf: store model-ready arrays in a column x instead of images",
+    )
+    mkd.add_argument("--out", required=True, help="output folder (node-<i> inside)")
+    mkd.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
+    if args.command == "make-node-data" and not args.format:
+        args.format = ["hf"]
     for signum in (signal.SIGTERM, signal.SIGHUP):  # stop what we started
         signal.signal(signum, _exit_on_signal)
     handlers = {
@@ -314,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "deploy": deploy,
         "certs": certs,
         "node-keys": node_keys,
+        "make-node-data": make_node_data,
     }
     try:
         return handlers[args.command](args)
