@@ -85,7 +85,8 @@ def server_fn(context: Context) -> ServerAppComponents:
             raise ConfigError(key, "checkpoints need the Message-API ServerApp")
     cfg = {**cfg, "checkpoint-every": 0}  # the default: none written here
     task = TASKS.get(cfg["task"])
-    evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    # loads the test set (data checked now); None: central evaluation off
+    evaluate = central_evaluator(task, cfg)
     state = initial_state(task, cfg)
     keys = list(state)
 
