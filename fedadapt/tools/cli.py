@@ -202,8 +202,14 @@ def deploy(args: argparse.Namespace) -> int:
             track=track,
         )
 
+    data_paths = [Path(p) for p in args.data_path] or None
     deployment = LocalDeployment(
-        workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
+        workdir,
+        args.num_supernodes,
+        tls=args.tls,
+        auth=args.auth,
+        port=args.port,
+        data_paths=data_paths,
     )
     return report(_supervised(deployment, run, args.timeout))
 
@@ -324,6 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     dep.add_argument("--auth", action="store_true", help="SuperNode authentication")
     dep.add_argument(
         "--workdir", help="logs, state, certificates (default: <app>/.flwr-deploy)"
+    )
+    dep.add_argument(
+        "--data-path",
+        action="append",
+        default=[],
+        help="node i's own data (node-config data-path; repeat once per SuperNode, "
+        "e.g. the paths `fedadapt make-node-data` prints); default: each node "
+        "gets a partition of the task's data by partition-id",
     )
     crt = commands.add_parser("certs", help="make a CA + SuperLink TLS certificate")
     crt.add_argument("--out", required=True, help="output folder")
