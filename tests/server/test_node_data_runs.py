@@ -112,3 +112,24 @@ def test_server_without_data_and_a_node_with_a_corrupt_path(tmp_path, cfg):
             assert f"data-path {paths[2]}: not a readable npz file" in error
             assert "node " in error.split("data-path")[0]
         assert entry["federated_eval"]["eval-loss"] > 0
+
+
+def test_round_hook_with_central_evaluation_off_records_none(tmp_path, cfg):
+    """Both ServerApps' per-round hook: no evaluation, no data, rounds recorded."""
+    from unittest.mock import Mock
+
+    from fedadapt.server.results import RunRecorder
+    from fedadapt.server.run import RoundHook
+
+    def no_data(_cfg):
+        raise AssertionError("the server must not load a test set")
+
+    task = Task("t", "t", DIGITS.build_model, DIGITS.load_client, no_data)
+    config = cfg(evaluate_every=0, checkpoint_every=0, num_server_rounds=2)
+    recorder = RunRecorder(tmp_path, config, run_id=1)
+    hook = RoundHook(config, task, Mock(round_reports={}), recorder)
+    assert hook(0, {}) is None and hook(1, {}) is None and hook(2, {}) is None
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["initial"] == {"eval": None}
+    assert [r["eval"] for r in data["rounds"]] == [None, None]
+    assert data["evaluation"]["central"] == {"source": "off"}

@@ -345,3 +345,18 @@ def test_evaluation_set_is_the_test_split_else_everything(tmp_path):
     np.savez(tmp_path / "b.npz", x=x, y=y, x_test=x[:2], y_test=y[:2])
     assert len(load_evaluation_set(tmp_path / "a.npz", DIGITS)) == 8
     assert len(load_evaluation_set(tmp_path / "b.npz", DIGITS)) == 2
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in TASKS.names() if TASKS.get(n).data_spec is not None]
+)
+def test_every_declared_spec_fits_its_model(name):
+    """An input of the spec's shape gives one score per declared class."""
+    import torch
+
+    task = TASKS.get(name)
+    spec = task.data_spec
+    model = task.build_model().eval()
+    with torch.no_grad():
+        out = model(torch.zeros((2, *spec.input_shape)))
+    assert tuple(out.shape) == (2, spec.num_classes)
