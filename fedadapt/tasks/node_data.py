@@ -337,9 +337,8 @@ def read_node_arrays(path: str | Path, task: Task) -> dict[str, Arrays]:
         spec = task_spec(task)
     except ValueError as error:
         raise NodeDataError(path, str(error)) from None
-    kind = detect_format(path)
     try:
-        splits = _READERS[kind](path, spec)
+        splits = _READERS[detect_format(path)](path, spec)
     except NodeDataError:
         raise
     except ValueError as error:
@@ -375,8 +374,9 @@ def load_node_data(path: str | Path, cfg: Mapping[str, Any]) -> ClientData:
 
     Cached per process (keyed by path, task, ``client-test-fraction`` and
     ``seed``): a node reads its files once, not once per message, where its
-    ClientApp process lives on (simulation; Flower's ``process`` isolation
-    starts one ClientApp process per message, which then reads them again).
+    ClientApp process lives on (simulation: one Ray actor serves many
+    messages); in deployment Flower starts one ClientApp process per
+    message, which reads them again.
     A failed load is not cached: fixed files are read on the next message.
     """
     return _load(

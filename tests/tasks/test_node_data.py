@@ -360,3 +360,15 @@ def test_every_declared_spec_fits_its_model(name):
     with torch.no_grad():
         out = model(torch.zeros((2, *spec.input_shape)))
     assert tuple(out.shape) == (2, spec.num_classes)
+
+
+def test_unreadable_folder(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    (tmp_path / "d").mkdir()
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", denied)  # as for a folder of mode 0
+    assert "unreadable ([Errno 13] Permission denied" in _error(tmp_path / "d")
