@@ -113,6 +113,9 @@ def server_fn(context: Context) -> ServerAppComponents:
     )
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     recorder = open_recorder(folder, cfg, context.run_id)
+    federated = recorder.data["evaluation"]["federated"]
+    if federated["source"] != "off":  # Flower's legacy loop evaluates after the hook
+        federated["recorded"] = "no: the legacy API's rounds record central only"
     record_local_update(recorder, strategy)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)
