@@ -165,7 +165,11 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("clients-per-eval", 0, "Clients sampled for federated evaluation on their "
         "local test split each round (0 = off).", minimum=0),
     Key("evaluate-every", 1, "Central evaluation of the global model on the task's "
-        "test set every N rounds (0 = off).", minimum=0),
+        "test set every N rounds (0 = off: the server loads no data).", minimum=0),
+    Key("central-data-path", "", "Central evaluation on this server-side dataset "
+        "(its test split, else all of it; npz, Hugging Face save_to_disk or image "
+        "folder, as a node's data-path) instead of the task's test set; empty = "
+        "the task's test set. An absolute path."),
     Key("local-epochs", 2, "Local epochs per round (used when local-steps = 0).",
         minimum=0),
     Key("local-steps", 0, "Local optimizer steps per round; overrides local-epochs "

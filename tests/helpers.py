@@ -46,6 +46,7 @@ def run_in_process(
     client_train=None,
     client_evaluate=None,
     client_query=None,
+    node_config=None,
 ) -> None:
     """Run Message-API apps with flwr's in-process ``run_simulation``.
 
@@ -53,7 +54,8 @@ def run_in_process(
     ClientApp's context may not be mutated (flwr 1.41 raises ``ValueError``),
     so both apps are wrapped and fed ``overrides`` as the run config. The apps
     default to fedadapt's own; pass another app's functions to run it the same
-    way.
+    way. ``node_config`` maps a node's simulated node config (with its
+    ``partition-id``) to the one its ClientApp sees (e.g. a ``data-path``).
     """
     from flwr.app import Context
     from flwr.clientapp import ClientApp
@@ -77,7 +79,8 @@ def run_in_process(
         server_main(grid, context)
 
     def _ctx(c: Context) -> Context:
-        return Context(c.run_id, c.node_id, c.node_config, c.state, dict(run_config))
+        nodes = c.node_config if node_config is None else node_config(c.node_config)
+        return Context(c.run_id, c.node_id, nodes, c.state, dict(run_config))
 
     client = ClientApp()
 

@@ -1,8 +1,13 @@
 """Message-API ClientApp: trains the task's model with the chosen optimizer.
 
-Each SuperNode must provide ``partition-id`` and ``num-partitions`` in its
-node config (the simulation engine does this automatically; in deployment
-pass ``--node-config "partition-id=0 num-partitions=10"``). When the train
+Each SuperNode provides either ``partition-id`` and ``num-partitions`` in its
+node config (a partition of the task's data; the simulation engine does this
+automatically; in deployment pass ``--node-config "partition-id=0
+num-partitions=10"``), or ``data-path``, its own data on disk
+(:mod:`fedadapt.tasks.node_data`: a Hugging Face ``save_to_disk`` folder as
+``flwr-datasets create`` writes, an image folder or an npz file), which then
+takes precedence. Node data that is missing, unreadable or does not fit the
+task fails the node's replies with one line naming the node and the path. When the train
 config names a local update (``local-update``,
 :mod:`fedadapt.client.local_update`; Fed-LAMB's v̂ and v among them), its
 arrays arrive and leave as the ArrayRecord ``local-update-arrays`` and its
@@ -29,6 +34,7 @@ from flwr.clientapp import ClientApp
 
 from fedadapt.client.local import (
     config_number,
+    data_path_of,
     evaluate_round,
     partition_of,
     train_round,
@@ -64,6 +70,8 @@ def train(msg: Message, context: Context) -> Message:
         config=config,
         local_arrays=_numpy(records.get(wire.LOCAL_ARRAYS)),
         client_state=context.state,
+        data_path=data_path_of(context.node_config),
+        node_id=context.node_id,
     )
     content = RecordDict(
         {
@@ -82,13 +90,29 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
     state = msg.content.array_records[wire.ARRAYS].to_torch_state_dict()
-    metrics = MetricRecord(dict(evaluate_round(cfg, pid, num, state)))
+    scores = evaluate_round(
+        cfg,
+        pid,
+        num,
+        state,
+        data_path=data_path_of(context.node_config),
+        node_id=context.node_id,
+    )
+    metrics = MetricRecord(dict(scores))
     return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Tell the server which partition this node holds (no data is touched)."""
+    """Tell the server which partition this node holds (no data is touched).
+
+    A node with its own data (``data-path``) and no ``partition-id`` answers
+    without one (it is sampled after the numbered nodes).
+    """
+    if wire.PARTITION_ID not in context.node_config and data_path_of(
+        context.node_config
+    ):
+        return Message(content=RecordDict({wire.METRICS: MetricRecord()}), reply_to=msg)
     pid, num = partition_of(context.node_config)
     metrics = MetricRecord({wire.PARTITION_ID: pid, wire.NUM_PARTITIONS: num})
     return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)

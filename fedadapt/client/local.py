@@ -31,7 +31,8 @@ from fedadapt.client.local_update import (
 from fedadapt.client.training import train_local
 from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
-from fedadapt.tasks import TASKS, evaluate_model, pick_device
+from fedadapt.tasks import TASKS, ClientData, evaluate_model, pick_device
+from fedadapt.tasks.node_data import DATA_PATH, NodeDataError, load_node_data
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,29 @@ def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
     return model
 
 
+def client_data(
+    cfg: Mapping[str, Any],
+    partition_id: int,
+    num_partitions: int,
+    data_path: str | None = None,
+    node_id: int | None = None,
+) -> ClientData:
+    """Return this node's data: its own files, else its partition of the task's.
+
+    With a ``data_path`` (node-config ``data-path``) the node reads its own
+    files (:func:`~fedadapt.tasks.node_data.load_node_data`, cached per
+    process); data that is missing, unreadable or does not fit the task
+    raises ValueError in one line naming the node and the path, which Flower
+    returns to the server as this node's failed reply.
+    """
+    if data_path is None:
+        return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num_partitions)
+    try:
+        return load_node_data(data_path, cfg)
+    except NodeDataError as error:
+        raise NodeDataError(error.path, error.problem, node_id) from None
+
+
 def train_round(
     cfg: Mapping[str, Any],
     partition_id: int,
@@ -98,6 +122,8 @@ def train_round(
     config: Mapping[str, Any] | None = None,
     local_arrays: Mapping[str, np.ndarray] | None = None,
     client_state: RecordDict | None = None,
+    data_path: str | None = None,
+    node_id: int | None = None,
 ) -> RoundResult:
     """Train the global model on this client's partition for one round.
 
@@ -117,9 +143,12 @@ def train_round(
     inside every local step, and adds its metrics and arrays
     (:attr:`RoundResult.local_arrays`) to the reply. Fed-LAMB/Fed-AMS's
     v̂ and v travel so (:mod:`fedadapt.client.fedlamb`).
+
+    ``data_path`` (node-config ``data-path``): train on the node's own files
+    instead of partition ``partition_id`` (:func:`client_data`).
     """
     task = TASKS.get(cfg["task"])
-    data = task.load_client(cfg, partition_id, num_partitions)
+    data = client_data(cfg, partition_id, num_partitions, data_path, node_id)
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
     criterion = task.criterion()
@@ -192,10 +221,15 @@ def evaluate_round(
     partition_id: int,
     num_partitions: int,
     global_state: Mapping[str, Any],
+    data_path: str | None = None,
+    node_id: int | None = None,
 ) -> dict[str, float | int]:
-    """Evaluate the global model on this client's local test split."""
+    """Evaluate the global model on this client's local test split.
+
+    With ``data_path``: the node's own held-out split (:func:`client_data`).
+    """
     task = TASKS.get(cfg["task"])
-    data = task.load_client(cfg, partition_id, num_partitions)
+    data = client_data(cfg, partition_id, num_partitions, data_path, node_id)
     scores = evaluate_model(
         task,
         _model(cfg, global_state),
@@ -217,15 +251,28 @@ def config_number(value: object) -> float:
     return float(value)
 
 
+def data_path_of(node_config: Mapping[str, Any]) -> str | None:
+    """Return node-config ``data-path`` (the node's own data), or None."""
+    value = node_config.get(DATA_PATH)
+    return None if value is None or str(value) == "" else str(value)
+
+
 def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
-    """Return (partition-id, num-partitions) from a SuperNode's node config."""
+    """Return (partition-id, num-partitions) from a SuperNode's node config.
+
+    A node with its own data (``data-path``) needs no partition; without
+    one it is (0, 1), which only seeds its shuffling.
+    """
+    if data_path_of(node_config) is not None and (wire.PARTITION_ID not in node_config):
+        return 0, 1
     try:
         pid = int(node_config[wire.PARTITION_ID])
         num = int(node_config[wire.NUM_PARTITIONS])
     except KeyError as missing:
         raise ValueError(
             f"node config lacks {missing}; start the SuperNode with "
-            '--node-config "partition-id=<i> num-partitions=<n>"'
+            '--node-config "partition-id=<i> num-partitions=<n>" (a partition '
+            'of the task\'s data) or --node-config "data-path=<path>" (its own)'
         ) from None
     if not 0 <= pid < num:
         raise ValueError(f"partition-id {pid} is outside [0, num-partitions={num})")

@@ -23,6 +23,7 @@ from flwr.common import Context, NDArrays, RecordDict, Scalar
 
 from fedadapt.client.local import (
     config_number,
+    data_path_of,
     evaluate_round,
     partition_of,
     train_round,
@@ -47,14 +48,21 @@ class FedAdaptClient(NumPyClient):
         run_config: Mapping[str, Any],
         node_config: Mapping[str, Any],
         state: RecordDict | None = None,
+        node_id: int | None = None,
     ) -> None:
         self.cfg = validate_run_config(run_config)
         self.partition_id, self.num_partitions = partition_of(node_config)
+        # the node's own data (node-config data-path), else its partition
+        self.data_path = data_path_of(node_config)
+        self.has_partition = wire.PARTITION_ID in node_config or not self.data_path
+        self.node_id = node_id
         self.keys, self.names = model_layout(self.cfg)
         self.state = state  # the node's Context.state: a local update's client state
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
         """Tell the server which partition this node holds (seeded sampling)."""
+        if not self.has_partition:  # its own data only: no partition to name
+            return {}
         return {
             wire.PARTITION_ID: self.partition_id,
             wire.NUM_PARTITIONS: self.num_partitions,
@@ -87,6 +95,8 @@ class FedAdaptClient(NumPyClient):
             config=config,
             local_arrays=dict(zip(local_names, local, strict=True)),
             client_state=self.state,
+            data_path=self.data_path,
+            node_id=self.node_id,
         )
         arrays = [result.state[k].numpy() for k in self.keys]
         metrics: dict[str, Scalar] = dict(result.metrics)
@@ -102,7 +112,14 @@ class FedAdaptClient(NumPyClient):
         """Evaluate on the local test split; return (loss, n, metrics)."""
         state = dict(zip(self.keys, parameters[: len(self.keys)], strict=True))
         metrics: dict[str, Scalar] = dict(
-            evaluate_round(self.cfg, self.partition_id, self.num_partitions, state)
+            evaluate_round(
+                self.cfg,
+                self.partition_id,
+                self.num_partitions,
+                state,
+                data_path=self.data_path,
+                node_id=self.node_id,
+            )
         )
         num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
         return float(metrics["eval-loss"]), num_examples, metrics
@@ -111,7 +128,7 @@ class FedAdaptClient(NumPyClient):
 def client_fn(context: Context) -> Client:
     """Build the client of one SuperNode."""
     return FedAdaptClient(
-        context.run_config, context.node_config, context.state
+        context.run_config, context.node_config, context.state, context.node_id
     ).to_client()
 
 

@@ -85,7 +85,8 @@ def server_fn(context: Context) -> ServerAppComponents:
             raise ConfigError(key, "checkpoints need the Message-API ServerApp")
     cfg = {**cfg, "checkpoint-every": 0}  # the default: none written here
     task = TASKS.get(cfg["task"])
-    evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    # loads the test set (data checked now); None: central evaluation off
+    evaluate = central_evaluator(task, cfg)
     state = initial_state(task, cfg)
     keys = list(state)
 
@@ -112,6 +113,9 @@ def server_fn(context: Context) -> ServerAppComponents:
     )
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     recorder = open_recorder(folder, cfg, context.run_id)
+    federated = recorder.data["evaluation"]["federated"]
+    if federated["source"] != "off":  # Flower's legacy loop evaluates after the hook
+        federated["recorded"] = "no: the legacy API's rounds record central only"
     record_local_update(recorder, strategy)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)

@@ -52,6 +52,32 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def evaluation_sources(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Say which evaluations the run reports and on what data (results.json).
+
+    ``central`` (each round's ``eval``): ``off`` (``evaluate-every=0``, the
+    server holds no data), ``task-test-set`` or ``central-data-path`` (with
+    its ``path``). ``federated`` (each round's ``federated_eval``): ``off``
+    (``clients-per-eval=0``) or ``node-held-out``, each sampled node's
+    held-out split (its own ``data-path``'s test split, else
+    ``client-test-fraction`` of its data).
+    """
+    if not cfg.get("evaluate-every", 1):
+        central: dict[str, Any] = {"source": "off"}
+    elif cfg.get("central-data-path"):
+        central = {"source": "central-data-path", "path": cfg["central-data-path"]}
+    else:
+        central = {"source": "task-test-set"}
+    if central["source"] != "off":
+        central["every"] = cfg.get("evaluate-every", 1)
+    federated: dict[str, Any] = (
+        {"source": "node-held-out", "clients-per-eval": cfg["clients-per-eval"]}
+        if cfg.get("clients-per-eval", 0)
+        else {"source": "off"}
+    )
+    return {"central": central, "federated": federated}
+
+
 class RunRecorder:
     """Collects per-round records and writes them as JSON and plots."""
 
@@ -77,6 +103,7 @@ class RunRecorder:
             "status": "running",
             "started": datetime.now(UTC).isoformat(),
             "config": dict(cfg),
+            "evaluation": evaluation_sources(cfg),
             "versions": _versions(),
             "initial": None,
             "rounds": [],

@@ -21,6 +21,7 @@ from fedadapt.server.run_folder import RunFolder, RunFolderError
 from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
+from fedadapt.tasks.node_data import NodeDataError, load_evaluation_set
 
 EVAL_BATCH_SIZE = 512
 State = dict[str, np.ndarray]
@@ -167,9 +168,23 @@ def open_recorder(
 
 def central_evaluator(
     task: Task, cfg: Mapping[str, Any]
-) -> Callable[[Mapping[str, Any]], dict[str, float]]:
-    """Return ``state dict -> metrics`` on the task's global test set."""
-    test_set = task.load_test(cfg)
+) -> Callable[[Mapping[str, Any]], dict[str, float]] | None:
+    """Return ``state dict -> metrics`` on the server's evaluation set, or None.
+
+    None when central evaluation is off (``evaluate-every=0``): the server
+    then loads no data at all (a deployment whose nodes hold all the data).
+    The set is run-config ``central-data-path`` when given (read and checked
+    as a node's ``data-path``), else the task's global test set.
+    """
+    if cfg["evaluate-every"] == 0:
+        return None
+    if cfg["central-data-path"]:
+        try:
+            test_set = load_evaluation_set(cfg["central-data-path"], task)
+        except NodeDataError as error:
+            raise ConfigError("central-data-path", error.problem) from None
+    else:
+        test_set = task.load_test(cfg)
     device = pick_device(cfg["device"])
     model = task.build_model()
 
@@ -236,6 +251,7 @@ class RoundHook:
         evaluate: Callable[[Mapping[str, Any]], dict[str, float]] | None = None,
     ) -> None:
         self.cfg, self.strategy, self.recorder = cfg, strategy, recorder
+        # None when central evaluation is off (evaluate-every=0)
         self.evaluate = evaluate or central_evaluator(task, cfg)
         self.first_round = first_round
         self.latest = latest
@@ -243,12 +259,14 @@ class RoundHook:
     def __call__(self, server_round: int, state: Mapping[str, Any]) -> dict | None:
         """Handle the end of ``server_round`` (``first_round``: the start)."""
         every, num_rounds = self.cfg["evaluate-every"], self.cfg["num-server-rounds"]
+        evaluate = self.evaluate
         if server_round == self.first_round:
             if self.first_round == 0:
-                self.recorder.record_initial(self.evaluate(state) if every else None)
+                scores = evaluate(state) if every and evaluate else None
+                self.recorder.record_initial(scores)
             return None
         due = every > 0 and (server_round % every == 0 or server_round == num_rounds)
-        scores = self.evaluate(state) if due else None
+        scores = evaluate(state) if due and evaluate else None
         reports = getattr(self.strategy, "round_reports", {})
         self.recorder.record_round(
             server_round, num_rounds, scores, reports.get(server_round, {})

@@ -157,7 +157,8 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     """Run :func:`main`'s rounds in its claimed ``folder``."""
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
-    evaluate = central_evaluator(task, cfg)  # loads the test set: data checked now
+    # loads the test set (data checked now); None: central evaluation off
+    evaluate = central_evaluator(task, cfg)
     simulation = isinstance(grid, InMemoryGrid)
     num_nodes = wait_for_nodes(
         grid, cfg["clients-per-round"], cfg["node-wait-timeout"], simulation

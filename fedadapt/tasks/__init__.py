@@ -1,7 +1,7 @@
 """Tasks: datasets, models and non-IID partitions, selected by ``task=<name>``."""
 
 from fedadapt.registry import Registry
-from fedadapt.tasks.base import ClientData, Task, evaluate_model, pick_device
+from fedadapt.tasks.base import ClientData, DataSpec, Task, evaluate_model, pick_device
 from fedadapt.tasks.digits import DIGITS_MLP
 from fedadapt.tasks.paper_tasks import PAPER_TASKS
 
@@ -9,4 +9,4 @@ TASKS: Registry[Task] = Registry("task")
 for _task in (DIGITS_MLP, *PAPER_TASKS):
     TASKS.register(_task.name)(_task)
 
-__all__ = ["TASKS", "ClientData", "Task", "evaluate_model", "pick_device"]
+__all__ = ["TASKS", "ClientData", "DataSpec", "Task", "evaluate_model", "pick_device"]

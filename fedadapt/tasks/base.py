@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,29 @@ class ClientData:
 
     train: Dataset
     test: Dataset
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What one sample of a task looks like: node data is checked against it.
+
+    The task fixes the model, so a node's own files (``data-path``,
+    :mod:`fedadapt.tasks.node_data`) must give inputs of ``input_shape``
+    (float32) and integer labels in ``0..num_classes-1``. Images become
+    inputs as the task's own pipeline makes them: ``image_shape`` is
+    (height, width, channels), pixels are divided by 255, normalised with
+    ``mean``/``std`` per channel, put channels first and reshaped to
+    ``input_shape``. ``pool`` returns the task's training pool as a
+    ``TensorDataset`` of model-ready inputs (for ``fedadapt make-node-data``),
+    where the task has one locally.
+    """
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    pool: Callable[[Mapping[str, Any]], TensorDataset] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +66,9 @@ class Task:
         The source paper's setup as run-config overrides (written to
         ``conf/tasks/<name>.toml``), plus ``num-supernodes``, the number of
         clients, which is a federation setting.
+    data_spec : DataSpec or None
+        The sample format node data (``data-path``) must have; ``None``:
+        the task reads no node data.
     """
 
     name: str
@@ -53,6 +79,7 @@ class Task:
     criterion: Callable[[], nn.Module] = nn.CrossEntropyLoss
     classification: bool = True
     paper_config: Mapping[str, Any] = field(default_factory=dict)
+    data_spec: DataSpec | None = None
 
 
 def pick_device(name: str = "auto") -> torch.device:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from fedadapt.tasks.base import ClientData, Task
+from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.models import MLP
 from fedadapt.tasks.partition import client_indices, train_test_split_indices
 
@@ -62,4 +62,7 @@ DIGITS_MLP = Task(
     build_model=lambda: MLP(64, 64, 10),
     load_client=load_client,
     load_test=lambda cfg: load_digits_split()[1],
+    # 8×8 grey images, pixels 0..16 scaled to [0, 1] (an 8-bit image's /255
+    # is the same scale), flattened to the MLP's 64 inputs
+    data_spec=DataSpec((64,), 10, (8, 8, 1), pool=lambda cfg: load_digits_split()[0]),
 )

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
-from fedadapt.tasks.base import ClientData, Task
+from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.datasets import (
     MNIST_MEAN,
     MNIST_STD,
@@ -136,4 +136,12 @@ def mnist5k_task(
         _load_client,
         lambda cfg: load_split(cfg["data-dir"])[1],
         paper_config=paper_config,
+        data_spec=DataSpec(
+            (1, 28, 28),
+            10,
+            (28, 28, 1),
+            MNIST_MEAN,
+            MNIST_STD,
+            pool=lambda cfg: load_split(cfg["data-dir"])[0],
+        ),
     )

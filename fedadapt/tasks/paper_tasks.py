@@ -26,8 +26,14 @@ from torch import nn
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from fedadapt.tasks import models
-from fedadapt.tasks.base import ClientData, Task
+from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.datasets import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR100_MEAN,
+    CIFAR100_STD,
+    MNIST_MEAN,
+    MNIST_STD,
     SHAKESPEARE_VOCAB_SIZE,
     labels_of,
     leaf_client_data,
@@ -69,8 +75,25 @@ def vision_task(
         return _torchvision(dataset, cfg["data-dir"], False, False)
 
     return Task(
-        name, summary, build_model, load_client, load_test, paper_config=paper_config
+        name,
+        summary,
+        build_model,
+        load_client,
+        load_test,
+        paper_config=paper_config,
+        data_spec=VISION_SPECS[dataset],
     )
+
+
+#: node data (``data-path``) of the torchvision tasks: images as torchvision
+#: gives them, normalised as :func:`~fedadapt.tasks.datasets.image_transform`
+#: does (no augmentation)
+VISION_SPECS = {
+    "mnist": DataSpec((1, 28, 28), 10, (28, 28, 1), MNIST_MEAN, MNIST_STD),
+    "fmnist": DataSpec((1, 28, 28), 10, (28, 28, 1), MNIST_MEAN, MNIST_STD),
+    "cifar10": DataSpec((3, 32, 32), 10, (32, 32, 3), CIFAR10_MEAN, CIFAR10_STD),
+    "cifar100": DataSpec((3, 32, 32), 100, (32, 32, 3), CIFAR100_MEAN, CIFAR100_STD),
+}
 
 
 def chosen_users(cfg: Mapping[str, Any], dataset: str, num: int) -> list[str]:

@@ -3,7 +3,9 @@
 ``fedadapt deploy`` does the same on a real deployment started here (a
 SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
 authentication; ``fedadapt.tools.deploy.local``); ``fedadapt certs`` and
-``fedadapt node-keys`` make the certificates and keys for one elsewhere.
+``fedadapt node-keys`` make the certificates and keys for one elsewhere;
+``fedadapt make-node-data`` writes one on-disk dataset per node (node-config
+``data-path``) from a task's data, for demos and tests.
 
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
 with a private, loopback-only SuperLink that it starts and always stops
@@ -193,8 +195,14 @@ def deploy(args: argparse.Namespace) -> int:
             track=track,
         )
 
+    data_paths = [Path(p) for p in args.data_path] or None
     deployment = LocalDeployment(
-        workdir, args.num_supernodes, tls=args.tls, auth=args.auth, port=args.port
+        workdir,
+        args.num_supernodes,
+        tls=args.tls,
+        auth=args.auth,
+        port=args.port,
+        data_paths=data_paths,
     )
     return report(_supervised(deployment, run, args.timeout))
 
@@ -216,6 +224,37 @@ def node_keys(args: argparse.Namespace) -> int:
 
     for path in make_node_keys(Path(args.out), args.count, args.force):
         print(f"{path}  (register {public_key_path(path)})")
+    return 0
+
+
+def make_node_data(args: argparse.Namespace) -> int:
+    """Write one dataset per node from a task's data (demos, tests)."""
+    from fedadapt.config import validate_run_config
+    from fedadapt.tasks import TASKS
+    from fedadapt.tasks.node_data import write_node_datasets
+
+    overrides = parse_config_args([args.run_config] if args.run_config else None)
+    overrides["task"] = args.task
+    for key, value in (
+        ("partition", args.partitioner),
+        ("dirichlet-alpha", args.alpha),
+        ("seed", args.seed),
+    ):
+        if value is not None:
+            overrides[key] = value
+    cfg = validate_run_config(overrides)
+    formats = [f for part in args.format for f in part.split(",") if f]
+    paths = write_node_datasets(
+        TASKS.get(cfg["task"]),
+        cfg,
+        args.num_nodes,
+        Path(args.out),
+        formats,
+        hf_images=not args.hf_arrays,
+        force=args.force,
+    )
+    for path in paths:
+        print(f'{path}  (--node-config "data-path={path}")')
     return 0
 
 
@@ -280,6 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     dep.add_argument(
         "--workdir", help="logs, state, certificates (default: <app>/.flwr-deploy)"
     )
+    dep.add_argument(
+        "--data-path",
+        action="append",
+        default=[],
+        help="node i's own data (node-config data-path; repeat once per SuperNode, "
+        "e.g. the paths `fedadapt make-node-data` prints); default: each node "
+        "gets a partition of the task's data by partition-id",
+    )
     crt = commands.add_parser("certs", help="make a CA + SuperLink TLS certificate")
     crt.add_argument("--out", required=True, help="output folder")
     crt.add_argument(
@@ -294,13 +341,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--out", required=True, help="output folder")
     keys.add_argument("--count", type=int, required=True)
     keys.add_argument("--force", action="store_true", help="replace existing files")
+    mkd = commands.add_parser(
+        "make-node-data",
+        help="write one on-disk dataset per node from a task's data (node-config "
+        "data-path), split with a run-config partitioner",
+    )
+    mkd.add_argument("--task", default="digits-mlp", help="task whose data to split")
+    mkd.add_argument("--num-nodes", type=positive_int, required=True)
+    mkd.add_argument(
+        "--partitioner",
+        help="run-config partition (iid, dirichlet, dirichlet-equal, shards, "
+        "delta-sgd; default: the run config's)",
+    )
+    mkd.add_argument("--alpha", type=float, help="run-config dirichlet-alpha")
+    mkd.add_argument("--seed", type=int, help="run-config seed of the partition")
+    mkd.add_argument(
+        "--run-config",
+        help="further run-config keys, e.g. \"classes-per-client=2 data-dir='/d'\"",
+    )
+    mkd.add_argument(
+        "--format",
+        action="append",
+        default=[],
+        help="hf (Hugging Face save_to_disk, as flwr-datasets create writes), npz "
+        "or imagefolder; several (comma-separated or repeated) are used in turn "
+        "over the nodes (default: hf)",
+    )
+    mkd.add_argument(
+        "--hf-arrays",
+        action="store_true",
+        help="hf: store model-ready arrays in a column x instead of images",
+    )
+    mkd.add_argument("--out", required=True, help="output folder (node-<i> inside)")
+    mkd.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
+    if args.command == "make-node-data" and not args.format:
+        args.format = ["hf"]
     raise_on_termination()  # SIGTERM/SIGHUP unwind too: stop what we started
     handlers = {
         "simulate": simulate,
         "deploy": deploy,
         "certs": certs,
         "node-keys": node_keys,
+        "make-node-data": make_node_data,
     }
     try:
         return handlers[args.command](args)

@@ -3,7 +3,9 @@
 ``LocalDeployment`` starts ``flower-superlink`` (state in a SQLite database,
 optionally TLS and SuperNode authentication) and ``flower-supernode``
 processes on loopback, each SuperNode with its partition through
-``--node-config "partition-id=<i> num-partitions=<N>"``, waits until the
+``--node-config "partition-id=<i> num-partitions=<N>"`` or, given
+``data_paths``, with its own data through ``--node-config "data-path=<path>"``
+(``fedadapt.tasks.node_data``; the server then needs no data), waits until the
 SuperLink lists every node online, and stops all of them on exit (also on
 Ctrl-C and on failure). Runs are submitted with ``fedadapt.tools.submission.submit_run``
 exactly as in simulation. The same commands, spread over hosts, are a
@@ -12,6 +14,8 @@ multi-host deployment (docs/deployment.md).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedadapt.tools.deploy.certs import (
@@ -54,6 +58,10 @@ class LocalDeployment:
         node, registered with ``flwr supernode register`` before it starts.
     port : int, optional
         SuperLink port (default: a free one).
+    data_paths : sequence of Path, optional
+        One per SuperNode: node ``i`` reads its own data from
+        ``data_paths[i]`` (node-config ``data-path``) instead of a partition
+        of the task's data.
     """
 
     simulation = False
@@ -65,9 +73,18 @@ class LocalDeployment:
         tls: bool = False,
         auth: bool = False,
         port: int | None = None,
+        data_paths: Sequence[Path] | None = None,
     ) -> None:
         if num_supernodes < 1:
             raise ValueError(f"deploy: invalid num_supernodes={num_supernodes}")
+        if data_paths is not None and len(data_paths) != num_supernodes:
+            raise ValueError(
+                f"deploy: {len(data_paths)} data paths for {num_supernodes} "
+                "SuperNodes; give one per node"
+            )
+        self.data_paths = (
+            None if data_paths is None else [Path(p).resolve() for p in data_paths]
+        )
         if auth and not tls:
             raise ValueError("deploy: SuperNode authentication needs TLS (--tls)")
         self.workdir = workdir.resolve()
@@ -166,17 +183,21 @@ class LocalDeployment:
         return Daemon("SuperLink", command, env, home / "superlink.log")
 
     def supernode(self, index: int, private_key: Path | None = None) -> Daemon:
-        """Build (not start) SuperNode ``index``, which holds partition ``index``.
+        """Build (not start) SuperNode ``index``: partition ``index`` or its data path.
 
         ``private_key`` overrides its authentication key (tests use an
         unregistered one).
         """
         home = self.workdir / f"supernode-{index}"
+        if self.data_paths is None:
+            node_config = f"partition-id={index} num-partitions={self.num_supernodes}"
+        else:  # a TOML value: the path must be a quoted string
+            node_config = f"data-path={json.dumps(str(self.data_paths[index]))}"
         command = [
             str(venv_bin() / "flower-supernode"),
             f"--superlink={self.address}",
             f"--port={free_port()}",
-            f"--node-config=partition-id={index} num-partitions={self.num_supernodes}",
+            f"--node-config={node_config}",
         ]
         if self.tls:
             command.append(f"--root-certificates={self.root_certificates}")
