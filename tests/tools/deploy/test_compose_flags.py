@@ -11,15 +11,13 @@ with nothing secret in its build context.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from functools import cache
 
 import pytest
 import yaml
 
-from tests.helpers import ROOT, VENV_BIN
+from tests.helpers import ROOT, VENV_BIN, compose_config
 
 DOCKER = ROOT / "docker"
 COMPOSE_FILES = sorted(DOCKER.glob("compose*.yaml"))
@@ -88,19 +86,6 @@ def test_tls_override_mounts_secrets_read_only_and_each_node_only_its_key():
             ]
 
 
-def _compose_tool() -> list[str] | None:
-    """The installed compose command (v2 plugin or v1), or None."""
-    if shutil.which("docker"):
-        v2 = subprocess.run(
-            ["docker", "compose", "version"], capture_output=True, check=False
-        )
-        if v2.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -112,26 +97,8 @@ def _compose_tool() -> list[str] | None:
     ids=["base", "tls", "gpu", "tls+gpu"],
 )
 def test_compose_files_parse_and_merge(overrides, tmp_path):
-    tool = _compose_tool()
-    if tool is None:
-        pytest.skip(
-            "no docker compose / docker-compose installed (docker/engine.sh up)"
-        )
-    files = []
-    for name in ["compose.yaml", *overrides]:
-        files += ["-f", str(DOCKER / name)]
-    # a system tool: none of this interpreter's Python path (conftest.py)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["FEDADAPT_CERTS"] = str(tmp_path)
-    done = subprocess.run(
-        [*tool, "-p", "fadconfig", *files, "config"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    merged = yaml.safe_load(done.stdout)["services"]
+    files = [DOCKER / name for name in ["compose.yaml", *overrides]]
+    merged = compose_config(files, {"FEDADAPT_CERTS": str(tmp_path)})["services"]
     assert set(merged) == {"superlink", "supernode-1", "supernode-2", "supernode-3"}
     superlink = merged["superlink"]
     if "compose.gpu.yaml" in overrides:
