@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -222,3 +223,18 @@ def compose_config(files: list[Path], env: dict[str, str]) -> dict:
     )
     assert done.returncode == 0, done.stderr
     return yaml.safe_load(done.stdout)
+
+
+@cache
+def daemon_help(daemon: str) -> str:
+    """``--help`` of an installed Flower daemon (flower-superlink, ...)."""
+    done = subprocess.run(
+        [str(VENV_BIN / daemon), "--help"], capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def daemon_has_flag(daemon: str, flag: str) -> bool:
+    """Whether the installed daemon's ``--help`` lists ``flag``."""
+    text = daemon_help(daemon)
+    return f"{flag} " in text or f"{flag}\n" in text

@@ -11,24 +11,13 @@ with nothing secret in its build context.
 
 from __future__ import annotations
 
-import subprocess
-from functools import cache
-
 import pytest
 import yaml
 
-from tests.helpers import ROOT, VENV_BIN, compose_config
+from tests.helpers import ROOT, compose_config, daemon_has_flag
 
 DOCKER = ROOT / "docker"
 COMPOSE_FILES = sorted(DOCKER.glob("compose*.yaml"))
-
-
-@cache
-def _help(daemon: str) -> str:
-    done = subprocess.run(
-        [str(VENV_BIN / daemon), "--help"], capture_output=True, text=True, check=True
-    )
-    return done.stdout
 
 
 def _services(path):
@@ -49,9 +38,7 @@ def test_every_flag_exists_in_the_installed_daemon(command):
     flags = [a.split("=", 1)[0] for a in args if a.startswith("--")]
     assert flags, "a daemon without flags"
     for flag in flags:
-        assert f"{flag} " in _help(daemon) or f"{flag}\n" in _help(daemon), (
-            f"{daemon} has no {flag}"
-        )
+        assert daemon_has_flag(daemon, flag), f"{daemon} has no {flag}"
 
 
 def test_ports_are_published_on_loopback_only():

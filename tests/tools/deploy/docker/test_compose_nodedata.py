@@ -35,7 +35,7 @@ RUN = {
     "clients-per-round": 3,
     "clients-per-eval": 3,  # federated evaluation on each node's held-out split
     "local-steps": 5,
-    "num-server-rounds": 3,
+    "num-server-rounds": 2,
     "output-dir": "/results",
     **CENTRAL_EVAL_OFF,
 }
