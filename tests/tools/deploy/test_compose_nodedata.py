@@ -2,7 +2,7 @@
 
 The per-node-data variant is a deployment where the server holds no data:
 the SuperLink container (which runs the ServerApp) mounts no dataset, and
-SuperNode ``i`` mounts only ``$FEDADAPT_NODE_DATA/supernode-<i>``, read-only,
+SuperNode ``i`` mounts only ``$FEDADAPT_NODE_DATA/node-<i-1>``, read-only,
 at the ``data-path`` its node config names. Checked on the files as written
 and on what the installed compose tool makes of every combination of
 overrides (skipped where no compose tool is installed). Node configs are read
@@ -23,6 +23,8 @@ from tests.helpers import ROOT, compose_config
 DOCKER = ROOT / "docker"
 NODEDATA = DOCKER / "compose.nodedata.yaml"
 NODES = ["supernode-1", "supernode-2", "supernode-3"]
+# SuperNode i's host folder: what `fedadapt make-node-data` writes for node i-1
+FOLDERS = {name: f"node-{i}" for i, name in enumerate(NODES)}
 DATA_PATH = "/data"
 
 
@@ -59,7 +61,7 @@ def test_each_node_mounts_only_its_own_data_and_the_superlink_none():
     ]
     for name in NODES:
         assert services[name]["volumes"] == [
-            f"${{FEDADAPT_NODE_DATA:-../node-data}}/{name}:{DATA_PATH}:ro"
+            f"${{FEDADAPT_NODE_DATA:-../node-data}}/{FOLDERS[name]}:{DATA_PATH}:ro"
         ]
 
 
@@ -114,7 +116,7 @@ def test_merged_nodedata_variants_isolate_the_nodes_data(overrides, tmp_path: Pa
         if name == "superlink":
             assert data == [], "the SuperLink (ServerApp) must mount no node data"
             continue
-        assert data == [(str(node_data / name), DATA_PATH, True)], name
+        assert data == [(str(node_data / FOLDERS[name]), DATA_PATH, True)], name
         config = _node_config(service["command"])
         assert config["data-path"] == DATA_PATH
         if "compose.tls.yaml" in overrides:

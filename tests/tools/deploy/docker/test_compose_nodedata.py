@@ -2,21 +2,25 @@
 
 docker/compose.nodedata.yaml under a compose project of its own: three
 SuperNodes, each mounting only its own folder of ``project.node_data``
-(read-only at /data, ``data-path='/data'`` in its node config), and a
-SuperLink (which runs the ServerApp) with no dataset. The fixture writes three
-disjoint shards of scikit-learn's digits, the digits-mlp task's shape
-(``x``: float32 (n, 64) in [0, 1], ``y``: int64 in 0..9), as ``data.npz``.
+(``node-<i>``, read-only at /data, ``data-path='/data'`` in its node config),
+and a SuperLink (which runs the ServerApp) with no dataset and central
+evaluation off (``evaluate-every=0``). The fixture writes three disjoint
+shards of scikit-learn's digits in the digits-mlp task's shape (``x``:
+float32 (n, 64) in [0, 1], ``y``: int64 in 0..9) as ``node-<i>/data.npz``,
+the layout ``fedadapt make-node-data`` writes. The run must learn, judged by
+federated evaluation on the nodes' own held-out data.
 
-NEEDS #31 items 1 and 3 (the ClientApp reading data-path, central evaluation
-off): until both are merged the run below trains on the shared digits by
-partition-id, and the central-evaluation switch is a placeholder
-(``CENTRAL_EVAL_OFF``). The container checks (who mounts what, read-only)
-hold already.
+Before #31 item 1 (the ClientApp reading data-path) is merged, the nodes
+ignore data-path and train on their partition-id's share of the digits; the
+container checks (who mounts what, read-only) hold either way. The ClientApp
+must read ``/data`` as a folder holding ``data.npz`` (see the lead's merge
+notes).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -27,8 +31,6 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.docker
 
 NODES = ["supernode-1", "supernode-2", "supernode-3"]
-# PLACEHOLDER (#31 item 3): the run-config key that turns central evaluation off
-CENTRAL_EVAL_OFF: dict = {}
 RUN = {
     "task": "digits-mlp",
     "strategy": "feddua",
@@ -37,23 +39,23 @@ RUN = {
     "local-steps": 5,
     "num-server-rounds": 2,
     "output-dir": "/results",
-    **CENTRAL_EVAL_OFF,
+    "evaluate-every": 0,  # the server has no data: no central evaluation
 }
 
 
-def write_node_data(root, nodes=NODES, seed=0) -> list[np.ndarray]:
-    """Write one disjoint digits shard per node as ``<root>/<node>/data.npz``."""
+def write_node_data(root, nodes=3, seed=0) -> list[np.ndarray]:
+    """Write one disjoint digits shard per node as ``<root>/node-<i>/data.npz``."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(y))
-    shards = np.array_split(order, len(nodes))
+    shards = np.array_split(order, nodes)
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)
-    for node, rows in zip(nodes, shards, strict=True):
-        folder = root / node
+    for i, rows in enumerate(shards):
+        folder = root / f"node-{i}"
         folder.mkdir()
         np.savez(folder / "data.npz", x=x[rows], y=y[rows])
         folder.chmod(0o755)  # the containers run as uid 1000
@@ -62,8 +64,6 @@ def write_node_data(root, nodes=NODES, seed=0) -> list[np.ndarray]:
 
 
 def _exec(project, service: str, *command: str) -> tuple[int, str]:
-    import subprocess
-
     done = subprocess.run(
         ["docker", "exec", project.container(service), *command],
         capture_output=True,
@@ -73,6 +73,23 @@ def _exec(project, service: str, *command: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def _mounts(project, service: str) -> list[dict]:
+    """The container's mounts as the engine reports them (Source, Destination, RW)."""
+    done = subprocess.run(
+        [
+            "docker",
+            "inspect",
+            "--format",
+            "{{json .Mounts}}",
+            project.container(service),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
 def test_compose_nodes_own_data_server_none(project):
     project.files[:] = [ROOT / "docker" / "compose.nodedata.yaml"]
     shards = write_node_data(project.node_data)
@@ -80,10 +97,18 @@ def test_compose_nodes_own_data_server_none(project):
     connection = project.connection()
     project.wait_online(connection, 3)
 
-    # the ServerApp's container has no dataset; each node only its own, read-only
-    code, out = _exec(project, "superlink", "ls", "/datasets")
-    assert code != 0, out
-    for node, rows in zip(NODES, shards, strict=True):
+    # the ServerApp's container: its state volume and /results, no data at all
+    superlink = _mounts(project, "superlink")
+    assert sorted(m["Destination"] for m in superlink) == ["/data", "/results"]
+    assert not any(str(project.node_data) in m["Source"] for m in superlink)
+    for i, (node, rows) in enumerate(zip(NODES, shards, strict=True)):
+        # each node: only its own folder, read-only, at /data
+        data = [
+            m for m in _mounts(project, node) if str(project.node_data) in m["Source"]
+        ]
+        assert [(m["Source"], m["Destination"], m["RW"]) for m in data] == [
+            (str(project.node_data / f"node-{i}"), "/data", False)
+        ]
         code, out = _exec(
             project, node, "python3", "-c",
             "import numpy as np; print(len(np.load('/data/data.npz')['y']))",
@@ -91,8 +116,6 @@ def test_compose_nodes_own_data_server_none(project):
         assert (code, out.split()) == (0, [str(len(rows))]), out
         code, out = _exec(project, node, "touch", "/data/written")
         assert code != 0, f"{node}: /data is writable"
-        code, out = _exec(project, node, "ls", "/datasets")
-        assert code != 0, out
 
     outcome = submit_run(connection, ROOT, RUN, 3, 500, results_dir=project.results)
     assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
