@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -180,3 +183,61 @@ def assert_no_processes_under(root: Path, wait: float = 20.0) -> None:
     while processes_under(root) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_under(root) == [], "processes left running"
+
+
+def compose_tool() -> list[str] | None:
+    """The installed compose command (v2 plugin or v1), or None."""
+    if shutil.which("docker"):
+        v2 = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, check=False
+        )
+        if v2.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def compose_config(files: list[Path], env: dict[str, str]) -> dict:
+    """Merge compose ``files`` with the installed compose tool; return the result.
+
+    Skips the calling test where no compose tool is installed. The tool is a
+    system program: it runs without this interpreter's Python path
+    (conftest.py's ``keep_pythonpath``), with ``env`` added to the environment.
+    """
+    import pytest
+    import yaml
+
+    tool = compose_tool()
+    if tool is None:
+        pytest.skip("no docker compose / docker-compose (docker/engine.sh up)")
+    command = [*tool, "-p", "fadconfig"]
+    for path in files:
+        command += ["-f", str(path)]
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")
+    }
+    done = subprocess.run(
+        [*command, "config"],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+@cache
+def daemon_help(daemon: str) -> str:
+    """``--help`` of an installed Flower daemon (flower-superlink, ...)."""
+    done = subprocess.run(
+        [str(VENV_BIN / daemon), "--help"], capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def daemon_has_flag(daemon: str, flag: str) -> bool:
+    """Whether the installed daemon's ``--help`` lists ``flag``."""
+    text = daemon_help(daemon)
+    return f"{flag} " in text or f"{flag}\n" in text

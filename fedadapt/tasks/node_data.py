@@ -96,6 +96,12 @@ class Arrays:
 # --- reading ------------------------------------------------------------------
 
 
+#: the file an npz node's folder holds (``fedadapt make-node-data`` writes it):
+#: data-path may name the file or its folder, so one mount point (``/data``)
+#: serves every format in containers
+NPZ_NAME = "data.npz"
+
+
 def detect_format(path: Path) -> str:
     """Return ``hf``, ``npz`` or ``imagefolder`` for ``path`` (NodeDataError)."""
     if not path.exists():
@@ -109,6 +115,8 @@ def detect_format(path: Path) -> str:
         )  # fmt: skip
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return "hf"
+    if (path / NPZ_NAME).is_file():  # make-node-data's npz node: <node>/data.npz
+        return "npz"
     if any(p.is_dir() for p in path.iterdir()):
         return "imagefolder"
     raise NodeDataError(
@@ -189,6 +197,8 @@ def _checked(x: NDArray, y: NDArray, spec: DataSpec, split: str) -> Arrays:
 
 
 def _read_npz(path: Path, spec: DataSpec) -> dict[str, Arrays]:
+    if path.is_dir():
+        path = path / NPZ_NAME
     try:
         with np.load(path, allow_pickle=False) as saved:
             files = {name: saved[name] for name in saved.files}
@@ -412,7 +422,7 @@ def _write_npz(folder: Path, data: Arrays, test: Arrays | None) -> None:
     arrays = {"x": data.x, "y": data.y}
     if test is not None:
         arrays |= {"x_test": test.x, "y_test": test.y}
-    np.savez(folder / "data.npz", **arrays)  # type: ignore[arg-type]
+    np.savez(folder / NPZ_NAME, **arrays)  # type: ignore[arg-type]
 
 
 def _write_imagefolder(folder: Path, data: Arrays, spec: DataSpec) -> None:

@@ -70,6 +70,17 @@ def test_npz_inputs_come_back_as_saved(tmp_path, cfg):
     assert splits["train"].y.dtype == np.int64
 
 
+def test_an_npz_node_folder_reads_its_data_npz(tmp_path):
+    """Containers mount every node's folder at one path (data-path='/data'):
+    the folder make-node-data writes for an npz node (<node>/data.npz) reads
+    as that file."""
+    x, y = _digits_arrays()
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    got = read_node_arrays(tmp_path, DIGITS)["train"]
+    np.testing.assert_array_equal(got.x, x)
+    np.testing.assert_array_equal(got.y, y)
+
+
 def test_image_folder_pixels_are_scaled_as_the_task_does(tmp_path):
     pixels, labels = _pixels()
     _save_pngs(tmp_path, pixels, labels)

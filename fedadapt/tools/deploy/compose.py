@@ -37,8 +37,9 @@ class ComposeProject:
     files : list of Path
         Compose files, base first (e.g. compose.yaml, compose.tls.yaml).
     workdir : Path
-        Holds ``results/`` (mounted at /results), ``certs/``, ``data/`` and the
-        CLI's FLWR_HOME.
+        Holds ``results/`` (mounted at /results), ``certs/``, ``data/``,
+        ``node-data/`` (compose.nodedata.yaml: ``node-data/supernode-<i>`` is
+        SuperNode i's own data) and the CLI's FLWR_HOME.
     image : str
         Image for every service (``FEDADAPT_IMAGE``).
     """
@@ -60,6 +61,11 @@ class ComposeProject:
         """Host folder with certificates and node keys (TLS variant)."""
         return self.workdir / "certs"
 
+    @property
+    def node_data(self) -> Path:
+        """Host folder of the SuperNodes' own data (compose.nodedata.yaml)."""
+        return self.workdir / "node-data"
+
     def env(self) -> dict[str, str]:
         """Variables the compose files read."""
         env = {
@@ -69,6 +75,7 @@ class ComposeProject:
             "FEDADAPT_RESULTS": str(self.results),
             "FEDADAPT_CERTS": str(self.certs),
             "FEDADAPT_DATA": str(self.workdir / "data"),
+            "FEDADAPT_NODE_DATA": str(self.node_data),
         }
         if os.getuid() != 0:  # run as the user who owns the files
             env |= {"FEDADAPT_UID": str(os.getuid()), "FEDADAPT_GID": str(os.getgid())}

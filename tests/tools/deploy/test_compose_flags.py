@@ -11,26 +11,13 @@ with nothing secret in its build context.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from functools import cache
-
 import pytest
 import yaml
 
-from tests.helpers import ROOT, VENV_BIN
+from tests.helpers import ROOT, compose_config, daemon_has_flag
 
 DOCKER = ROOT / "docker"
 COMPOSE_FILES = sorted(DOCKER.glob("compose*.yaml"))
-
-
-@cache
-def _help(daemon: str) -> str:
-    done = subprocess.run(
-        [str(VENV_BIN / daemon), "--help"], capture_output=True, text=True, check=True
-    )
-    return done.stdout
 
 
 def _services(path):
@@ -51,9 +38,7 @@ def test_every_flag_exists_in_the_installed_daemon(command):
     flags = [a.split("=", 1)[0] for a in args if a.startswith("--")]
     assert flags, "a daemon without flags"
     for flag in flags:
-        assert f"{flag} " in _help(daemon) or f"{flag}\n" in _help(daemon), (
-            f"{daemon} has no {flag}"
-        )
+        assert daemon_has_flag(daemon, flag), f"{daemon} has no {flag}"
 
 
 def test_ports_are_published_on_loopback_only():
@@ -88,19 +73,6 @@ def test_tls_override_mounts_secrets_read_only_and_each_node_only_its_key():
             ]
 
 
-def _compose_tool() -> list[str] | None:
-    """The installed compose command (v2 plugin or v1), or None."""
-    if shutil.which("docker"):
-        v2 = subprocess.run(
-            ["docker", "compose", "version"], capture_output=True, check=False
-        )
-        if v2.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -112,26 +84,8 @@ def _compose_tool() -> list[str] | None:
     ids=["base", "tls", "gpu", "tls+gpu"],
 )
 def test_compose_files_parse_and_merge(overrides, tmp_path):
-    tool = _compose_tool()
-    if tool is None:
-        pytest.skip(
-            "no docker compose / docker-compose installed (docker/engine.sh up)"
-        )
-    files = []
-    for name in ["compose.yaml", *overrides]:
-        files += ["-f", str(DOCKER / name)]
-    # a system tool: none of this interpreter's Python path (conftest.py)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["FEDADAPT_CERTS"] = str(tmp_path)
-    done = subprocess.run(
-        [*tool, "-p", "fadconfig", *files, "config"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    merged = yaml.safe_load(done.stdout)["services"]
+    files = [DOCKER / name for name in ["compose.yaml", *overrides]]
+    merged = compose_config(files, {"FEDADAPT_CERTS": str(tmp_path)})["services"]
     assert set(merged) == {"superlink", "supernode-1", "supernode-2", "supernode-3"}
     superlink = merged["superlink"]
     if "compose.gpu.yaml" in overrides:
