@@ -7,6 +7,7 @@ Both the Message-API ClientApp and the legacy NumPyClient call
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -102,8 +103,11 @@ def train_round(
     """Train the global model on this client's partition for one round.
 
     Metrics: ``train-loss``, ``train-accuracy``,
-    ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
-    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes). The
+    ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps``,
+    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes), and for
+    the server's per-reply records (clients.jsonl) ``partition-id`` and
+    ``train-time-s`` (wall seconds from receiving the model to the reply:
+    data, training, state). The
     learning rate is decayed by run-config ``client-lr-decay`` per round
     and follows ``client-lr-schedule`` (:func:`round_lr`);
     ``client-weight-decay`` and ``client-grad-clip`` act on every local
@@ -118,6 +122,7 @@ def train_round(
     (:attr:`RoundResult.local_arrays`) to the reply. Fed-LAMB/Fed-AMS's
     v̂ and v travel so (:mod:`fedadapt.client.fedlamb`).
     """
+    started = time.perf_counter()
     task = TASKS.get(cfg["task"])
     data = task.load_client(cfg, partition_id, num_partitions)
     device = pick_device(cfg["device"])
@@ -184,6 +189,8 @@ def train_round(
             metrics[wire.LOCAL_STATE_RESET] = 1
         local = end.arrays or None
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
+    metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
     return RoundResult(state, metrics, local)
 
 

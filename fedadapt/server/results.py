@@ -1,4 +1,9 @@
-"""Run results: ``results.json`` (rewritten after every round) and ``curves.png``."""
+"""Run results: ``results.json`` (rewritten after every round) and ``curves.png``.
+
+Per-client records (``clients.jsonl``, ``clients.png``) are written beside
+them by :mod:`fedadapt.server.client_records`; :func:`load_client_records`
+reads them back.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,11 @@ from typing import Any
 from flwr.common.logger import log
 
 from fedadapt._atomic import atomic_open, atomic_write_text
+from fedadapt.server import client_records
+from fedadapt.server.client_records import load_client_records
 from fedadapt.server.run_folder import RESULTS_FILE, RunFolder
+
+__all__ = ["RunRecorder", "load_client_records", "plot_curves"]
 
 CURVES_FILE = "curves.png"
 
@@ -87,6 +96,9 @@ class RunRecorder:
             self.data["initial"] = previous.get("initial")
             self.data["rounds"] = list(previous.get("rounds", []))
             self.data["resumed_from_round"] = len(self.data["rounds"])
+        rounds = self.data["rounds"]
+        last = (rounds[-1]["round"] if rounds else 0) if previous is not None else None
+        client_records.prepare(run_dir, last)
         self.write()
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
@@ -120,6 +132,7 @@ class RunRecorder:
         if "sampled" in report:  # partition-ids sampled (seeded sampling)
             entry["sampled"] = report["sampled"]
         self._round_started = now
+        client_records.append_round(self.run_dir, report.get("clients") or [])
         self.data["rounds"].append(entry)
         for total in ("norm_mismatches", "clipped"):  # run totals of the rounds'
             self.data[total] = sum(
@@ -143,6 +156,7 @@ class RunRecorder:
         try:
             if self.data["rounds"]:
                 plot_curves(self.data, self.run_dir / CURVES_FILE)
+                self._plot_clients()
         finally:
             self.data["status"] = status
             self.data["wall_time_s"] = time.time() - self._started
@@ -152,6 +166,20 @@ class RunRecorder:
                 self.write()
             finally:
                 self.release()
+
+    def _plot_clients(self) -> None:
+        """Write clients.png from clients.jsonl (when any reply was recorded)."""
+        path = self.run_dir / client_records.CLIENTS_FILE
+        if not path.is_file():
+            return
+        records = load_client_records(self.run_dir)
+        if records:
+            cfg = self.data["config"]
+            client_records.plot_clients(
+                records,
+                self.run_dir / client_records.CLIENTS_PLOT,
+                f"{cfg['task']} · {cfg['strategy']} · {cfg['client-optimizer']}",
+            )
 
     def release(self) -> None:
         """Let go of the run folder (idempotent; nothing to do without one)."""
