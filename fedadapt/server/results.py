@@ -219,6 +219,7 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     def series(phase: str, key: str) -> tuple[list[int], list[float]]:
         points = [
@@ -246,6 +247,7 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
                 ax.plot(xs, ys, marker="o", markersize=3, label=name)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
