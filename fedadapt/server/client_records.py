@@ -193,6 +193,7 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
         who = r.get("partition")
         name = f"partition {who}" if who is not None else f"node {r.get('node')}"
         clients.setdefault(name, []).append(r)
+    rejected = sorted({r["round"] for r in records if r.get("status") != "used"})
     fig, (ax_norm, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in (
         (ax_norm, "server_sq_norm", "‖Δ_i‖² (server)"),
@@ -203,7 +204,6 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker="o", markersize=3, label=name, alpha=0.8)
-        rejected = [r["round"] for r in records if r.get("status") != "used"]
         for round_ in rejected:
             ax.axvline(round_, color="red", alpha=0.2, linewidth=4)
         ax.set_xlabel("round")
@@ -214,7 +214,9 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
         ax_norm.set_yscale("log")
     if len(clients) <= 12 and ax_loss.get_legend_handles_labels()[0]:
         ax_loss.legend(fontsize="small")
-    fig.suptitle(title + " · red bands: rounds with rejected or failed replies")
+    if rejected:
+        title += " · red bands: rounds with rejected or failed replies"
+    fig.suptitle(title)
     fig.tight_layout()
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png", dpi=100)

@@ -84,8 +84,8 @@ METRICS = {
 }
 #: short names a target may use (central evaluation)
 METRIC_ALIASES = {"accuracy": "eval-accuracy", "loss": "eval-loss"}
-#: panels of report.png, besides the suite's metric and the target's
-PANELS = ("eval-loss", "eval-accuracy")
+#: panels of report.png (those with data), besides the suite's metric and the target's
+PANELS = ("eval-loss", "eval-accuracy", "train-loss")
 RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
 
 
