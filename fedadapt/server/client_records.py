@@ -121,20 +121,27 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], bool]:
     return records, False
 
 
-def prepare(run_dir: Path, resumed_from_round: int | None) -> None:
+def prepare(
+    run_dir: Path, resumed_from_round: int | None, source: Path | None = None
+) -> None:
     """Make clients.jsonl continue a run: none for a new run, rounds ≤ k on resume.
 
     A new run (no ``resumed_from_round``) starts without the file. A run
-    resumed from round k keeps that folder's lines of rounds ≤ k (the rounds
-    after k are run again) and drops a torn last line; rewritten atomically.
+    resumed from round k keeps the lines of rounds ≤ k (the rounds after k
+    are run again) and drops a torn last line; rewritten atomically. They
+    come from ``source``, the checkpoint's folder, when the run resumes into
+    another folder.
     """
     path = run_dir / CLIENTS_FILE
     if resumed_from_round is None:
         path.unlink(missing_ok=True)
         return
-    records, torn = _read(path)
+    origin = path
+    if source is not None and source.resolve() != run_dir.resolve():
+        origin = source / CLIENTS_FILE
+    records, torn = _read(origin)
     kept = [r for r in records if r.get("round", 0) <= resumed_from_round]
-    if torn or len(kept) != len(records):
+    if origin != path or torn or len(kept) != len(records):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 

@@ -98,7 +98,10 @@ class RunRecorder:
             self.data["resumed_from_round"] = len(self.data["rounds"])
         rounds = self.data["rounds"]
         last = (rounds[-1]["round"] if rounds else 0) if previous is not None else None
-        client_records.prepare(run_dir, last)
+        source = cfg.get("resume-from") if previous is not None else None
+        client_records.prepare(
+            run_dir, last, Path(source).expanduser().parent if source else None
+        )
         self.write()
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:

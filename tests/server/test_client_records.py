@@ -80,6 +80,16 @@ def test_torn_last_line_is_skipped_with_a_warning_and_cut_on_resume(tmp_path):
     assert [(r["round"], r["node"]) for r in records] == [(1, 1), (1, 2), (2, 2)]
 
 
+def test_a_run_resumed_into_another_folder_takes_the_checkpoints_rounds(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    append_round(old, [_record(1, 1), _record(2, 1), _record(3, 1)])
+    prepare(new, resumed_from_round=2, source=old)
+    assert [r["round"] for r in load_client_records(new)] == [1, 2]
+    assert len(load_client_records(old)) == 3  # the old run's file is left alone
+
+
 def test_a_broken_middle_line_is_an_error_naming_it(tmp_path):
     (tmp_path / CLIENTS_FILE).write_text('{"round": 1}\nnot json\n{"round": 2}\n')
     with pytest.raises(ValueError, match="line 2"):
