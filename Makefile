@@ -67,6 +67,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m fedadapt.config --check
+	$(BIN)/python -m fedadapt.tools.baselines --check
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -7,6 +7,7 @@ Both the Message-API ClientApp and the legacy NumPyClient call
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -128,8 +129,11 @@ def train_round(
     """Train the global model on this client's partition for one round.
 
     Metrics: ``train-loss``, ``train-accuracy``,
-    ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps`` and
-    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes). The
+    ``num-examples``, ``update-sq-norm`` (‖x_i − x_t‖²), ``local-steps``,
+    the optimizer's ``opt-*`` statistics (e.g. Δ-SGD's step sizes), and for
+    the server's per-reply records (clients.jsonl) ``partition-id`` and
+    ``train-time-s`` (wall seconds from receiving the model to the reply:
+    data, training, state). The
     learning rate is decayed by run-config ``client-lr-decay`` per round
     and follows ``client-lr-schedule`` (:func:`round_lr`);
     ``client-weight-decay`` and ``client-grad-clip`` act on every local
@@ -147,6 +151,7 @@ def train_round(
     ``data_path`` (node-config ``data-path``): train on the node's own files
     instead of partition ``partition_id`` (:func:`client_data`).
     """
+    started = time.perf_counter()
     task = TASKS.get(cfg["task"])
     data = client_data(cfg, partition_id, num_partitions, data_path, node_id)
     device = pick_device(cfg["device"])
@@ -213,6 +218,8 @@ def train_round(
             metrics[wire.LOCAL_STATE_RESET] = 1
         local = end.arrays or None
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
+    metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
     return RoundResult(state, metrics, local)
 
 

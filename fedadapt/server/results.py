@@ -1,4 +1,9 @@
-"""Run results: ``results.json`` (rewritten after every round) and ``curves.png``."""
+"""Run results: ``results.json`` (rewritten after every round) and ``curves.png``.
+
+Per-client records (``clients.jsonl``, ``clients.png``) are written beside
+them by :mod:`fedadapt.server.client_records`; :func:`load_client_records`
+reads them back.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,11 @@ from typing import Any
 from flwr.common.logger import log
 
 from fedadapt._atomic import atomic_open, atomic_write_text
+from fedadapt.server import client_records
+from fedadapt.server.client_records import load_client_records
 from fedadapt.server.run_folder import RESULTS_FILE, RunFolder
+
+__all__ = ["RunRecorder", "load_client_records", "plot_curves"]
 
 CURVES_FILE = "curves.png"
 
@@ -114,6 +123,12 @@ class RunRecorder:
             self.data["initial"] = previous.get("initial")
             self.data["rounds"] = list(previous.get("rounds", []))
             self.data["resumed_from_round"] = len(self.data["rounds"])
+        rounds = self.data["rounds"]
+        last = (rounds[-1]["round"] if rounds else 0) if previous is not None else None
+        source = cfg.get("resume-from") if previous is not None else None
+        client_records.prepare(
+            run_dir, last, Path(source).expanduser().parent if source else None
+        )
         self.write()
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
@@ -147,6 +162,7 @@ class RunRecorder:
         if "sampled" in report:  # partition-ids sampled (seeded sampling)
             entry["sampled"] = report["sampled"]
         self._round_started = now
+        client_records.append_round(self.run_dir, report.get("clients") or [])
         self.data["rounds"].append(entry)
         for total in ("norm_mismatches", "clipped"):  # run totals of the rounds'
             self.data[total] = sum(
@@ -170,6 +186,7 @@ class RunRecorder:
         try:
             if self.data["rounds"]:
                 plot_curves(self.data, self.run_dir / CURVES_FILE)
+                self._plot_clients()
         finally:
             self.data["status"] = status
             self.data["wall_time_s"] = time.time() - self._started
@@ -179,6 +196,20 @@ class RunRecorder:
                 self.write()
             finally:
                 self.release()
+
+    def _plot_clients(self) -> None:
+        """Write clients.png from clients.jsonl (when any reply was recorded)."""
+        path = self.run_dir / client_records.CLIENTS_FILE
+        if not path.is_file():
+            return
+        records = load_client_records(self.run_dir)
+        if records:
+            cfg = self.data["config"]
+            client_records.plot_clients(
+                records,
+                self.run_dir / client_records.CLIENTS_PLOT,
+                f"{cfg['task']} · {cfg['strategy']} · {cfg['client-optimizer']}",
+            )
 
     def release(self) -> None:
         """Let go of the run folder (idempotent; nothing to do without one)."""
@@ -218,6 +249,7 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     def series(phase: str, key: str) -> tuple[list[int], list[float]]:
         points = [
@@ -245,6 +277,7 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
                 ax.plot(xs, ys, marker="o", markersize=3, label=name)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()

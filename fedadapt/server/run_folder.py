@@ -35,7 +35,13 @@ from fedadapt._atomic import atomic_write_text
 LOCK_FILE = ".lock"
 RESULTS_FILE = "results.json"
 #: files of a previous run removed when ``overwrite=true`` replaces it
-REPLACED_FILES = ("results.json", "curves.png", "checkpoint.pkl")
+REPLACED_FILES = (
+    "results.json",
+    "curves.png",
+    "checkpoint.pkl",
+    "clients.jsonl",
+    "clients.png",
+)
 #: statuses of a run that has ended
 FINISHED = ("completed", "failed", "stopped")
 #: seconds a claim retries a busy lock (a reader may hold it for a moment)

@@ -367,6 +367,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         metrics = self.train_metrics_aggr_fn(
             [_metrics_content(c) for c in valid], self.weighted_by_key
         )
+        for key in wire.PER_REPLY:  # who sent a reply: no average
+            metrics.pop(key, None)
         entry["train"] = dict(metrics)
         if self.average_last_two and self._sent is not None:
             self._iterate, self._iterate_record = new, None

@@ -149,7 +149,9 @@ class RuleHost:
     round_reports : dict[int, dict]
         Per round: ``train_replies`` / ``evaluate_replies`` counts and
         rejection reasons, aggregated ``train`` / ``federated_eval`` metrics
-        and the rule's ``diagnostics`` (server step size, norms).
+        and the rule's ``diagnostics`` (server step size, norms); ``clients``:
+        one record per train reply (:func:`~fedadapt.strategies.screening.
+        reply_record`, with ``round``), which the app writes to clients.jsonl.
     """
 
     #: the server half of the algorithm's client-side part (None: plain
@@ -270,6 +272,8 @@ class RuleHost:
                 trim_fraction=self.trim_fraction,
             )
         entry["train_replies"] = report.as_dict()
+        # per reply, from the same screening and statistics (clients.jsonl)
+        entry["clients"] = [{"round": server_round, **r} for r in report.replies]
         self._count_failed_round(label, report, failed=report.used == 0)
         if new is None:
             return None, []
@@ -416,7 +420,7 @@ def apply_rule(
             if not bad:  # finite inputs whose sums overflow: nothing to single out
                 bad, reason = list(ordered), "aggregate overflowed (values too large)"
         for candidate in bad:
-            report.reject_late(candidate.node, reason, round_label)
+            report.reject_late(candidate, reason, round_label)
         ordered = [c for c in ordered if all(c is not b for b in bad)]
     else:
         log(
@@ -452,6 +456,7 @@ def _count_clipped(
 ) -> None:
     """Count and log each clipped update (naming its node and both norms)."""
     for candidate, sq, scale in zip(used, sq_norms, scales, strict=True):
+        report.record_of(candidate)["clip_scale"] = scale
         if scale < 1:
             report.clipped += 1
             log(
@@ -473,7 +478,12 @@ def _check_reported_norms(
     """Log and count each reported ‖Δ_i‖² that disagrees with the server's."""
     for candidate, own in zip(used, computed, strict=True):
         claimed = candidate.metrics.get(wire.UPDATE_SQ_NORM)
-        if claimed is None or math.isclose(claimed, own, rel_tol=NORM_RTOL):
+        record = report.record_of(candidate)
+        record["server_sq_norm"] = own
+        if claimed is None:
+            continue
+        record["norm_mismatch"] = not math.isclose(claimed, own, rel_tol=NORM_RTOL)
+        if not record["norm_mismatch"]:
             continue
         report.norm_mismatches += 1
         log(

@@ -320,7 +320,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         diagnostics.update(aggregate_replies(self.local_update, valid, WEIGHT_KEY))
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
-            metrics = dict(
+            metrics = wire.without_per_reply(
                 self.fit_metrics_aggregation_fn(
                     [(c.source[1].num_examples, c.source[1].metrics) for c in valid]
                 )

@@ -93,13 +93,49 @@ class ScreenReport:
     norm_mismatches: int = 0
     clipped: int = 0
     errors: list[str] = field(default_factory=list)  # "node <id>: <error>"
+    #: one record per reply, in arrival order (:meth:`note`; not in
+    #: :meth:`as_dict`): what the app writes to clients.jsonl
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    _by_reply: dict[int, dict[str, Any]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
-    def reject_late(self, node: int | str, reason: str, round_label: str) -> None:
+    def note(
+        self, candidate: EvaluateReply | str, status: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Start the per-reply record of ``candidate`` (see :func:`reply_record`).
+
+        Aggregation completes it through :meth:`record_of` (the server's
+        ‖Δ_i‖², a mismatch, a clip, a late rejection), so every number in
+        it is the one the round statistics used.
+        """
+        record = reply_record(candidate, status, reason)
+        self.replies.append(record)
+        if not isinstance(candidate, str):
+            self._by_reply[id(candidate)] = record
+        return record
+
+    def record_of(self, candidate: EvaluateReply) -> dict[str, Any]:
+        """Return the record :meth:`note` started for ``candidate``."""
+        return self._by_reply[id(candidate)]
+
+    def reject_late(
+        self, candidate: EvaluateReply, reason: str, round_label: str
+    ) -> None:
         """Count a reply rejected during aggregation (it was counted as used)."""
         self.rejected += 1
         self.used -= 1
-        self.rejections.append(f"node {node}: {reason}")
-        log(WARNING, "%s: rejected reply from node %s: %s", round_label, node, reason)
+        self.rejections.append(f"node {candidate.node}: {reason}")
+        record = self._by_reply.get(id(candidate))
+        if record is not None:
+            record.update(status="rejected", reason=reason, server_sq_norm=None)
+        log(
+            WARNING,
+            "%s: rejected reply from node %s: %s",
+            round_label,
+            candidate.node,
+            reason,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-able data."""
@@ -117,6 +153,52 @@ class ScreenReport:
     def problems(self) -> list[str]:
         """Return the failed replies' error texts and the rejection reasons."""
         return [*self.errors, *self.rejections]
+
+
+def _scalar(value: Any) -> float | int | str | None:
+    """Return a metric as JSON holds it: numbers (non-finite: None), strings."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return None  # arrays, lists: not per-reply scalars
+
+
+def reply_record(
+    candidate: EvaluateReply | str, status: str, reason: str | None = None
+) -> dict[str, Any]:
+    """Return one reply's record: who, what happened to it, what it reported.
+
+    ``status`` is ``used``, ``rejected`` or ``failed`` (a failed reply is the
+    ``str`` of :func:`failed_reply`; its node id is parsed back from it).
+    ``metrics`` keeps the reply's scalar metrics as sent (non-finite values
+    as None); ``server_sq_norm`` (the server's ‖Δ_i‖², None when it computed
+    none), ``norm_mismatch`` and ``clip_scale`` are filled in by aggregation
+    (:func:`~fedadapt.strategies.adapter.apply_rule`).
+    """
+    if isinstance(candidate, str):
+        node: int | str | None = None
+        if candidate.startswith("node ") and ": " in candidate:
+            text = candidate[5 : candidate.index(": ")]
+            node = int(text) if text.isdigit() else (None if text == "?" else text)
+        return {"node": node, "status": status, "reason": reason or candidate}
+    reported = candidate.metrics.get(wire.UPDATE_SQ_NORM)
+    return {
+        "node": candidate.node,
+        "status": status,
+        "reason": reason,
+        "metrics": {
+            k: _scalar(v)
+            for k, v in candidate.metrics.items()
+            if not isinstance(v, bytes | list | tuple)
+        },
+        "reported_sq_norm": _scalar(reported),
+        "server_sq_norm": None,
+        "norm_mismatch": None,
+        "clip_scale": None,
+    }
 
 
 def _check_metrics(
@@ -203,6 +285,7 @@ def screen(
         if isinstance(candidate, str):  # a failed reply (see failed_reply)
             report.failed += 1
             report.errors.append(candidate)
+            report.note(candidate, "failed")
             log(WARNING, "%s: failed reply from %s", round_label, candidate)
             continue
         arrays = candidate.arrays if isinstance(candidate, TrainReply) else None
@@ -220,8 +303,10 @@ def screen(
             if weight_key not in candidate.metrics:
                 candidate.metrics = {**candidate.metrics, weight_key: 1}
                 candidate.defaulted_weight = True
+            report.note(candidate, "used")
             valid.append(candidate)
             continue
+        report.note(candidate, "rejected", reason)
         report.rejected += 1
         report.rejections.append(f"node {candidate.node}: {reason}")
         log(

@@ -9,7 +9,10 @@ reads where the concept is shared (``arrays``, ``config``, ``metrics``,
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, TypeVar
+
+V = TypeVar("V")
 
 # records of a train / evaluate message (RecordDict keys)
 ARRAYS: Final = "arrays"  #: the model (ArrayRecord), both directions
@@ -30,3 +33,17 @@ LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state rese
 # a node's answer to the server's query message (seeded sampling)
 PARTITION_ID: Final = "partition-id"
 NUM_PARTITIONS: Final = "num-partitions"
+
+# an entry of a client's train metrics for the per-reply records
+TRAIN_TIME_S: Final = "train-time-s"  #: client wall seconds for the train message
+
+#: metrics that describe one reply (who sent it, how long it took): kept in
+#: the per-reply records, left out of the round's aggregated metrics (an
+#: average partition id means nothing; timings would make the aggregate,
+#: which a resumed run reproduces exactly, differ from run to run)
+PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S)
+
+
+def without_per_reply(metrics: Mapping[str, V]) -> dict[str, V]:
+    """Return ``metrics`` without the :data:`PER_REPLY` keys."""
+    return {k: v for k, v in metrics.items() if k not in PER_REPLY}

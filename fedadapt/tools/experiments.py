@@ -7,7 +7,12 @@ cell through the Flower simulation (one private SuperLink per suite, one
 ``flwr run`` per cell), skipping cells already finished, so it is safe to
 interrupt and resume. ``fedadapt-exp report`` writes ``report.md`` (mean ±
 std over seeds, the best grid point per method), ``report.json`` and
-``report.png``, and checks the claims. ``--set key=value`` (repeatable)
+``report.png`` (loss and accuracy panels), and checks the claims. With a
+target (suite key ``target`` or ``--target accuracy=0.9``) it reports the
+rounds and wall time each method needs to reach it, and with a baseline
+(``baseline: fedavg`` or ``--baseline fedavg``) the speed-up against it:
+FedExP's and FedDuA's headline claims are rounds to an accuracy, not the
+final value. ``--set key=value`` (repeatable)
 overrides a run-config key in every cell and names the variant, e.g.
 ``fedadapt-exp run conf/delta-sgd-mnist.yaml --set dirichlet-alpha=0.01``.
 ``--methods a,b`` and ``--seeds 1,2`` run (and report) part of a suite:
@@ -28,6 +33,12 @@ Suite keys::
       - {method: feddua, beats: [fedavg, fedexp], factor: 1.0, note: "..."}
       # min metric: mine·factor ≤ theirs + margin; max: mine ≥ theirs·factor − margin
     timeout: 900                     # seconds per cell
+    target: {metric: accuracy, value: 0.9}  # optional: rounds/time to reach it
+    baseline: fedavg                 # optional: speed-up against this method
+
+Numbers in report.md share one format (4 significant digits); a spread over
+seeds is written "mean ± std" only with two or more seeds, one seed's value
+alone otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from typing import Any
 
 import yaml
 
+from fedadapt._atomic import atomic_open, atomic_write_text
 from fedadapt.config import KEYS, ConfigError, validate_run_config
 
 SUITE_KEYS = {
@@ -61,14 +73,77 @@ SUITE_KEYS = {
     "claims",
     "timeout",
     "last",
+    "target",
+    "baseline",
 }
 CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
-METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
+METRICS = {
+    "eval-loss": "min",
+    "eval-accuracy": "max",
+    "train-loss": "min",
+    "train-accuracy": "max",
+}
+#: short names a target may use (central evaluation)
+METRIC_ALIASES = {"accuracy": "eval-accuracy", "loss": "eval-loss"}
+#: panels of report.png (those with data), besides the suite's metric and the target's
+PANELS = ("eval-loss", "eval-accuracy", "train-loss")
 RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
 
 
 class SuiteError(ValueError):
     """A suite file is malformed; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A value of a metric to reach: ≥ it for accuracies, ≤ it for losses."""
+
+    metric: str
+    value: float
+
+    def reached(self, value: float) -> bool:
+        """Whether ``value`` meets the target."""
+        if METRICS[self.metric] == "max":
+            return value >= self.value
+        return value <= self.value
+
+    @property
+    def label(self) -> str:
+        """``eval-accuracy ≥ 0.9`` style text for tables and plots."""
+        sign = "≥" if METRICS[self.metric] == "max" else "≤"
+        return f"{self.metric} {sign} {_num(self.value)}"
+
+
+def parse_target(spec: Any, key: str = "target") -> Target:
+    """Return the target of ``{metric: M, value: V}`` or ``"M=V"`` (``--target``).
+
+    ``M`` is a report metric (:data:`METRICS`) or ``accuracy`` / ``loss``
+    (central evaluation). Raises SuiteError naming ``key``.
+    """
+    if isinstance(spec, str):
+        metric, sep, value = spec.partition("=")
+        _require(bool(sep), key, f"expected METRIC=VALUE, got {spec!r}")
+        spec = {"metric": metric.strip(), "value": yaml.safe_load(value)}
+    _require(
+        isinstance(spec, dict) and set(spec) == {"metric", "value"},
+        key,
+        "expected {metric: <metric>, value: <number>}",
+    )
+    metric = METRIC_ALIASES.get(spec["metric"], spec["metric"])
+    _require(
+        metric in METRICS,
+        f"{key}.metric",
+        f"one of {sorted([*METRICS, *METRIC_ALIASES])}, got {spec['metric']!r}",
+    )
+    value = spec["value"]
+    _require(
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value),
+        f"{key}.value",
+        f"expected a finite number, got {value!r}",
+    )
+    return Target(metric, float(value))
 
 
 @dataclass(frozen=True)
@@ -107,6 +182,8 @@ class Suite:
     claims: list[dict[str, Any]] = field(default_factory=list)
     timeout: float = 900.0
     last: int = 1
+    target: Target | None = None
+    baseline: str | None = None
 
     def cells(self, output_dir: Path) -> list[Cell]:
         """Every (method, grid point, seed) with its full run-config overrides."""
@@ -202,6 +279,13 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
         )
         for other in claim.get("beats", []):
             _require(other in data["methods"], "claims.beats", f"unknown {other!r}")
+    target = None if data.get("target") is None else parse_target(data["target"])
+    baseline = data.get("baseline")
+    _require(
+        baseline is None or baseline in data["methods"],
+        "baseline",
+        f"{baseline!r} is not a method of this suite",
+    )
     if settings:
         data["name"] = "__".join(
             [str(data.get("name")), *(f"{k}-{v}" for k, v in settings.items())]
@@ -221,6 +305,8 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
         claims=claims,
         timeout=float(data.get("timeout", 900)),
         last=int(data.get("last", 1)),
+        target=target,
+        baseline=baseline,
     )
     for cell in suite.cells(Path("/validate")):
         try:
@@ -275,6 +361,26 @@ def select(
         except ConfigError as error:
             raise ConfigError(error.key, f"{error} (--seeds)") from None
     return part
+
+
+def report_options(
+    suite: Suite, target: str | None = None, baseline: str | None = None
+) -> Suite:
+    """Return ``suite`` with ``--target METRIC=VALUE`` / ``--baseline M`` applied.
+
+    They override the suite's ``target`` / ``baseline``; raises SuiteError
+    naming the flag for a malformed target or an unknown method.
+    """
+    if target is not None:
+        suite = dataclasses.replace(suite, target=parse_target(target, "--target"))
+    if baseline is not None:
+        _require(
+            baseline in suite.methods,
+            "--baseline",
+            f"unknown method {baseline!r}; the suite has {sorted(suite.methods)}",
+        )
+        suite = dataclasses.replace(suite, baseline=baseline)
+    return suite
 
 
 def _csv(text: str) -> list[str]:
@@ -416,12 +522,15 @@ def run_suite(
 # --- reporting -----------------------------------------------------------------
 
 
+def _phase_key(metric: str) -> tuple[str, str]:
+    """Where results.json keeps ``metric``: (round entry key, metric key)."""
+    if metric.startswith("train-"):
+        return "train", metric
+    return "eval", metric.removeprefix("eval-")
+
+
 def _series(results: Mapping[str, Any], metric: str) -> list[tuple[int, float]]:
-    phase, key = (
-        ("train", "train-loss")
-        if metric == "train-loss"
-        else ("eval", metric.removeprefix("eval-"))
-    )
+    phase, key = _phase_key(metric)
     points = []
     for entry in results.get("rounds", []):
         values = entry.get(phase) or {}
@@ -430,10 +539,73 @@ def _series(results: Mapping[str, Any], metric: str) -> list[tuple[int, float]]:
     return points
 
 
+def time_to_target(
+    results: Mapping[str, Any], target: Target
+) -> tuple[int, float] | None:
+    """Return (first round whose metric meets ``target``, wall seconds to it).
+
+    Seconds are the sum of the rounds' ``wall_time_s`` up to that round
+    (training, screening, central evaluation). An initial model that meets
+    it already counts as round 0. None: never reached.
+    """
+    phase, key = _phase_key(target.metric)
+    initial = (results.get("initial") or {}).get(phase) or {}
+    if phase == "eval" and initial.get(key) is not None:
+        if target.reached(float(initial[key])):
+            return 0, 0.0
+    elapsed = 0.0
+    for entry in results.get("rounds", []):
+        elapsed += float(entry.get("wall_time_s") or 0.0)
+        value = (entry.get(phase) or {}).get(key)
+        if value is not None and target.reached(float(value)):
+            return int(entry["round"]), elapsed
+    return None
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
     return mean, math.sqrt(var)
+
+
+def _num(value: float) -> str:
+    """Format a number the one way the report does: 4 significant digits."""
+    return f"{value:.4g}"
+
+
+def spread(values: Sequence[float]) -> str:
+    """``mean ± std`` over two or more values; one value alone as itself."""
+    if len(values) == 1:
+        return _num(values[0])
+    mean, std = _mean_std(values)
+    return f"{_num(mean)} ± {_num(std)}"
+
+
+def _reached(values: Sequence[float | None], suffix: str = "") -> str:
+    """Spread of the seeds that reached the target; "not reached" if none did."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "not reached"
+    text = spread(got) + suffix
+    if len(got) < len(values):
+        text += f" ({len(got)}/{len(values)} seeds)"
+    return text
+
+
+def _speedups(
+    mine: Sequence[tuple[int, float] | None],
+    theirs: Sequence[tuple[int, float] | None],
+    index: int,
+) -> list[float | None]:
+    """Per seed: baseline's rounds (0) or seconds (1) over the method's.
+
+    Seeds pair up (same partition and initial model); a seed where either
+    did not reach the target, or the method reached it at round 0, has None.
+    """
+    return [
+        a[index] / b[index] if a is not None and b is not None and b[index] else None
+        for a, b in zip(theirs, mine, strict=True)
+    ]
 
 
 def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
@@ -445,34 +617,87 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
         path = out / cell.run_name / "results.json"
         if not cell_done(path, suite.rounds):
             continue
-        series = _series(json.loads(path.read_text()), suite.metric)
+        results = json.loads(path.read_text())
+        series = _series(results, suite.metric)
         if not series:
             continue
         point = methods.setdefault(cell.method, {}).setdefault(
-            cell.point_label, {"final": [], "curves": []}
+            cell.point_label,
+            {"final": [], "curves": [], "seeds": [], "to_target": [], "panels": {}},
         )
         tail = [value for _, value in series[-suite.last :]]
         point["final"].append(sum(tail) / len(tail))
         point["curves"].append(series)
+        point["seeds"].append(cell.seed)
+        for metric in _panel_metrics(suite):
+            point["panels"].setdefault(metric, []).append(_series(results, metric))
+        if suite.target is not None:
+            point["to_target"].append(time_to_target(results, suite.target))
     summary: dict[str, Any] = {
         "suite": suite.name,
         "metric": suite.metric,
+        "target": None if suite.target is None else dataclasses.asdict(suite.target),
+        "baseline": suite.baseline,
         "methods": {},
     }
     for method, points in methods.items():
         stats = {
             label: {
                 "mean": _mean_std(p["final"])[0],
-                "std": _mean_std(p["final"])[1],
+                "std": _mean_std(p["final"])[1] if len(p["final"]) > 1 else None,
                 "seeds": len(p["final"]),
+                "seed_list": p["seeds"],
                 "curves": p["curves"],
+                "panels": p["panels"],
+                "to_target": p["to_target"],
             }
             for label, p in points.items()
         }
         best = better(stats, key=lambda label: stats[label]["mean"])
         summary["methods"][method] = {"best": best, "points": stats}
+    if suite.target is not None:
+        for info in summary["methods"].values():
+            info["target"] = _target_summary(info, summary["methods"], suite.baseline)
     summary["claims"] = [check_claim(c, summary, suite.metric) for c in suite.claims]
     return summary
+
+
+def _panel_metrics(suite: Suite) -> list[str]:
+    """Metrics plotted in report.png: loss, accuracy, the suite's and the target's."""
+    extra = [suite.metric] + ([suite.target.metric] if suite.target else [])
+    return list(dict.fromkeys([*PANELS, *extra]))
+
+
+def _target_summary(
+    info: Mapping[str, Any], methods: Mapping[str, Any], baseline: str | None
+) -> dict[str, Any]:
+    """Rounds/seconds to the target of a method's best point, and its speed-up.
+
+    The speed-up pairs each seed with the baseline's best point of the same
+    seed (baseline rounds / the method's rounds; > 1: faster); None without
+    a baseline or when no seed pair reached the target.
+    """
+    best = info["points"][info["best"]]
+    to_target = best["to_target"]
+    result: dict[str, Any] = {
+        "seeds": best["seed_list"],
+        "rounds": [None if t is None else t[0] for t in to_target],
+        "seconds": [None if t is None else t[1] for t in to_target],
+        "speedup_rounds": None,
+        "speedup_seconds": None,
+    }
+    if baseline is None or baseline not in methods:
+        return result
+    other = methods[baseline]["points"][methods[baseline]["best"]]
+    theirs = dict(zip(other["seed_list"], other["to_target"], strict=True))
+    paired = [s for s in best["seed_list"] if s in theirs]
+    mine_by_seed = dict(zip(best["seed_list"], to_target, strict=True))
+    mine = [mine_by_seed[s] for s in paired]
+    base = [theirs[s] for s in paired]
+    result["baseline_reached"] = any(t is not None for t in base)
+    result["speedup_rounds"] = _speedups(mine, base, 0)
+    result["speedup_seconds"] = _speedups(mine, base, 1)
+    return result
 
 
 def check_claim(
@@ -496,7 +721,7 @@ def check_claim(
         else:
             ok = mine >= theirs * factor - margin
         result["details"].append(
-            f"{claim['method']} {mine:.4g} vs {other} {theirs:.4g}"
+            f"{claim['method']} {_num(mine)} vs {other} {_num(theirs)}"
         )
         if not ok and result["status"] == "holds":
             result["status"] = "fails"
@@ -505,41 +730,139 @@ def check_claim(
     return result
 
 
-def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
-    """Write report.md, report.json and report.png; return the summary."""
+def _table(suite: Suite, summary: Mapping[str, Any]) -> list[str]:
+    """Return the table: final metric; with a target rounds/time/speed-up."""
+    target, baseline = suite.target, suite.baseline
+    head = ["method", "best grid point", f"final {suite.metric}"]
+    if target is not None:
+        head += [f"rounds to {target.label}", "time to target (s)"]
+        if baseline is not None:
+            head += [f"speed-up vs {baseline} (rounds)", "speed-up (time)"]
+    head.append("seeds")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, info in summary["methods"].items():
+        best = info["points"][info["best"]]
+        final = _num(best["mean"])
+        if best["std"] is not None:
+            final += f" ± {_num(best['std'])}"
+        row = [method, info["best"], final]
+        if target is not None:
+            reach = info["target"]
+            row += [_reached(reach["rounds"]), _reached(reach["seconds"])]
+            if baseline is not None:
+                for key in ("speedup_rounds", "speedup_seconds"):
+                    ratios = reach[key]
+                    if method == baseline:
+                        row.append("1 (baseline)")
+                    elif baseline not in summary["methods"]:
+                        row.append("baseline not run")
+                    elif not reach["baseline_reached"]:
+                        row.append("baseline not reached")
+                    else:
+                        row.append(_reached(ratios, "×"))
+        row.append(str(best["seeds"]))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _mean_curve(
+    curves: Sequence[Sequence[tuple[int, float]]],
+) -> tuple[list[int], list[float], list[float] | None]:
+    """Return rounds in every seed's curve, the mean, (≥ 2 seeds) the std."""
+    common = sorted(set.intersection(*(set(r for r, _ in c) for c in curves)))
+    by_seed = [dict(c) for c in curves]
+    columns = [[values[r] for values in by_seed] for r in common]
+    means = [_mean_std(col)[0] for col in columns]
+    stds = [_mean_std(col)[1] for col in columns] if len(curves) > 1 else None
+    return common, means, stds
+
+
+def plot_report(suite: Suite, summary: Mapping[str, Any], path: Path) -> None:
+    """Plot each method's best point: loss and accuracy panels (+ the suite's).
+
+    Mean over seeds with a ± std band when there are two or more; the
+    target as a dashed line; rounds on an integer axis.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    panels = [
+        m
+        for m in _panel_metrics(suite)
+        if any(
+            any(info["points"][info["best"]]["panels"].get(m, []))
+            for info in summary["methods"].values()
+        )
+    ] or [suite.metric]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
+    axes = [axes] if len(panels) == 1 else list(axes)
+    for ax, metric in zip(axes, panels, strict=True):
+        for method, info in summary["methods"].items():
+            curves = [c for c in info["points"][info["best"]]["panels"][metric] if c]
+            if not curves:
+                continue
+            rounds, mean, std = _mean_curve(curves)
+            (line,) = ax.plot(rounds, mean, label=f"{method} ({info['best']})")
+            if std is not None:
+                low = [m - s for m, s in zip(mean, std, strict=True)]
+                high = [m + s for m, s in zip(mean, std, strict=True)]
+                ax.fill_between(rounds, low, high, color=line.get_color(), alpha=0.2)
+        if suite.target is not None and suite.target.metric == metric:
+            ax.axhline(suite.target.value, color="black", linestyle="--", lw=1)
+        ax.set_xlabel("round")
+        ax.set_ylabel(metric)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        values = [y for line in ax.lines for y in line.get_ydata()]
+        if METRICS.get(metric) == "min" and values and min(values) > 0:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    seeds = len(suite.seeds)
+    fig.suptitle(
+        f"{suite.name}: best grid point per method, "
+        + (f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed")
+    )
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
+    """Write report.md, report.json and report.png; return the summary."""
     out = output_root / suite.name
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(suite, output_root)
+    spread_text = (
+        f"mean ± std over seeds {suite.seeds}"
+        if len(suite.seeds) > 1
+        else f"seed {suite.seeds[0]}"
+    )
     lines = [
         f"# {suite.name}",
         "",
         suite.description,
         "",
         f"Final {suite.metric} after {suite.rounds} rounds (mean of the last "
-        f"{suite.last} evaluations), mean ± std over seeds {suite.seeds}; for "
-        "grids, the best grid point per method.",
-        "",
-        "| method | best grid point | final metric | seeds |",
-        "|---|---|---|---|",
+        f"{suite.last} evaluations), {spread_text}; for grids, the best grid "
+        "point per method.",
     ]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method, info in summary["methods"].items():
-        best = info["points"][info["best"]]
+    if suite.target is not None:
         lines.append(
-            f"| {method} | {info['best']} | {best['mean']:.4g} ± "
-            f"{best['std']:.2g} | {best['seeds']} |"
+            f"Rounds and wall time to the first evaluation with "
+            f"{suite.target.label}, over the seeds that reached it; "
+            '"not reached": no seed did.'
+            + (
+                f" Speed-up: {suite.baseline}'s rounds (time) over the method's, "
+                "per seed, then over seeds."
+                if suite.baseline
+                else ""
+            )
         )
-        rounds = [r for r, _ in best["curves"][0]]
-        mean = [
-            sum(c[i][1] for c in best["curves"]) / len(best["curves"])
-            for i in range(len(rounds))
-        ]
-        ax.plot(rounds, mean, label=f"{method} ({info['best']})")
+    lines += ["", *_table(suite, summary)]
     if summary["claims"]:
         lines += ["", "## Claims", ""]
         for claim in summary["claims"]:
@@ -553,22 +876,14 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
                 f"{', '.join(claim.get('beats', []))} "
                 f"({'; '.join(claim['details'])}){remarks}"
             )
-    ax.set_xlabel("round")
-    ax.set_ylabel(suite.metric)
-    if METRICS[suite.metric] == "min":
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(suite.name)
-    fig.tight_layout()
-    fig.savefig(out / "report.png", dpi=100)
-    plt.close(fig)
-    (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    plot_report(suite, summary, out / "report.png")
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     slim = json.loads(json.dumps(summary))
     for info in slim["methods"].values():
         for point in info["points"].values():
             point.pop("curves")
-    (out / "report.json").write_text(json.dumps(slim, indent=2), encoding="utf-8")
+            point.pop("panels")
+    atomic_write_text(out / "report.json", json.dumps(slim, indent=2))
     return summary
 
 
@@ -621,10 +936,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="0,1",
         help="these seeds instead of the suite's (run and report)",
     )
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="METRIC=VALUE",
+        help="report rounds and wall time to reach it, e.g. accuracy=0.9 "
+        "(overrides the suite's target)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="METHOD",
+        help="report the speed-up to the target against this method",
+    )
     args = parser.parse_args(argv)
     try:
         suite = load_suite(args.suite, parse_settings(args.set))
         suite = select(suite, args.methods, args.seeds)
+        suite = report_options(suite, args.target, args.baseline)
     except (SuiteError, ConfigError, yaml.YAMLError, OSError) as error:
         print(f"fedadapt-exp: {error}", file=sys.stderr)
         return 2

@@ -121,6 +121,11 @@ def test_killed_run_resumed_with_resume_ends_with_exactly_the_same_model(
     run_in_process({**common, "run-name": "straight", "num-server-rounds": 4})
     killed = json.loads((tmp_path / "killed" / "results.json").read_text())
     assert killed["status"] == "running" and len(killed["rounds"]) == 2
+    # issue #32: killed after round 3's clients.jsonl lines, mid-line of more
+    straight_lines = (tmp_path / "straight" / "clients.jsonl").read_text()
+    round_3 = [line for line in straight_lines.splitlines() if '"round": 3' in line]
+    with open(tmp_path / "killed" / "clients.jsonl", "a") as f:
+        f.write("\n".join(round_3) + "\n" + round_3[0][:25])
     run_in_process(resume_overrides(tmp_path / "killed", {}))
 
     def load(name):
@@ -139,8 +144,20 @@ def test_killed_run_resumed_with_resume_ends_with_exactly_the_same_model(
     for got, want in zip(data["rounds"], reference["rounds"], strict=True):
         assert (got["train"], got["eval"]) == (want["train"], want["eval"])
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [
-        ".lock", "checkpoint.pkl", "curves.png", "final_model.npz", "results.json",
+        ".lock", "checkpoint.pkl", "clients.jsonl", "clients.png", "curves.png",
+        "final_model.npz", "results.json",
     ]  # fmt: skip
+    # per-client records: each round once, the same replies as uninterrupted
+    from fedadapt.server.results import load_client_records
+
+    def replies(name):
+        return sorted(
+            (r["round"], r["partition"], r["status"], r["server_sq_norm"])
+            for r in load_client_records(tmp_path / name)
+        )
+
+    assert replies("killed") == replies("straight")
+    assert [r[0] for r in replies("killed")] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
     final = np.load(tmp_path / "killed" / "final_model.npz")
     for key, value in np.load(tmp_path / "straight" / "final_model.npz").items():
         np.testing.assert_array_equal(final[key], value)
@@ -180,6 +197,13 @@ def test_each_client_optimizer_improves_the_loss(
     data = json.loads((tmp_path / optimizer / "results.json").read_text())
     assert data["status"] == "completed"
     assert all(r["replies"]["used"] == 3 for r in data["rounds"])
+    from fedadapt.server.results import load_client_records
+
+    records = load_client_records(tmp_path / optimizer)  # both APIs (issue #32)
+    assert sorted((r["round"], r["partition"]) for r in records) == [
+        (t, p) for t in (1, 2) for p in range(3)
+    ]
+    assert all(r["server_sq_norm"] > 0 and r["status"] == "used" for r in records)
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
     if optimizer.startswith("delta-sgd") or optimizer == "sps":
         train = data["rounds"][-1]["train"]

@@ -140,8 +140,121 @@ def test_report_mean_std_best_point_and_claims(tmp_path):
     assert adam["mean"] == pytest.approx(0.3)
     assert summary["claims"][0]["status"] == "holds"  # 0.3 <= 0.4
     report = (out / "tiny" / "report.md").read_text()
-    assert "| sgd | client-lr=0.1 | 0.4 ± 0.14 | 2 |" in report
+    assert "| sgd | client-lr=0.1 | 0.4 ± 0.1414 | 2 |" in report
     assert (out / "tiny" / "report.png").stat().st_size > 3000
+
+
+TARGET_SUITE = """
+name: speed
+description: rounds to a target
+num-supernodes: 3
+rounds: 4
+seeds: [0, 1]
+metric: eval-accuracy
+base: {task: digits-mlp, clients-per-round: 3}
+methods:
+  fedavg: {strategy: fedavg}
+  fast: {strategy: fedexp}
+  never: {strategy: fedadam}
+target: {metric: accuracy, value: 0.8}
+baseline: fedavg
+"""
+
+#: per method and seed: eval accuracies of rounds 1..4 and one round's seconds
+ACCURACIES = {
+    ("fedavg", 0): ([0.5, 0.6, 0.7, 0.85], 1.0),  # reaches 0.8 at round 4, 4 s
+    ("fedavg", 1): ([0.5, 0.8, 0.9, 0.9], 1.0),  # round 2, 2 s
+    ("fast", 0): ([0.9, 0.9, 0.95, 0.95], 2.0),  # round 1, 2 s
+    ("fast", 1): ([0.7, 0.81, 0.9, 0.9], 2.0),  # round 2, 4 s
+    ("never", 0): ([0.1, 0.2, 0.3, 0.4], 1.0),
+    ("never", 1): ([0.1, 0.2, 0.3, 0.79], 1.0),
+}
+
+
+def _fake_accuracy_runs(suite, out):
+    for cell in suite.cells(out / suite.name):
+        accs, seconds = ACCURACIES[(cell.method, cell.seed)]
+        folder = out / suite.name / cell.run_name
+        folder.mkdir(parents=True)
+        rounds = [
+            {"round": i + 1, "wall_time_s": seconds,
+             "eval": {"accuracy": a, "loss": 1 - a}}
+            for i, a in enumerate(accs)
+        ]  # fmt: skip
+        data = {"status": "completed", "initial": {"eval": {"accuracy": 0.1}}}
+        (folder / "results.json").write_text(json.dumps({**data, "rounds": rounds}))
+
+
+def _row(report, method):
+    return next(
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in report.splitlines()
+        if line.startswith(f"| {method} |")
+    )
+
+
+def test_rounds_time_and_speedup_to_a_target(tmp_path):
+    suite = load_suite(_write(tmp_path, TARGET_SUITE))
+    out = tmp_path / "out"
+    _fake_accuracy_runs(suite, out)
+    summary = write_report(suite, out)
+    fast = summary["methods"]["fast"]["target"]
+    assert fast["rounds"] == [1, 2] and fast["seconds"] == [2.0, 4.0]
+    # per seed: fedavg's rounds over fast's: 4/1, 2/2; seconds 4/2, 2/4
+    assert fast["speedup_rounds"] == [4.0, 1.0]
+    assert fast["speedup_seconds"] == [2.0, 0.5]
+    assert summary["methods"]["never"]["target"]["rounds"] == [None, None]
+    report = (out / "speed" / "report.md").read_text()
+    assert "rounds to eval-accuracy ≥ 0.8" in report
+    # rounds 1.5 ± 0.7071, seconds 3 ± 1.414, speed-ups 2.5 ± 2.121, 1.25 ± 1.061
+    assert _row(report, "fast") == [
+        "fast", "default", "0.925 ± 0.03536", "1.5 ± 0.7071", "3 ± 1.414",
+        "2.5 ± 2.121×", "1.25 ± 1.061×", "2",
+    ]  # fmt: skip
+    assert _row(report, "fedavg")[3:7] == [
+        "3 ± 1.414", "3 ± 1.414", "1 (baseline)", "1 (baseline)",
+    ]  # fmt: skip
+    never = _row(report, "never")
+    assert never[3:7] == ["not reached"] * 4
+    assert json.loads((out / "speed" / "report.json").read_text())["baseline"] == (
+        "fedavg"
+    )
+    from matplotlib.image import imread
+
+    height, width, _ = imread(out / "speed" / "report.png").shape
+    assert width == 1100  # two panels of 5.5 in at 100 dpi: loss and accuracy
+
+
+def test_one_seed_has_no_spread_and_a_partial_reach_says_how_many(tmp_path):
+    suite = load_suite(_write(tmp_path, TARGET_SUITE))
+    out = tmp_path / "out"
+    _fake_accuracy_runs(suite, out)
+    one = select(suite, seeds=[0])
+    write_report(one, out)
+    report = (out / "speed" / "report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert not any("±" in line for line in table), table
+    assert _row(report, "fast")[3:7] == ["1", "2", "4×", "2×"]
+    # target 0.79: "never" reaches it with seed 1 only
+    main(["report", str(_write(tmp_path, TARGET_SUITE)), "--output", str(out),
+          "--target", "accuracy=0.79"])  # fmt: skip
+    report = (out / "speed" / "report.md").read_text()
+    assert _row(report, "never")[3] == "4 (1/2 seeds)"
+    assert _row(report, "never")[5] == "0.5× (1/2 seeds)"  # seed 1: 2 / 4 rounds
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--target", "accuracy"], "--target.*METRIC=VALUE"),
+        (["--target", "f1=0.5"], "--target.metric"),
+        (["--target", "accuracy=high"], "--target.value"),
+        (["--baseline", "nope"], "--baseline.*unknown method 'nope'"),
+    ],
+)
+def test_bad_target_or_baseline_fails_naming_the_flag(tmp_path, capsys, flags, pattern):
+    assert main(["validate", str(_write(tmp_path, TARGET_SUITE)), *flags]) == 2
+    assert re.search(pattern, capsys.readouterr().err)
 
 
 def test_claim_that_fails_is_reported(tmp_path):

@@ -1,0 +1,230 @@
+"""Per-client records: ``clients.jsonl`` beside results.json, its loader and plot.
+
+results.json keeps per round what the replies add up to; a researcher who
+asks which client diverged, lied about its norm or was clipped needs each
+reply. One JSON line per train reply per round, written when the round is
+recorded, from the records the strategy's screening and round statistics
+filled (:func:`fedadapt.strategies.screening.reply_record`): the server's
+‖Δ_i‖² is the value the step used, never recomputed here.
+
+Each line (:func:`flatten`)::
+
+    round, node, partition, status (used | rejected | failed), reason,
+    num_examples, train_loss, train_accuracy, train_time_s (client wall
+    seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
+    clip_scale, clipped, optimizer ({"eta-mean": ...}: the client
+    optimizer's opt-* statistics, e.g. Δ-SGD's step sizes), metrics (every
+    other scalar metric the reply carried)
+
+Crash safety: a round's lines are appended in one write, flushed and
+fsync'ed; a crash mid-write can leave at most a torn last line, which
+:func:`load_client_records` skips with a warning and the next run in the
+folder cuts off (:func:`prepare`). A run resumed from a checkpoint of round
+k keeps the lines of rounds ≤ k only, so re-run rounds are not duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedadapt._atomic import atomic_open, atomic_write_text
+from fedadapt.strategies import wire
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+CLIENTS_FILE = "clients.jsonl"
+CLIENTS_PLOT = "clients.png"
+
+#: reply metrics given a field of their own (the rest stay under ``metrics``)
+_NAMED = {
+    wire.NUM_EXAMPLES: "num_examples",
+    "train-loss": "train_loss",
+    "train-accuracy": "train_accuracy",
+    wire.TRAIN_TIME_S: "train_time_s",
+    "local-steps": "local_steps",
+}
+_OPTIMIZER_PREFIX = "opt-"
+
+
+def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a screened reply record as one clients.jsonl line (a dict)."""
+    metrics = dict(record.get("metrics") or {})
+    line: dict[str, Any] = {
+        "round": record["round"],
+        "node": record.get("node"),
+        "partition": metrics.pop(wire.PARTITION_ID, None),
+        "status": record["status"],
+        "reason": record.get("reason"),
+    }
+    for key, name in _NAMED.items():
+        line[name] = metrics.pop(key, None)
+    scale = record.get("clip_scale")
+    line.update(
+        server_sq_norm=record.get("server_sq_norm"),
+        reported_sq_norm=metrics.pop(wire.UPDATE_SQ_NORM, None),
+        norm_mismatch=record.get("norm_mismatch"),
+        clip_scale=scale,
+        clipped=scale is not None and scale < 1,
+        optimizer={
+            k[len(_OPTIMIZER_PREFIX) :]: metrics.pop(k)
+            for k in sorted(metrics)
+            if k.startswith(_OPTIMIZER_PREFIX)
+        },
+        metrics=metrics,
+    )
+    return line
+
+
+def append_round(run_dir: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """Append one round's records to clients.jsonl: one write, then fsync.
+
+    A reader (or a crash) sees whole lines of earlier rounds and at most a
+    torn last line of this one (see :func:`load_client_records`).
+    """
+    text = "".join(
+        json.dumps(flatten(r), default=str, allow_nan=False) + "\n" for r in records
+    )
+    if not text:
+        return
+    with open(run_dir / CLIENTS_FILE, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """Return the whole lines' records and whether a torn last line was cut."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return [], False
+    lines = text.split("\n")
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: a write cut short
+                return records, True
+            raise ValueError(
+                f"{path}: line {number} is not a JSON record (the file was "
+                "edited or is not a fedadapt clients.jsonl)"
+            ) from None
+    return records, False
+
+
+def prepare(
+    run_dir: Path, resumed_from_round: int | None, source: Path | None = None
+) -> None:
+    """Make clients.jsonl continue a run: none for a new run, rounds ≤ k on resume.
+
+    A new run (no ``resumed_from_round``) starts without the file. A run
+    resumed from round k keeps the lines of rounds ≤ k (the rounds after k
+    are run again) and drops a torn last line; rewritten atomically. They
+    come from ``source``, the checkpoint's folder, when the run resumes into
+    another folder.
+    """
+    path = run_dir / CLIENTS_FILE
+    if resumed_from_round is None:
+        path.unlink(missing_ok=True)
+        return
+    origin = path
+    if source is not None and source.resolve() != run_dir.resolve():
+        origin = source / CLIENTS_FILE
+    records, torn = _read(origin)
+    kept = [r for r in records if r.get("round", 0) <= resumed_from_round]
+    if origin != path or torn or len(kept) != len(records):
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def load_client_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Return the per-client records of a run folder (clients.jsonl), in order.
+
+    A torn last line (the run was killed while writing) is skipped with a
+    ``RuntimeWarning`` naming the file; any other malformed line raises
+    ``ValueError`` naming it. A folder without the file (a run from before
+    per-client records) raises ``FileNotFoundError``.
+    """
+    path = Path(run_dir) / CLIENTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no per-client records in this run folder")
+    records, torn = _read(path)
+    if torn:
+        warnings.warn(
+            f"{path}: skipped a torn last line (the run stopped while writing it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return records
+
+
+def to_dataframe(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Return the records as a pandas DataFrame, ``optimizer``/``metrics`` flattened.
+
+    Nested fields become columns such as ``optimizer.eta-mean``. pandas is
+    optional: without it this raises ``ImportError`` saying how to install it.
+    """
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError(
+            "to_dataframe needs pandas: pip install pandas "
+            "(or use the list of dicts load_client_records returns)"
+        ) from None
+    return pd.json_normalize(list(records))
+
+
+def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    """Plot each client's server-side ‖Δ_i‖² and train loss over rounds.
+
+    One line per partition (node id where the reply named none); rounds
+    with a rejected or failed reply are shaded red. ‖Δ_i‖² on a log axis
+    (one diverging client spans decades), rounds on an integer axis.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    clients: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        who = r.get("partition")
+        name = f"partition {who}" if who is not None else f"node {r.get('node')}"
+        clients.setdefault(name, []).append(r)
+    rejected = sorted({r["round"] for r in records if r.get("status") != "used"})
+    fig, (ax_norm, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in (
+        (ax_norm, "server_sq_norm", "‖Δ_i‖² (server)"),
+        (ax_loss, "train_loss", "train loss (client)"),
+    ):
+        for name, rows in sorted(clients.items()):
+            points = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", markersize=3, label=name, alpha=0.8)
+        for round_ in rejected:
+            ax.axvline(round_, color="red", alpha=0.2, linewidth=4)
+        ax.set_xlabel("round")
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if ax_norm.lines:
+        ax_norm.set_yscale("log")
+    if len(clients) <= 12 and ax_loss.get_legend_handles_labels()[0]:
+        ax_loss.legend(fontsize="small")
+    if rejected:
+        title += " · red bands: rounds with rejected or failed replies"
+    fig.suptitle(title)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,210 @@
+"""Per-client records (clients.jsonl): one line per reply, the server's own norms.
+
+The e2e test runs a short in-process simulation with a lying client (reports
+10x its ‖Δ_i‖²) and a hostile one (NaN arrays in round 2). Each client
+writes the oracle, ‖x_i − x_t‖² computed in float64 from the arrays it
+received and the ones it sends, to a side file; clients.jsonl must hold
+exactly one line per reply with the server's norm equal to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedadapt.server import client_records
+from fedadapt.server.client_records import (
+    CLIENTS_FILE,
+    append_round,
+    load_client_records,
+    prepare,
+    to_dataframe,
+)
+from fedadapt.server.results import load_client_records as exported_loader
+
+LIAR, HOSTILE, HOSTILE_ROUND = 2, 1, 2
+
+
+def _record(round_: int, node: int, loss: float = 1.0) -> dict:
+    """A screened reply record as RuleHost hands it to the recorder."""
+    return {
+        "round": round_,
+        "node": node,
+        "status": "used",
+        "reason": None,
+        "metrics": {
+            "num-examples": 10,
+            "train-loss": loss,
+            "partition-id": node % 3,
+            "opt-eta-mean": 0.5,
+            "update-sq-norm": 2.0,
+            "local-steps": 3,
+        },
+        "reported_sq_norm": 2.0,
+        "server_sq_norm": 2.0,
+        "norm_mismatch": False,
+        "clip_scale": 1.0,
+    }
+
+
+def test_flatten_names_the_fields_and_keeps_other_metrics():
+    line = client_records.flatten(_record(4, 7, loss=0.25))
+    assert line["round"] == 4 and line["node"] == 7 and line["partition"] == 1
+    assert line["num_examples"] == 10 and line["train_loss"] == 0.25
+    assert line["train_accuracy"] is None  # not sent
+    assert line["optimizer"] == {"eta-mean": 0.5}
+    assert line["reported_sq_norm"] == 2.0 and line["clipped"] is False
+    assert line["local_steps"] == 3 and line["metrics"] == {}
+
+
+def test_torn_last_line_is_skipped_with_a_warning_and_cut_on_resume(tmp_path):
+    append_round(tmp_path, [_record(1, 1), _record(1, 2)])
+    append_round(tmp_path, [_record(2, 1)])
+    path = tmp_path / CLIENTS_FILE
+    whole = path.read_text()
+    path.write_text(whole + whole.splitlines()[0][:30])  # killed mid-write
+    with pytest.warns(RuntimeWarning, match="torn last line"):
+        records = load_client_records(tmp_path)
+    assert [(r["round"], r["node"]) for r in records] == [(1, 1), (1, 2), (2, 1)]
+    # resumed from round 1: round 2 is run again, the torn line goes
+    prepare(tmp_path, resumed_from_round=1)
+    append_round(tmp_path, [_record(2, 2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = exported_loader(tmp_path)
+    assert [(r["round"], r["node"]) for r in records] == [(1, 1), (1, 2), (2, 2)]
+
+
+def test_a_run_resumed_into_another_folder_takes_the_checkpoints_rounds(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    append_round(old, [_record(1, 1), _record(2, 1), _record(3, 1)])
+    prepare(new, resumed_from_round=2, source=old)
+    assert [r["round"] for r in load_client_records(new)] == [1, 2]
+    assert len(load_client_records(old)) == 3  # the old run's file is left alone
+
+
+def test_a_broken_middle_line_is_an_error_naming_it(tmp_path):
+    (tmp_path / CLIENTS_FILE).write_text('{"round": 1}\nnot json\n{"round": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        load_client_records(tmp_path)
+
+
+def test_a_new_run_starts_without_the_old_records(tmp_path):
+    append_round(tmp_path, [_record(1, 1)])
+    prepare(tmp_path, resumed_from_round=None)
+    with pytest.raises(FileNotFoundError, match="no per-client records"):
+        load_client_records(tmp_path)
+
+
+def test_to_dataframe_flattens_or_says_how_to_get_pandas(tmp_path, monkeypatch):
+    append_round(tmp_path, [_record(1, 1), _record(1, 2)])
+    records = load_client_records(tmp_path)
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install pandas"):
+            to_dataframe(records)
+        return
+    frame = to_dataframe(records)
+    assert list(frame["node"]) == [1, 2]
+    assert list(frame["optimizer.eta-mean"]) == [0.5, 0.5]
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)
+    with pytest.raises(ImportError, match="pip install pandas"):
+        to_dataframe(records)
+
+
+def _oracle_train(side: Path):
+    """A client train function that lies, turns hostile, and logs the oracle."""
+    from flwr.app import Array, ArrayRecord, MetricRecord
+
+    from fedadapt.client import client_app
+    from fedadapt.strategies import wire
+
+    def train(msg, context):
+        reply = client_app.train(msg, context)
+        pid = int(context.node_config["partition-id"])
+        server_round = int(msg.content["config"][wire.SERVER_ROUND])
+        sent = msg.content["arrays"].to_numpy_ndarrays()
+        arrays = reply.content["arrays"]
+        names = list(arrays.keys())
+        got = arrays.to_numpy_ndarrays()
+        oracle = math.fsum(
+            float(np.sum((g.astype(np.float64) - s.astype(np.float64)) ** 2))
+            for g, s in zip(got, sent, strict=True)
+            if g.dtype.kind == "f"
+        )
+        metrics = dict(reply.content["metrics"])
+        if pid == LIAR:
+            metrics[wire.UPDATE_SQ_NORM] = 10 * metrics[wire.UPDATE_SQ_NORM]
+        if pid == HOSTILE and server_round == HOSTILE_ROUND:
+            got = [np.full_like(g, np.nan) if g.dtype.kind == "f" else g for g in got]
+            oracle = None
+        reply.content["arrays"] = ArrayRecord(
+            {n: Array(g) for n, g in zip(names, got, strict=True)}
+        )
+        reply.content["metrics"] = MetricRecord(metrics)
+        line = {"round": server_round, "partition": pid, "sq": oracle}
+        with open(side / f"oracle-{pid}-{server_round}.json", "w") as f:
+            json.dump(line, f)
+        return reply
+
+    return train
+
+
+@pytest.mark.e2e
+def test_every_reply_is_one_line_with_the_servers_norm(tmp_path):
+    from tests.helpers import run_in_process
+
+    side = tmp_path / "oracle"
+    side.mkdir()
+    run_in_process(
+        {
+            "output-dir": str(tmp_path), "run-name": "clients",
+            "num-server-rounds": 3, "clients-per-round": 3, "clients-per-eval": 0,
+            "local-steps": 3, "client-optimizer": "delta-sgd",
+        },
+        client_train=_oracle_train(side),
+    )  # fmt: skip
+    run = tmp_path / "clients"
+    results = json.loads((run / "results.json").read_text())
+    records = load_client_records(run)
+    oracle = {
+        (o["round"], o["partition"]): o["sq"]
+        for o in (json.loads(p.read_text()) for p in side.iterdir())
+    }
+    assert sorted((r["round"], r["partition"]) for r in records) == sorted(oracle)
+    for entry in results["rounds"]:  # one line per reply counted in results.json
+        lines = [r for r in records if r["round"] == entry["round"]]
+        replies = entry["replies"]
+        assert len(lines) == replies["received"] == 3
+        assert sum(r["status"] == "rejected" for r in lines) == replies["rejected"]
+        assert (
+            sum(bool(r["norm_mismatch"]) for r in lines) == (replies["norm_mismatches"])
+        )
+    for r in records:
+        key = (r["round"], r["partition"])
+        if key == (HOSTILE_ROUND, HOSTILE):
+            assert r["status"] == "rejected"
+            assert r["reason"] == "arrays contain NaN or Inf"
+            assert r["server_sq_norm"] is None
+            continue
+        assert r["status"] == "used" and r["reason"] is None
+        assert r["server_sq_norm"] == pytest.approx(oracle[key], rel=1e-6)
+        assert r["norm_mismatch"] is (r["partition"] == LIAR)
+        assert r["reported_sq_norm"] == pytest.approx(
+            oracle[key] * (10 if r["partition"] == LIAR else 1), rel=1e-3
+        )
+        assert r["num_examples"] > 0 and r["train_loss"] > 0
+        assert 0 <= r["train_accuracy"] <= 1 and r["train_time_s"] > 0
+        assert r["optimizer"]["steps"] == 3  # Δ-SGD's step-size statistics
+        assert r["optimizer"]["eta-min"] <= r["optimizer"]["eta-max"]
+        assert r["clipped"] is False
+    assert "partition-id" not in results["rounds"][0]["train"]  # never averaged
+    assert (run / "clients.png").stat().st_size > 5000
