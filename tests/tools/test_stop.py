@@ -182,7 +182,15 @@ timeout: 600
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        signal.SIGTERM,
+        # Ctrl-C takes the same way out (run_suite's handler); in the deploy
+        # set to keep the default suite's time
+        pytest.param(signal.SIGINT, marks=pytest.mark.deploy),
+    ],
+)
 def test_stopping_a_suite_stops_its_processes_and_starts_no_further_cell(
     tmp_path, cleanup, signum
 ):
