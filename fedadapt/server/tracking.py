@@ -205,24 +205,25 @@ class MlflowTracker:
     MAX_PARAMS, MAX_METRICS = 100, 1000
 
     def __init__(self, directory: Path, group: str, run_name: str) -> None:
+        import fcntl
+
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=mlflow_uri(directory))
         experiment = group or DEFAULT_GROUP
-        found = self.client.get_experiment_by_name(experiment)
-        if found is not None:
-            experiment_id = found.experiment_id
-        else:
-            try:
-                experiment_id = self.client.create_experiment(experiment)
-            except Exception:  # another cell created it meanwhile
-                found = self.client.get_experiment_by_name(experiment)
-                if found is None:
-                    raise
-                experiment_id = found.experiment_id
-        self.run_id = self.client.create_run(
-            experiment_id, run_name=run_name
-        ).info.run_id
+        # parallel fedadapt-exp cells share the store: MLflow's creation of a
+        # new database (and of the suite's experiment) is not safe to race
+        with open(directory / "mlflow.db.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self.client = MlflowClient(tracking_uri=mlflow_uri(directory))
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment)
+            )
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=run_name
+            ).info.run_id
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the config as the run's params (strings, as MLflow stores them)."""

@@ -12,6 +12,9 @@ overrides a run-config key in every cell and names the variant, e.g.
 ``fedadapt-exp run conf/delta-sgd-mnist.yaml --set dirichlet-alpha=0.01``.
 ``--methods a,b`` and ``--seeds 1,2`` run (and report) part of a suite:
 its cells keep their names, so a later run of the whole suite skips them.
+``--set tracker=tensorboard`` (or wandb, mlflow) tracks each cell as one run
+named after the cell, grouped by suite, in ``<suite output>/tracker``
+(docs/trackers.md).
 
 Suite keys::
 
@@ -63,7 +66,14 @@ SUITE_KEYS = {
 }
 CLAIM_KEYS = {"method", "beats", "factor", "margin", "note", "known-deviation"}
 METRICS = {"eval-loss": "min", "eval-accuracy": "max", "train-loss": "min"}
-RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
+RUN_OWNED = (
+    "seed",
+    "num-server-rounds",
+    "output-dir",
+    "run-name",
+    "overwrite",
+    "tracker-group",
+)
 
 
 class SuiteError(ValueError):
@@ -117,15 +127,20 @@ class Suite:
                 point = tuple(zip(axes, values, strict=True))
                 for seed in self.seeds:
                     cell = Cell(method, point, seed, {})
-                    overrides = {
-                        **self.base,
-                        **fixed,
-                        **dict(point),
-                        "seed": seed,
-                        "num-server-rounds": self.rounds,
-                        "output-dir": str(output_dir),
-                        "run-name": cell.run_name,
-                    }
+                    overrides = {**self.base, **fixed, **dict(point)}
+                    overrides.update(
+                        {
+                            "seed": seed,
+                            "num-server-rounds": self.rounds,
+                            "output-dir": str(output_dir),
+                            "run-name": cell.run_name,
+                            # with `tracker` set (--set tracker=tensorboard):
+                            # one tracked run per cell, grouped by suite
+                            "tracker-dir": overrides.get("tracker-dir")
+                            or str(output_dir / "tracker"),
+                            "tracker-group": self.name,
+                        }
+                    )
                     cells.append(Cell(method, point, seed, overrides))
         return cells
 
