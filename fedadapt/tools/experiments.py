@@ -50,6 +50,7 @@ from typing import Any
 import yaml
 
 from fedadapt.config import KEYS, ConfigError, validate_run_config
+from fedadapt.server.tracking import check_tracker
 
 SUITE_KEYS = {
     "name",
@@ -239,6 +240,7 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
     for cell in suite.cells(Path("/validate")):
         try:
             validate_run_config(cell.overrides)
+            check_tracker(cell.overrides)  # a missing extra: fail before any cell
         except ConfigError as error:
             raise ConfigError(error.key, f"{error} (method {cell.method!r})") from None
         _require(
@@ -286,6 +288,7 @@ def select(
     for cell in part.cells(Path("/validate")):  # e.g. a negative seed
         try:
             validate_run_config(cell.overrides)
+            check_tracker(cell.overrides)  # a missing extra: fail before any cell
         except ConfigError as error:
             raise ConfigError(error.key, f"{error} (--seeds)") from None
     return part

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fedadapt.config import ConfigError
 from fedadapt.tools.experiments import SuiteError, load_suite
 from tests.tools.test_experiments import SUITE, _write
 
@@ -27,3 +28,18 @@ def test_a_suites_own_tracker_dir_is_kept_and_the_group_is_the_runners(tmp_path)
     assert {c.overrides["tracker-dir"] for c in suite.cells(tmp_path)} == {"/srv/tb"}
     with pytest.raises(SuiteError, match="tracker-group"):
         load_suite(_write(tmp_path, SUITE), {"tracker-group": "mine"})
+
+
+def test_a_missing_tracker_package_fails_the_suite_before_any_cell(
+    tmp_path, monkeypatch
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "mlflow" else real(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'fedadapt\[mlflow\]'"):
+        load_suite(_write(tmp_path), {"tracker": "mlflow"})
