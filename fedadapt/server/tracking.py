@@ -193,9 +193,17 @@ class WandbTracker:
         self.run.log(dict(metrics), step=step)
 
     def close(self, status: str) -> None:
-        """Finish the run: exit code 0 when it completed, 1 otherwise."""
+        """Finish the run: exit code 0 when it completed, 1 otherwise.
+
+        Then W&B's service process is ended: ``finish`` returns before that
+        process has written the whole offline run under load; ``teardown``
+        waits for it (and a run's processes end with the run).
+        """
+        import wandb
+
         self.run.summary["status"] = status
         self.run.finish(exit_code=0 if status == "completed" else 1)
+        wandb.teardown()
 
 
 class MlflowTracker:
@@ -224,6 +232,7 @@ class MlflowTracker:
             self.run_id = self.client.create_run(
                 experiment_id, run_name=run_name
             ).info.run_id
+        self.pending: list[Any] = []  # MLflow's RunOperations not yet waited for
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the config as the run's params (strings, as MLflow stores them)."""
@@ -236,18 +245,29 @@ class MlflowTracker:
             )
 
     def log_round(self, step: int, metrics: Mapping[str, float]) -> None:
-        """One batch per round, stepped by the round."""
+        """One batch per round, stepped by the round, written in the background.
+
+        MLflow's asynchronous logging: a SQLite commit takes 10-20 ms, which
+        would be several % of a fast simulated round (docs/benchmarks.md);
+        :meth:`close` waits for every batch.
+        """
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(key, value, now, step) for key, value in metrics.items()]
         for start in range(0, len(batch), self.MAX_METRICS):
-            self.client.log_batch(
-                self.run_id, metrics=batch[start : start + self.MAX_METRICS]
+            chunk = batch[start : start + self.MAX_METRICS]
+            operation = self.client.log_batch(
+                self.run_id, metrics=chunk, synchronous=False
             )
+            if operation is not None:
+                self.pending.append(operation)
 
     def close(self, status: str) -> None:
-        """Terminate the run: FINISHED when it completed, else FAILED/KILLED."""
+        """Wait for the batches, then end the run: FINISHED, KILLED or FAILED."""
+        for operation in self.pending:
+            operation.wait()  # raises a batch's error (recorded as tracker_error)
+        self.pending.clear()
         states = {"completed": "FINISHED", "stopped": "KILLED"}
         self.client.set_terminated(self.run_id, states.get(status, "FAILED"))
 
