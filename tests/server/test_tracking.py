@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedadapt.config import ConfigError
+from fedadapt.server.results import RunRecorder
 from fedadapt.server.run import open_recorder
 from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.tracking import check_tracker, round_metrics
@@ -83,6 +84,35 @@ def test_missing_package_fails_at_start_naming_the_extra(monkeypatch):
         check_tracker({"tracker": "wandb"})
     assert "pip install 'fedadapt[wandb]'" in str(error.value)
     check_tracker({"tracker": "none"})  # nothing needed
+
+
+def test_a_failing_tracker_stops_tracking_not_the_run(tmp_path, cfg):
+    """A tracker's error mid-run (full disk, locked store) is recorded once."""
+
+    class Failing:
+        calls: list[str] = []
+
+        def log_config(self, config):
+            self.calls.append("config")
+
+        def log_round(self, step, metrics):
+            self.calls.append(f"round {step}")
+            raise OSError(28, "No space left on device")
+
+        def close(self, status):
+            self.calls.append("close")
+
+    config = cfg(output_dir=str(tmp_path), run_name="r")
+    tracker = Failing()
+    (tmp_path / "r").mkdir()
+    recorder = RunRecorder(tmp_path / "r", config, 1, tracker=tracker)
+    for server_round, (scores, report) in enumerate(ROUNDS, start=1):
+        recorder.record_round(server_round, 2, scores, report)
+    recorder.finish("completed")
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert data["status"] == "completed" and len(data["rounds"]) == 2
+    assert data["tracker_error"] == "OSError: [Errno 28] No space left on device"
+    assert tracker.calls == ["config", "round 1"]  # not called after its error
 
 
 def _record_run(tmp_path: Path, config: dict) -> dict:
