@@ -241,7 +241,7 @@ _RUN_KEYS: tuple[Key, ...] = (
         "start. A live run's folder is never taken (docs/failures.md)."),
     Key("tracker", "none", "Experiment tracker that also receives every round's "
         "record (metrics, reply counts, strategy diagnostics, wall time) and the run "
-        "config: none, tensorboard, wandb (offline), mlflow (local file store). Each "
+        "config: none, tensorboard, wandb (offline), mlflow (local SQLite store). Each "
         "needs its extra: pip install 'fedadapt[tensorboard]' (docs/trackers.md).",
         choices=("none", "tensorboard", "wandb", "mlflow")),
     Key("tracker-dir", "", "Where the tracker writes; empty = <run folder>/tracker. "
