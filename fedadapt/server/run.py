@@ -176,6 +176,8 @@ def open_recorder(
             folder.path, cfg, run_id, previous=previous, folder=folder, tracker=tracker
         )
     except OSError as error:
+        if tracker is not None:  # no run to track: end the tracker's run too
+            tracker.close("failed")
         raise _output_dir_error(cfg, error) from None
     if failure is not None:
         recorder.tracking_failed(failure)
