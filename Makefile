@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[app,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[app,dev,tensorboard,wandb,mlflow]"
 	touch $(STAMP)
 
 # FedAvg+SGD vs FedAdam vs FedDuA+Δ-SGD on non-IID digits (conf/demo.yaml):

@@ -243,6 +243,15 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("overwrite", False, "Replace a finished run (completed/failed/stopped) in "
         "the run folder; false = a run-name whose folder holds a run fails at "
         "start. A live run's folder is never taken (docs/failures.md)."),
+    Key("tracker", "none", "Experiment tracker that also receives every round's "
+        "record (metrics, reply counts, strategy diagnostics, wall time) and the run "
+        "config: none, tensorboard, wandb (offline), mlflow (local SQLite store). Each "
+        "needs its extra: pip install 'fedadapt[tensorboard]' (docs/trackers.md).",
+        choices=("none", "tensorboard", "wandb", "mlflow")),
+    Key("tracker-dir", "", "Where the tracker writes; empty = <run folder>/tracker. "
+        "Use an absolute path (as output-dir) to collect several runs in one place."),
+    Key("tracker-group", "", "Group of tracked runs (fedadapt-exp: the suite): "
+        "TensorBoard subfolder, W&B group, MLflow experiment (empty = fedadapt)."),
     Key("node-wait-timeout", 120.0, "Deployment: seconds the ServerApp waits at "
         "start for clients-per-round nodes (at least one) to connect; a simulation "
         "knows its size and does not wait.", minimum=0.0),

@@ -22,6 +22,7 @@ from fedadapt._atomic import atomic_open, atomic_write_text
 from fedadapt.server import client_records
 from fedadapt.server.client_records import load_client_records
 from fedadapt.server.run_folder import RESULTS_FILE, RunFolder
+from fedadapt.server.tracking import Tracker, round_metrics
 
 __all__ = ["RunRecorder", "load_client_records", "plot_curves"]
 
@@ -97,14 +98,18 @@ class RunRecorder:
         run_id: int,
         previous: Mapping[str, Any] | None = None,
         folder: RunFolder | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         """Start a record; ``previous`` continues a checkpointed run's results.
 
         ``folder`` is the claimed run folder (:func:`claim_run_folder`): its
         owner is recorded and its lock released by :meth:`finish`.
+        ``tracker`` (:mod:`fedadapt.server.tracking`) receives the config now
+        and each round's record as results.json gets it.
         """
         self.run_dir = run_dir
         self.folder = folder
+        self.tracker = tracker
         self._started = time.time()
         self._round_started = self._started
         self.data: dict[str, Any] = {
@@ -130,12 +135,15 @@ class RunRecorder:
             run_dir, last, Path(source).expanduser().parent if source else None
         )
         self.write()
+        self._track("log_config", dict(cfg))
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
         """Record the central evaluation of the initial model (round 0)."""
         self.data["initial"] = {"eval": dict(evaluation) if evaluation else None}
         self._round_started = time.time()
         self.write()
+        if evaluation:
+            self._track("log_round", 0, round_metrics({"eval": evaluation}))
 
     def record_round(
         self,
@@ -174,8 +182,31 @@ class RunRecorder:
                 for r in self.data["rounds"]
             )
         self.write()
+        self._track("log_round", server_round, round_metrics(entry))
         log(logging.INFO, "%s", format_round(entry, num_rounds))
         return entry
+
+    def _track(self, method: str, *args: Any) -> None:
+        """Call the tracker; its first error stops tracking, never the run."""
+        if self.tracker is None:
+            return
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as error:  # a tracker's trouble must not end training
+            self.tracker = None
+            self.tracking_failed(error)
+
+    def tracking_failed(self, error: Exception) -> None:
+        """Log and record (``tracker_error``) why the tracker stopped."""
+        self.data["tracker_error"] = f"{type(error).__name__}: {error}"
+        log(
+            logging.WARNING,
+            "fedadapt: tracker=%s stopped (%s); the run goes on, results.json "
+            "keeps every round",
+            self.data["config"].get("tracker"),
+            self.data["tracker_error"],
+        )
+        self.write()
 
     def finish(self, status: str, error: str | None = None) -> None:
         """Mark the run finished, write the curves and the final JSON.
@@ -195,6 +226,7 @@ class RunRecorder:
             try:
                 self.write()
             finally:
+                self._track("close", status)
                 self.release()
 
     def _plot_clients(self) -> None:

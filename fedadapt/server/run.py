@@ -18,6 +18,7 @@ from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder, claim_run_folder
 from fedadapt.server.run_folder import RunFolder, RunFolderError
+from fedadapt.server.tracking import check_tracker, open_tracker
 from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
@@ -66,9 +67,13 @@ def log_user_errors_in_one_line() -> None:
 
 
 def check_names(cfg: Mapping[str, Any]) -> None:
-    """Resolve every registry-backed key now, so a bad name fails at start."""
+    """Resolve every registry-backed key now, so a bad name fails at start.
+
+    So is a ``tracker`` whose package is missing (one line naming the extra).
+    """
     for key in ("task", "strategy", "client-optimizer", "partition"):
         lookup(key).get(cfg[key])
+    check_tracker(cfg)
 
 
 def initial_state(task: Task, cfg: Mapping[str, Any]) -> State:
@@ -156,14 +161,28 @@ def open_recorder(
     run_id: int,
     previous: Mapping[str, Any] | None = None,
 ) -> RunRecorder:
-    """Start results.json in the claimed run ``folder``.
+    """Start results.json in the claimed run ``folder``, and its tracker.
 
     A folder that cannot be written raises ConfigError naming ``output-dir``.
+    A tracker that cannot start (its package is checked by
+    :func:`check_names`) is logged and recorded; the run goes on untracked.
     """
+    tracker, failure = None, None
     try:
-        return RunRecorder(folder.path, cfg, run_id, previous=previous, folder=folder)
+        tracker = open_tracker(cfg, folder.path)
+    except Exception as error:  # e.g. a locked MLflow store: train anyway
+        failure = error
+    try:
+        recorder = RunRecorder(
+            folder.path, cfg, run_id, previous=previous, folder=folder, tracker=tracker
+        )
     except OSError as error:
+        if tracker is not None:  # no run to track: end the tracker's run too
+            tracker.close("failed")
         raise _output_dir_error(cfg, error) from None
+    if failure is not None:
+        recorder.tracking_failed(failure)
+    return recorder
 
 
 def central_evaluator(

@@ -121,7 +121,10 @@ class FedOptRule(ServerRule):
             ratio = np.multiply(m, eta, out=self.scratch(m, 1))
             ratio /= root
             new[k] = x + ratio
-        return new, {"server-lr": eta}
+        # ‖m_t‖, ‖v_t‖: how far the moments have grown (results.json, trackers)
+        m_norm = math.sqrt(math.fsum(float(np.vdot(m, m)) for m in self.m.values()))
+        v_norm = math.sqrt(math.fsum(float(np.vdot(v, v)) for v in self.v.values()))
+        return new, {"server-lr": eta, "m-norm": m_norm, "v-norm": v_norm}
 
     def _state(self) -> dict[str, Any]:
         return {"m": self.m, "v": self.v}

@@ -17,6 +17,9 @@ overrides a run-config key in every cell and names the variant, e.g.
 ``fedadapt-exp run conf/delta-sgd-mnist.yaml --set dirichlet-alpha=0.01``.
 ``--methods a,b`` and ``--seeds 1,2`` run (and report) part of a suite:
 its cells keep their names, so a later run of the whole suite skips them.
+``--set tracker=tensorboard`` (or wandb, mlflow) tracks each cell as one run
+named after the cell, grouped by suite, in ``<suite output>/tracker``
+(docs/trackers.md).
 
 Suite keys::
 
@@ -60,6 +63,7 @@ import yaml
 
 from fedadapt._atomic import atomic_open, atomic_write_text
 from fedadapt.config import KEYS, ConfigError, validate_run_config
+from fedadapt.server.tracking import check_tracker
 
 SUITE_KEYS = {
     "name",
@@ -87,7 +91,14 @@ METRICS = {
 METRIC_ALIASES = {"accuracy": "eval-accuracy", "loss": "eval-loss"}
 #: panels of report.png (those with data), besides the suite's metric and the target's
 PANELS = ("eval-loss", "eval-accuracy", "train-loss")
-RUN_OWNED = ("seed", "num-server-rounds", "output-dir", "run-name", "overwrite")
+RUN_OWNED = (
+    "seed",
+    "num-server-rounds",
+    "output-dir",
+    "run-name",
+    "overwrite",
+    "tracker-group",
+)
 
 
 class SuiteError(ValueError):
@@ -195,15 +206,20 @@ class Suite:
                 point = tuple(zip(axes, values, strict=True))
                 for seed in self.seeds:
                     cell = Cell(method, point, seed, {})
-                    overrides = {
-                        **self.base,
-                        **fixed,
-                        **dict(point),
-                        "seed": seed,
-                        "num-server-rounds": self.rounds,
-                        "output-dir": str(output_dir),
-                        "run-name": cell.run_name,
-                    }
+                    overrides = {**self.base, **fixed, **dict(point)}
+                    overrides.update(
+                        {
+                            "seed": seed,
+                            "num-server-rounds": self.rounds,
+                            "output-dir": str(output_dir),
+                            "run-name": cell.run_name,
+                            # with `tracker` set (--set tracker=tensorboard):
+                            # one tracked run per cell, grouped by suite
+                            "tracker-dir": overrides.get("tracker-dir")
+                            or str(output_dir / "tracker"),
+                            "tracker-group": self.name,
+                        }
+                    )
                     cells.append(Cell(method, point, seed, overrides))
         return cells
 
@@ -311,6 +327,7 @@ def load_suite(path: str | Path, settings: Mapping[str, Any] | None = None) -> S
     for cell in suite.cells(Path("/validate")):
         try:
             validate_run_config(cell.overrides)
+            check_tracker(cell.overrides)  # a missing extra: fail before any cell
         except ConfigError as error:
             raise ConfigError(error.key, f"{error} (method {cell.method!r})") from None
         _require(
@@ -358,6 +375,7 @@ def select(
     for cell in part.cells(Path("/validate")):  # e.g. a negative seed
         try:
             validate_run_config(cell.overrides)
+            check_tracker(cell.overrides)  # a missing extra: fail before any cell
         except ConfigError as error:
             raise ConfigError(error.key, f"{error} (--seeds)") from None
     return part

@@ -87,10 +87,10 @@ def test_fedopt_matches_reddi_algorithm_2(variant, weighting):
         "yogi": lambda: FedYogiRule(eta=eta, beta_1=b1, beta_2=b2, tau=tau,
                                     weighting=weighting),
     }[variant]()  # fmt: skip
-    xs, _ = _run(rule, x0, rounds)
+    xs, diags = _run(rule, x0, rounds)
     x, m, v = _flat(x0), 0.0, 0.0
     beta_1 = 0.0 if variant == "adagrad" else b1
-    for (deltas, n), got in zip(rounds, xs, strict=True):
+    for (deltas, n), got, diag in zip(rounds, xs, diags, strict=True):
         d, _ = _stats(deltas, n, weighting)
         m = beta_1 * m + (1 - beta_1) * d
         if variant == "adagrad":
@@ -101,6 +101,8 @@ def test_fedopt_matches_reddi_algorithm_2(variant, weighting):
             v = v - (1 - b2) * d**2 * np.sign(v - d**2)
         x = x + eta * m / (np.sqrt(v) + tau)
         np.testing.assert_allclose(_flat(got), x, rtol=1e-10, atol=1e-12)
+        assert diag["m-norm"] == pytest.approx(np.linalg.norm(m), rel=1e-10)
+        assert diag["v-norm"] == pytest.approx(np.linalg.norm(v), rel=1e-10)
 
 
 @pytest.mark.parametrize("correction", ["flower", "torch"])
