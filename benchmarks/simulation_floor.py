@@ -303,7 +303,7 @@ def run_task(
             flush=True,
         )
     federation = " ".join(
-        f"client-resources-num-{k}={v}"
+        f"client-resources-num-{k}={v:g}"
         for k, v in (("cpus", args.client_cpus), ("gpus", args.client_gpus))
         if v is not None
     )
