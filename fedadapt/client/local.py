@@ -6,9 +6,11 @@ Both the Message-API ClientApp and the legacy NumPyClient call
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,11 @@ from fedadapt.client.training import train_local
 from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, evaluate_model, pick_device
+from fedadapt.tasks.base import ClientData
+
+#: Clients whose data a process keeps (index lists into the task's cached
+#: split, not copies): a simulation actor serves many nodes in turn.
+CLIENT_DATA_CACHE = 1024
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,23 @@ def round_lr(
     return rate / 10**passed
 
 
+def client_data(cfg: Mapping[str, Any], partition_id: int, num: int) -> ClientData:
+    """Client ``partition_id``'s data, computed once per process and run config.
+
+    A simulation actor answers many messages for the same nodes; the split
+    is a pure function of the run config and the partition, so the cache is
+    keyed by the whole run config (a run with other settings gets its own
+    entry) and the partition.
+    """
+    return _client_data(json.dumps(dict(cfg), sort_keys=True), partition_id, num)
+
+
+@lru_cache(maxsize=CLIENT_DATA_CACHE)
+def _client_data(cfg_json: str, partition_id: int, num: int) -> ClientData:
+    cfg = json.loads(cfg_json)
+    return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
+
+
 def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
     model = TASKS.get(cfg["task"]).build_model()
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
@@ -119,7 +143,7 @@ def train_round(
     v̂ and v travel so (:mod:`fedadapt.client.fedlamb`).
     """
     task = TASKS.get(cfg["task"])
-    data = task.load_client(cfg, partition_id, num_partitions)
+    data = client_data(cfg, partition_id, num_partitions)
     device = pick_device(cfg["device"])
     model = _model(cfg, global_state).to(device)
     criterion = task.criterion()
@@ -195,7 +219,7 @@ def evaluate_round(
 ) -> dict[str, float | int]:
     """Evaluate the global model on this client's local test split."""
     task = TASKS.get(cfg["task"])
-    data = task.load_client(cfg, partition_id, num_partitions)
+    data = client_data(cfg, partition_id, num_partitions)
     scores = evaluate_model(
         task,
         _model(cfg, global_state),
