@@ -309,9 +309,8 @@ def run_task(
     )
     common = {"num-server-rounds": args.rounds}
     minimal = {k: base[k] for k in MINIMAL_KEYS}
-    minimal["samples-per-client"] = base.get("samples-per-client", 0)
-    if base["partition"] != "delta-sgd":
-        minimal["samples-per-client"] = 0
+    if base["partition"] == "delta-sgd":  # else the app's default: an IID split
+        minimal["samples-per-client"] = base["samples-per-client"]
     if args.device != "cpu":
         minimal["device"] = args.device
     out["minimal"] = flower_cell(
