@@ -97,7 +97,11 @@ def client_data(cfg: Mapping[str, Any], partition_id: int, num: int) -> ClientDa
     keyed by the whole run config (a run with other settings gets its own
     entry) and the partition.
     """
-    return _client_data(json.dumps(dict(cfg), sort_keys=True), partition_id, num)
+    try:
+        key = json.dumps(dict(cfg), sort_keys=True)
+    except (TypeError, ValueError):  # not a plain run config: load it uncached
+        return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
+    return _client_data(key, partition_id, num)
 
 
 @lru_cache(maxsize=CLIENT_DATA_CACHE)

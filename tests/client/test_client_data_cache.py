@@ -39,3 +39,11 @@ def test_no_leak_between_configs_or_partitions() -> None:
         client_data(iid, 0, 10).train.indices
         != client_data(reseeded, 0, 10).train.indices
     )
+
+
+def test_a_config_json_cannot_hold_is_loaded_uncached() -> None:
+    cfg = {**validate_run_config({"task": "digits-mlp", "partition": "iid"})}
+    cfg["extra"] = object()  # not JSON: no cache key, but still the right data
+    got = client_data(cfg, 2, 10)
+    want = TASKS.get("digits-mlp").load_client(cfg, 2, 10)
+    assert list(got.train.indices) == list(want.train.indices)
