@@ -40,6 +40,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -420,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 6
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
+    # SIGTERM → SystemExit, so that the SuperLink and its processes stop
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     info = machine(args.device)
     print(f"machine: {info}", flush=True)
     results: dict[str, Any] = {}
