@@ -6,10 +6,12 @@ Both the Message-API ClientApp and the legacy NumPyClient call
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,10 @@ from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, ClientData, evaluate_model, pick_device
 from fedadapt.tasks.node_data import DATA_PATH, NodeDataError, load_node_data
+
+#: Clients whose data a process keeps (index lists into the task's cached
+#: split, not copies): a simulation actor serves many nodes in turn.
+CLIENT_DATA_CACHE = 1024
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,27 @@ def round_lr(
     return rate / 10**passed
 
 
+def partition_data(cfg: Mapping[str, Any], partition_id: int, num: int) -> ClientData:
+    """Client ``partition_id``'s data, computed once per process and run config.
+
+    A simulation actor answers many messages for the same nodes; the split
+    is a pure function of the run config and the partition, so the cache is
+    keyed by the whole run config (a run with other settings gets its own
+    entry) and the partition.
+    """
+    try:
+        key = json.dumps(dict(cfg), sort_keys=True)
+    except (TypeError, ValueError):  # not a plain run config: load it uncached
+        return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
+    return _client_data(key, partition_id, num)
+
+
+@lru_cache(maxsize=CLIENT_DATA_CACHE)
+def _client_data(cfg_json: str, partition_id: int, num: int) -> ClientData:
+    cfg = json.loads(cfg_json)
+    return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
+
+
 def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
     model = TASKS.get(cfg["task"]).build_model()
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
@@ -106,7 +133,7 @@ def client_data(
     returns to the server as this node's failed reply.
     """
     if data_path is None:
-        return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num_partitions)
+        return partition_data(cfg, partition_id, num_partitions)
     try:
         return load_node_data(data_path, cfg)
     except NodeDataError as error:

@@ -32,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from fedadapt.client.local_update import (
     CLIENT_UPDATES,
@@ -41,6 +41,7 @@ from fedadapt.client.local_update import (
     LocalStart,
 )
 from fedadapt.strategies.mime import BETA, CORRECTION, MOMENTUM, Mime, MimeLite
+from fedadapt.tasks.base import batch_loader
 
 
 def full_batch_gradient(
@@ -59,7 +60,7 @@ def full_batch_gradient(
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     count = 0
-    for inputs, targets in DataLoader(data, batch_size=batch_size, shuffle=False):
+    for inputs, targets in batch_loader(data, batch_size, shuffle=False):
         inputs, targets = inputs.to(device), targets.to(device)
         loss = criterion(model(inputs), targets)
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedadapt.client.local_update import ClientUpdate
+from fedadapt.tasks.base import batch_loader
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ def train_local(
     """
     model.to(device).train()
     start = [p.detach().clone() for p in model.parameters()]
-    loader = DataLoader(
+    loader = batch_loader(
         dataset,
-        batch_size=batch_size,
+        batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
         pin_memory=device.type == "cuda",

@@ -287,11 +287,17 @@ class RoundHook:
         due = every > 0 and (server_round % every == 0 or server_round == num_rounds)
         scores = evaluate(state) if due and evaluate else None
         reports = getattr(self.strategy, "round_reports", {})
-        self.recorder.record_round(
-            server_round, num_rounds, scores, reports.get(server_round, {})
-        )
         ckpt = self.cfg["checkpoint-every"]
-        if ckpt and (server_round % ckpt == 0 or server_round == num_rounds):
+        save = bool(ckpt) and (server_round % ckpt == 0 or server_round == num_rounds)
+        # a checkpoint amends the round's entry and writes results.json: once
+        self.recorder.record_round(
+            server_round,
+            num_rounds,
+            scores,
+            reports.get(server_round, {}),
+            write=not save,
+        )
+        if save:
             self.checkpoint(server_round)
         return scores
 

@@ -14,6 +14,7 @@ like torchvision MNIST (``(x/255 − 0.1307)/0.3081``).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import zlib
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
+from fedadapt._atomic import atomic_open
 from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.datasets import (
     MNIST_MEAN,
@@ -33,7 +35,11 @@ from fedadapt.tasks.datasets import (
     DatasetCorruptError,
     DatasetMissingError,
 )
-from fedadapt.tasks.partition import client_indices, train_test_split_indices
+from fedadapt.tasks.partition import (
+    cache_dir,
+    client_indices,
+    train_test_split_indices,
+)
 
 FILE_NAME = "mnist_5k.csv.gz"
 TEST_FRACTION = 0.2  # 1,000 test, 4,000 train digits from the real file
@@ -63,8 +69,58 @@ def csv_path(data_dir: str | Path) -> Path:
     )
 
 
+#: version of the cached split's file layout (:func:`_split_cache_file`)
+SPLIT_CACHE_FORMAT = 1
+
+
+def _split_cache_file(path: str) -> Path:
+    """Return where the split of the file at ``path`` is kept between processes.
+
+    Keyed by a hash of the file's bytes, the split's parameters and the
+    scikit-learn version that drew it; beside the partition cache.
+    """
+    from importlib import metadata
+
+    key = hashlib.sha256(Path(path).read_bytes())
+    try:
+        sklearn = metadata.version("scikit-learn")
+    except metadata.PackageNotFoundError:
+        sklearn = "none"
+    key.update(repr((SPLIT_CACHE_FORMAT, TEST_FRACTION, SPLIT_SEED, sklearn)).encode())
+    return cache_dir().parent / "splits" / f"mnist5k-{key.hexdigest()[:32]}.npz"
+
+
 @lru_cache(maxsize=2)
 def _load_split(path: str) -> tuple[TensorDataset, TensorDataset]:
+    """Return the split, parsed and drawn once per machine, not per process.
+
+    Every process of a run (the ServerApp and each simulation actor or
+    deployed ClientApp) needs it; parsing the CSV (``np.loadtxt``) and
+    importing scikit-learn for the split took 2-5 s per process (#30). The
+    arrays are kept in an ``.npz`` keyed by the file's content
+    (:func:`_split_cache_file`): bit-identical, and a changed file gets its
+    own entry. An unreadable cache is recomputed; an unwritable one only
+    costs the speed-up.
+    """
+    file = _split_cache_file(path)
+    try:
+        with np.load(file) as saved:
+            arrays = tuple(saved[k] for k in ("x_tr", "y_tr", "x_te", "y_te"))
+    except (OSError, KeyError, ValueError, EOFError, zlib.error):
+        arrays = _parse_split(path)
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_open(file, "wb") as f:
+                x_tr, y_tr, x_te, y_te = arrays
+                np.savez(f, x_tr=x_tr, y_tr=y_tr, x_te=x_te, y_te=y_te)
+        except OSError:
+            pass
+    t = [torch.from_numpy(a) for a in arrays]
+    return TensorDataset(t[0], t[1]), TensorDataset(t[2], t[3])
+
+
+def _parse_split(path: str) -> tuple[np.ndarray, ...]:
+    """Read and check the CSV, normalise, draw the stratified split."""
     from sklearn.model_selection import train_test_split
 
     try:
@@ -92,8 +148,7 @@ def _load_split(path: str) -> tuple[TensorDataset, TensorDataset]:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED
     )
-    as_set = lambda a, b: TensorDataset(torch.from_numpy(a), torch.from_numpy(b))  # noqa: E731
-    return as_set(x_tr, y_tr), as_set(x_te, y_te)
+    return x_tr, y_tr, x_te, y_te
 
 
 def _damaged(path: str, problem: str) -> DatasetCorruptError:

@@ -45,3 +45,26 @@ def test_round_line_is_readable():
         "round 3/20 | train loss 1.2500 acc 0.500 | test loss 1.0000 acc 0.750 | "
         "replies 9 used, 1 failed, 0 rejected | 0.50s"
     )
+
+
+def test_incremental_text_is_the_full_serialisation(tmp_path) -> None:
+    """results.json reuses finished rounds' text (#30): the same bytes as
+    serialising everything again, also after the last round is amended
+    (a checkpoint entry) and when a resumed run brings earlier rounds."""
+    oracle = lambda r: json.dumps(r.data, indent=2, default=str)  # noqa: E731
+    previous = {"rounds": [{"round": 1, "eval": {"loss": 0.5}, "x": [1, {"y": 2}]}]}
+    recorder = RunRecorder(tmp_path, {"seed": 0}, run_id=7, previous=previous)
+    assert recorder.text() == oracle(recorder)
+    for rnd in range(2, 6):
+        report = {
+            "train": {"loss": 1.0 / rnd, "nested": {"a": [rnd, None]}},
+            "train_replies": {"used": rnd, "errors": []},
+        }
+        recorder.record_round(rnd, 5, {"loss": 0.1 * rnd}, report)
+        assert recorder.text() == oracle(recorder)
+        recorder.data["rounds"][-1]["checkpoint"] = {"bytes": rnd, "seconds": 0.5}
+        recorder.write()
+        assert (tmp_path / "results.json").read_text() == oracle(recorder)
+    recorder.data["rounds"] = recorder.data["rounds"][:2]  # replaced, not amended
+    assert recorder.text() == oracle(recorder)
+    assert json.loads(recorder.text())["rounds"][1]["round"] == 2

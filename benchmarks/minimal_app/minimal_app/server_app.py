@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from minimal_app.task import build_model, evaluate, load_digits
+from minimal_app.task import build_model, evaluate, load_data
 
 app = ServerApp()
 
@@ -25,29 +25,44 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     out = Path(cfg["output-dir"]) / f"minimal-{context.run_id}" / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    _, test = load_digits(0, 1)
-    model = build_model()
+    _, test = load_data(cfg["task"], 0, 1)
+    model = build_model(cfg["task"])
+    every = cfg["evaluate-every"]
     results = {"run_id": context.run_id, "status": "running", "rounds": []}
     last = [time.monotonic()]
 
     def central_evaluation(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = evaluate(model, test)
+        if every == 0 or server_round % every:
+            loss, accuracy = float("nan"), float("nan")
+        else:
+            model.load_state_dict(arrays.to_torch_state_dict())
+            loss, accuracy = evaluate(model, test)
         if server_round > 0:
             now = time.monotonic()
-            results["rounds"].append({
-                "round": server_round,
-                "wall_time_s": now - last[0],
-                "replies": {"used": len(list(grid.get_node_ids()))},
-                "eval": {"loss": loss, "accuracy": accuracy},
-            })  # fmt: skip
+            results["rounds"].append(
+                {
+                    "round": server_round,
+                    "wall_time_s": now - last[0],
+                    "replies": {"used": k or len(list(grid.get_node_ids()))},
+                    "eval": {"loss": loss, "accuracy": accuracy},
+                }
+            )
             last[0] = now
             out.write_text(json.dumps(results))
         else:
             last[0] = time.monotonic()
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
-    FedAvg(fraction_evaluate=0.0).start(
+    # clients-per-round as fedadapt's: k of the nodes (0: all of them)
+    nodes = len(list(grid.get_node_ids())) or 1
+    k = cfg["clients-per-round"]
+    fraction = min(k / nodes, 1.0) if k else 1.0
+    FedAvg(
+        fraction_train=fraction,
+        min_train_nodes=k or 2,
+        min_available_nodes=k or 2,
+        fraction_evaluate=0.0,
+    ).start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=cfg["num-server-rounds"],
