@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -54,6 +55,26 @@ class RoundResult:
 def client_seed(cfg: Mapping[str, Any], server_round: int, partition_id: int) -> int:
     """Seed of a client's shuffling in a round (same across restarts)."""
     return cfg["seed"] * 1_000_003 + server_round * 10_007 + partition_id
+
+
+@contextmanager
+def client_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """Seed torch's global RNG for one client round, then restore it.
+
+    Local training draws from the global RNG wherever a model does (dropout
+    masks; a model built per message draws its throw-away initial weights).
+    In simulation one Ray actor serves many clients in turn, so without
+    this a client's masks depended on which clients the actor had served
+    before: a CNN cell gave other numbers on every run. Seeded from the
+    client's round seed (:func:`client_seed`, through a SeedSequence so the
+    stream differs from the shuffling generator's) the round is the same
+    in every process, and the caller's RNG state is left as it was.
+    """
+    derived = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(derived)
+        yield
 
 
 #: the step schedule's milestones, fractions of the rounds (Δ-SGD ICLR §4)
@@ -182,68 +203,70 @@ def train_round(
     task = TASKS.get(cfg["task"])
     data = client_data(cfg, partition_id, num_partitions, data_path, node_id)
     device = pick_device(cfg["device"])
-    model = _model(cfg, global_state).to(device)
-    criterion = task.criterion()
-    lr = round_lr(
-        lr,
-        cfg["client-lr-decay"],
-        server_round,
-        cfg["client-lr-schedule"],
-        cfg["num-server-rounds"],
-    )
-    update = client_update(config or {})
-    optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
-    reset = False
-    if update is not None:
-        kept, reset = load_client_state(client_state, update)
-        update.begin(
-            LocalStart(
-                model,
-                config or {},
-                local_arrays or {},
-                kept,
-                data.train,
-                criterion,
-                cfg["batch-size"],
-                device,
-                server_round,
-                lr,
-                state_reset=reset,
-                optimizer=optimizer,
-            )
+    # dropout and any other draw of the global RNG: seeded per client round
+    with client_rng(device, client_seed(cfg, server_round, partition_id)):
+        model = _model(cfg, global_state).to(device)
+        criterion = task.criterion()
+        lr = round_lr(
+            lr,
+            cfg["client-lr-decay"],
+            server_round,
+            cfg["client-lr-schedule"],
+            cfg["num-server-rounds"],
         )
-    result = train_local(
-        model,
-        optimizer,
-        criterion,
-        data.train,
-        epochs=cfg["local-epochs"],
-        steps=cfg["local-steps"],
-        batch_size=cfg["batch-size"],
-        seed=client_seed(cfg, server_round, partition_id),
-        device=device,
-        classification=task.classification,
-        weight_decay=cfg["client-weight-decay"],
-        grad_clip=cfg["client-grad-clip"],
-        local_update=update,
-    )
-    metrics: dict[str, float | int] = {
-        "train-loss": result.loss,
-        wire.NUM_EXAMPLES: result.num_examples,
-        wire.UPDATE_SQ_NORM: result.update_sq_norm,
-        "local-steps": result.steps,
-        **result.optimizer_stats,
-    }
-    if result.accuracy is not None:
-        metrics["train-accuracy"] = result.accuracy
-    local = None
-    if update is not None:
-        end = update.end(model, result.steps)
-        save_client_state(client_state, update, end.state)
-        metrics.update(end.metrics)
-        if reset:
-            metrics[wire.LOCAL_STATE_RESET] = 1
-        local = end.arrays or None
+        update = client_update(config or {})
+        optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, lr, cfg)
+        reset = False
+        if update is not None:
+            kept, reset = load_client_state(client_state, update)
+            update.begin(
+                LocalStart(
+                    model,
+                    config or {},
+                    local_arrays or {},
+                    kept,
+                    data.train,
+                    criterion,
+                    cfg["batch-size"],
+                    device,
+                    server_round,
+                    lr,
+                    state_reset=reset,
+                    optimizer=optimizer,
+                )
+            )
+        result = train_local(
+            model,
+            optimizer,
+            criterion,
+            data.train,
+            epochs=cfg["local-epochs"],
+            steps=cfg["local-steps"],
+            batch_size=cfg["batch-size"],
+            seed=client_seed(cfg, server_round, partition_id),
+            device=device,
+            classification=task.classification,
+            weight_decay=cfg["client-weight-decay"],
+            grad_clip=cfg["client-grad-clip"],
+            local_update=update,
+        )
+        metrics: dict[str, float | int] = {
+            "train-loss": result.loss,
+            wire.NUM_EXAMPLES: result.num_examples,
+            wire.UPDATE_SQ_NORM: result.update_sq_norm,
+            "local-steps": result.steps,
+            **result.optimizer_stats,
+        }
+        if result.accuracy is not None:
+            metrics["train-accuracy"] = result.accuracy
+        local = None
+        if update is not None:
+            end = update.end(model, result.steps)
+            save_client_state(client_state, update, end.state)
+            metrics.update(end.metrics)
+            if reset:
+                metrics[wire.LOCAL_STATE_RESET] = 1
+            local = end.arrays or None
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
     metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
