@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         "validate_run_config": lambda: validate_run_config(run_config),
         "ArrayRecord -> state dict (Flower)": record.to_torch_state_dict,
         "state dict -> ArrayRecord (Flower)": lambda: ArrayRecord(trained),
+        "  ours: client_app._state_dict": lambda: client_app._state_dict(record),
+        "  ours: client_app._record": lambda: client_app._record(
+            {k: v.numpy() for k, v in trained.items()}
+        ),
         "client_rng (seed + restore torch RNG)": lambda: _enter(client_rng(device, 1)),
         "build model + load state": lambda: _model(cfg, state),
     }
