@@ -18,9 +18,13 @@ ServerApp's seeded sampling orders nodes by them).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -31,6 +35,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
+from flwr.common.constant import SType
 
 from fedadapt.client.local import (
     config_number,
@@ -41,6 +46,7 @@ from fedadapt.client.local import (
 )
 from fedadapt.config import validate_run_config
 from fedadapt.strategies import wire
+from fedadapt.strategies.arrays import array_view, dtype_name
 
 app = ClientApp()
 
@@ -49,8 +55,44 @@ def _numpy(record: ArrayRecord | None) -> dict[str, Any] | None:
     return None if record is None else {k: v.numpy() for k, v in record.items()}
 
 
+@lru_cache(maxsize=1024)
+def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """Return the ``.npy`` header ``np.save`` writes for a C-ordered array (cached)."""
+    buffer = io.BytesIO()
+    empty = np.empty(shape, dtype)
+    np.save(buffer, empty, allow_pickle=False)
+    return buffer.getvalue()[: buffer.tell() - empty.nbytes]
+
+
+def _array(values: np.ndarray) -> Array:
+    """Flower's ``Array(values)``, the same bytes, with the header written once.
+
+    Flower's ``np.save`` per array formats its header every time (a fifth of
+    a millisecond a small model's reply); a model's shapes repeat.
+    """
+    if not values.flags.c_contiguous or values.dtype.hasobject:
+        return Array(values)
+    header = _npy_header(values.dtype, values.shape)
+    return Array(
+        dtype=dtype_name(values.dtype),
+        shape=tuple(values.shape),
+        stype=SType.NUMPY,
+        data=header + values.tobytes(),
+    )
+
+
 def _record(arrays: Mapping[str, Any]) -> ArrayRecord:
-    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    return ArrayRecord({k: _array(v) for k, v in arrays.items()})
+
+
+def _state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``record.to_torch_state_dict()``'s tensors, without ``np.load`` per array.
+
+    The values are read as views of the bytes (headers parsed once per
+    shape, :func:`~fedadapt.strategies.arrays.array_view`) and copied once
+    into writable tensors.
+    """
+    return {k: torch.from_numpy(array_view(v).copy()) for k, v in record.items()}
 
 
 @app.train()
@@ -64,7 +106,7 @@ def train(msg: Message, context: Context) -> Message:
         cfg,
         pid,
         num,
-        records[wire.ARRAYS].to_torch_state_dict(),
+        _state_dict(records[wire.ARRAYS]),
         lr=config_number(config.get(wire.LR, cfg["client-lr"])),
         server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
         config=config,
@@ -75,7 +117,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     content = RecordDict(
         {
-            wire.ARRAYS: ArrayRecord(result.state),
+            wire.ARRAYS: _record({k: v.numpy() for k, v in result.state.items()}),
             wire.METRICS: MetricRecord(dict(result.metrics)),
         }
     )
@@ -89,7 +131,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received global model on the local test split."""
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
-    state = msg.content.array_records[wire.ARRAYS].to_torch_state_dict()
+    state = _state_dict(msg.content.array_records[wire.ARRAYS])
     scores = evaluate_round(
         cfg,
         pid,
