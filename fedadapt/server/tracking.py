@@ -181,7 +181,7 @@ class WandbTracker:
             dir=str(directory),
             mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
             reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off"),
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
         )
 
     def log_config(self, config: Mapping[str, Any]) -> None:
