@@ -194,6 +194,9 @@ def local_run(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
 
 
 # local_run before ray_head: fixtures are set up in this order
+# a deployment of its own (a Ray head started here): with make test-deploy,
+# which CI runs, to keep the default suite within CI's time
+@pytest.mark.deploy
 def test_simulation_runs_on_an_existing_ray_cluster(tmp_path, local_run, ray_head):
     address, logs = ray_head
     cluster = _finish(

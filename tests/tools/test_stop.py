@@ -154,6 +154,7 @@ def test_timeout_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup
     assert data["error"] == "timed out after 45s (--timeout)"
 
 
+@pytest.mark.deploy  # make test-deploy (in CI), for the default suite's time
 def test_kill_9_of_the_serverapp_ends_the_run_failed(tmp_path, cleanup):
     watch = TreeWatch(tmp_path)
     cleanup(watch)
