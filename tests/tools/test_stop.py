@@ -33,6 +33,10 @@ RUN_CONFIG = (
 )
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class TreeWatch:
     """The CLI under test, and every process of its tree seen while it ran."""
 
@@ -70,6 +74,10 @@ class TreeWatch:
             text=True,
             cwd=tmp_path,
             start_new_session=True,  # signals reach only what the test sends
+            # Ctrl-C as at a terminal: a runner started in the background by
+            # a shell without job control hands SIGINT down ignored, and
+            # Python then never raises KeyboardInterrupt
+            preexec_fn=_sigint_default,
         )
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
