@@ -42,7 +42,9 @@ test-flower-versions: $(STAMP)
 	scripts/test-flower-versions.sh $(BIN)/python $(PYTHON) "$(FLOWER_VERSIONS)" $(LIBRARY_TESTS)
 
 # real processes: SuperLink + 3 SuperNodes with TLS, SuperNode auth, a refused
-# stranger and node loss (about 4 minutes; kept out of the default suite)
+# stranger and node loss; a Ray cluster; slow process-failure checks and the
+# longest multi-run e2e tests (about 12 minutes; kept out of the default suite,
+# which must stay within CI's 20 minutes including install)
 test-deploy: $(STAMP)
 	$(BIN)/python -m pytest -q -m deploy -rs tests
 

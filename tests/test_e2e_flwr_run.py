@@ -88,6 +88,7 @@ def test_unknown_key_fails_before_anything_starts(tmp_path):
     assert "Invalid run-config 'bogus-key': unknown key. Valid keys:" in done.stderr
 
 
+@pytest.mark.deploy  # three `flwr run`s, ~65 s; the three-supernode run stays
 def test_plain_flwr_run_with_flowers_defaults(tmp_path):
     """The README's plain `flwr run . local`: Flower's default federation
     (2 simulated nodes) and the app's defaults complete; then, on the same

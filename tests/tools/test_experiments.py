@@ -335,6 +335,7 @@ def test_only_completed_cells_count_as_done(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.deploy  # ~70 s; test_only_completed_cells_count_as_done: the skip
 def test_run_through_flower_then_resume_skips_finished_cells(tmp_path):
     text = SUITE.replace("seeds: [0, 1]", "seeds: [0]").replace(
         "client-lr: [0.05, 0.1]", "client-lr: 0.1"

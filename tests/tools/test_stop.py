@@ -149,6 +149,7 @@ def test_ctrl_c_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup)
     assert "interrupted (Ctrl-C / SIGINT" in data["error"]
 
 
+@pytest.mark.deploy  # waits out a 45 s timeout; the Ctrl-C test shares its machinery
 def test_timeout_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup):
     # the run must outlive the timeout: 10000 rounds
     watch = TreeWatch(tmp_path, "--timeout", "45")
