@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from fedadapt._validation import check_choice, check_scalar
+from fedadapt._validation import check_choice, check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
@@ -74,12 +74,8 @@ class FedOptRule(ServerRule):
     ) -> None:
         super().__init__(weighting=weighting, plain_average=plain_average)
         self.eta = check_scalar("eta", eta, low=0, low_inclusive=False)
-        self.beta_1 = check_scalar(
-            "beta_1", beta_1, low=0, high=1, high_inclusive=False
-        )
-        self.beta_2 = check_scalar(
-            "beta_2", beta_2, low=0, high=1, high_inclusive=False
-        )
+        self.beta_1 = check_decay_rate("beta_1", beta_1)
+        self.beta_2 = check_decay_rate("beta_2", beta_2)
         self.tau = check_scalar("tau", tau, low=0)
         self.m: Arrays | None = None
         self.v: Arrays | None = None
