@@ -37,6 +37,7 @@ from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
     ServerRule,
+    sq_norm,
     zeros_like,
 )
 from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
@@ -118,8 +119,7 @@ class FedOptRule(ServerRule):
             ratio /= root
             new[k] = x + ratio
         # ‖m_t‖, ‖v_t‖: how far the moments have grown (results.json, trackers)
-        m_norm = math.sqrt(math.fsum(float(np.vdot(m, m)) for m in self.m.values()))
-        v_norm = math.sqrt(math.fsum(float(np.vdot(v, v)) for v in self.v.values()))
+        m_norm, v_norm = math.sqrt(sq_norm(self.m)), math.sqrt(sq_norm(self.v))
         return new, {"server-lr": eta, "m-norm": m_norm, "v-norm": v_norm}
 
     def _state(self) -> dict[str, Any]:
