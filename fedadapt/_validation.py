@@ -35,6 +35,15 @@ def check_scalar(
     return value
 
 
+def check_decay_rate(name: str, value: float) -> float:
+    """Return a decay rate (β1, β2, momentum) as float; it must lie in [0, 1).
+
+    One place for the bound every moment and momentum coefficient shares:
+    β = 1 would freeze the average at its start value.
+    """
+    return check_scalar(name, value, low=0.0, high=1.0, high_inclusive=False)
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ValueError."""
     if value not in choices:

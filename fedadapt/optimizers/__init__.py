@@ -28,6 +28,29 @@ OptimizerFactory = Callable[
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("client-optimizer")
 
 
+def _client_betas(cfg: Mapping[str, Any]) -> tuple[float, float]:
+    """(β1, β2) of the Adam-like client optimizers, from the run config."""
+    return cfg["client-beta-1"], cfg["client-beta-2"]
+
+
+def _configured_delta_sgd(
+    model: nn.Module, lr: float, cfg: Mapping[str, Any], mode: str
+) -> DeltaSGD:
+    """Δ-SGD with the run config's γ and δ, in ``mode``.
+
+    ``module=model`` keeps BatchNorm statistics out of the extra
+    ``same_batch`` pass; ``consecutive`` has no extra pass and ignores it.
+    """
+    return DeltaSGD(
+        model.parameters(),
+        lr=lr,
+        gamma=cfg["delta-sgd-gamma"],
+        delta=cfg["delta-sgd-delta"],
+        mode=mode,
+        module=model,
+    )
+
+
 @OPTIMIZERS.register("sgd")
 def _sgd(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """Plain SGD, the local solver of FedAvg (McMahan et al., arXiv:1602.05629)."""
@@ -49,14 +72,7 @@ def _delta_sgd(
     As in the experiments and official code of arXiv:2306.11201: both
     gradients of Algorithm 1 line 9 on the current batch.
     """
-    return DeltaSGD(
-        model.parameters(),
-        lr=lr,
-        gamma=cfg["delta-sgd-gamma"],
-        delta=cfg["delta-sgd-delta"],
-        mode="same_batch",
-        module=model,
-    )
+    return _configured_delta_sgd(model, lr, cfg, "same_batch")
 
 
 @OPTIMIZERS.register("delta-sgd-consecutive")
@@ -68,13 +84,7 @@ def _delta_sgd_consecutive(
     The other reading of Algorithm 1 line 9 of arXiv:2306.11201 (the remark
     after it allows different batches): half the passes of ``delta-sgd``.
     """
-    return DeltaSGD(
-        model.parameters(),
-        lr=lr,
-        gamma=cfg["delta-sgd-gamma"],
-        delta=cfg["delta-sgd-delta"],
-        mode="consecutive",
-    )
+    return _configured_delta_sgd(model, lr, cfg, "consecutive")
 
 
 @OPTIMIZERS.register("fed-lamb")
@@ -85,7 +95,7 @@ def _fed_lamb(
     return FedLAMB(
         model.parameters(),
         lr=lr,
-        betas=(cfg["client-beta-1"], cfg["client-beta-2"]),
+        betas=_client_betas(cfg),
         weight_decay=cfg["fed-lamb-lambda"],
     )
 
@@ -95,17 +105,13 @@ def _fed_ams(
     model: nn.Module, lr: float, cfg: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
     """Fed-AMS client (local AMSGrad, arXiv:2110.00532; needs strategy fed-lamb)."""
-    return FedAMS(
-        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
-    )
+    return FedAMS(model.parameters(), lr=lr, betas=_client_betas(cfg))
 
 
 @OPTIMIZERS.register("adam")
 def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """torch.optim.Adam restarted every round (a baseline of arXiv:2306.11201)."""
-    return torch.optim.Adam(
-        model.parameters(), lr=lr, betas=(cfg["client-beta-1"], cfg["client-beta-2"])
-    )
+    return torch.optim.Adam(model.parameters(), lr=lr, betas=_client_betas(cfg))
 
 
 @OPTIMIZERS.register("adagrad")

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from fedadapt._validation import check_scalar
+from fedadapt._validation import check_decay_rate, check_scalar
 from fedadapt.optimizers._foreach import _check_foreach, _default_foreach
 
 __all__ = ["FedAMS", "FedLAMB", "fed_lamb"]
@@ -73,8 +73,8 @@ def _check_betas(betas: Any) -> tuple[float, float]:
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
     return (
-        check_scalar("beta_1", betas[0], low=0.0, high=1.0, high_inclusive=False),
-        check_scalar("beta_2", betas[1], low=0.0, high=1.0, high_inclusive=False),
+        check_decay_rate("beta_1", betas[0]),
+        check_decay_rate("beta_2", betas[1]),
     )
 
 

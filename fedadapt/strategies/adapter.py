@@ -423,13 +423,7 @@ def apply_rule(
             report.reject_late(candidate, reason, round_label)
         ordered = [c for c in ordered if all(c is not b for b in bad)]
     else:
-        log(
-            WARNING,
-            "%s: no usable replies (%s failed, %s rejected)",
-            round_label,
-            report.failed,
-            report.rejected,
-        )
+        report.warn_none_usable(round_label)
         return None, {}, []
     if stats.client_sq_norms is not None:
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedadapt._validation import check_scalar
+from fedadapt._validation import check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import Arrays, RoundStatistics, ServerRule
 from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
 
@@ -59,9 +59,7 @@ class FedAvgRule(ServerRule):
         self.server_lr = check_scalar(
             "server_lr", server_lr, low=0, low_inclusive=False
         )
-        self.server_momentum = check_scalar(
-            "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
-        )
+        self.server_momentum = check_decay_rate("server_momentum", server_momentum)
         self.momentum: Arrays | None = None
 
     def update(

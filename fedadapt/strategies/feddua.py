@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from fedadapt._validation import check_choice, check_scalar
+from fedadapt._validation import check_choice, check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
@@ -117,12 +117,8 @@ class FedDuARule(ServerRule):
     ) -> None:
         super().__init__(weighting=weighting, plain_average=plain_average)
         self.variant = check_choice("variant", variant, VARIANTS)
-        self.beta_1 = check_scalar(
-            "beta_1", beta_1, low=0, high=1, high_inclusive=False
-        )
-        self.beta_2 = check_scalar(
-            "beta_2", beta_2, low=0, high=1, high_inclusive=False
-        )
+        self.beta_1 = check_decay_rate("beta_1", beta_1)
+        self.beta_2 = check_decay_rate("beta_2", beta_2)
         self.epsilon = check_scalar("epsilon", epsilon, low=0)
         self.epsilon_g = check_scalar("epsilon_g", epsilon_g, low=0)
         self.preconditioner = check_choice(

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedadapt._validation import check_choice, check_scalar
+from fedadapt._validation import check_choice, check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
@@ -99,9 +99,7 @@ class FedExPRule(FedDuARule):
         weighting: str = "uniform",
         plain_average: Callable[[str], bool] | None = is_batchnorm_buffer,
     ) -> None:
-        momentum = check_scalar(
-            "server_momentum", server_momentum, low=0, high=1, high_inclusive=False
-        )
+        momentum = check_decay_rate("server_momentum", server_momentum)
         super().__init__(
             variant="adam",
             beta_1=momentum,

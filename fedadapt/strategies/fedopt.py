@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from fedadapt._validation import check_choice, check_scalar
+from fedadapt._validation import check_choice, check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import (
     Arrays,
     RoundStatistics,
     ServerRule,
+    sq_norm,
     zeros_like,
 )
 from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
@@ -74,12 +75,8 @@ class FedOptRule(ServerRule):
     ) -> None:
         super().__init__(weighting=weighting, plain_average=plain_average)
         self.eta = check_scalar("eta", eta, low=0, low_inclusive=False)
-        self.beta_1 = check_scalar(
-            "beta_1", beta_1, low=0, high=1, high_inclusive=False
-        )
-        self.beta_2 = check_scalar(
-            "beta_2", beta_2, low=0, high=1, high_inclusive=False
-        )
+        self.beta_1 = check_decay_rate("beta_1", beta_1)
+        self.beta_2 = check_decay_rate("beta_2", beta_2)
         self.tau = check_scalar("tau", tau, low=0)
         self.m: Arrays | None = None
         self.v: Arrays | None = None
@@ -122,8 +119,7 @@ class FedOptRule(ServerRule):
             ratio /= root
             new[k] = x + ratio
         # ‖m_t‖, ‖v_t‖: how far the moments have grown (results.json, trackers)
-        m_norm = math.sqrt(math.fsum(float(np.vdot(m, m)) for m in self.m.values()))
-        v_norm = math.sqrt(math.fsum(float(np.vdot(v, v)) for v in self.v.values()))
+        m_norm, v_norm = math.sqrt(sq_norm(self.m)), math.sqrt(sq_norm(self.v))
         return new, {"server-lr": eta, "m-norm": m_norm, "v-norm": v_norm}
 
     def _state(self) -> dict[str, Any]:

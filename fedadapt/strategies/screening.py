@@ -123,18 +123,34 @@ class ScreenReport:
         self, candidate: EvaluateReply, reason: str, round_label: str
     ) -> None:
         """Count a reply rejected during aggregation (it was counted as used)."""
-        self.rejected += 1
         self.used -= 1
-        self.rejections.append(f"node {candidate.node}: {reason}")
         record = self._by_reply.get(id(candidate))
         if record is not None:
             record.update(status="rejected", reason=reason, server_sq_norm=None)
+        self.count_rejection(candidate, reason, round_label)
+
+    def count_rejection(
+        self, candidate: EvaluateReply, reason: str, round_label: str
+    ) -> None:
+        """Count and log a rejected reply (screening and late rejections alike)."""
+        self.rejected += 1
+        self.rejections.append(f"node {candidate.node}: {reason}")
         log(
             WARNING,
             "%s: rejected reply from node %s: %s",
             round_label,
             candidate.node,
             reason,
+        )
+
+    def warn_none_usable(self, round_label: str) -> None:
+        """Log that the round has no usable reply left, with this report's counts."""
+        log(
+            WARNING,
+            "%s: no usable replies (%s failed, %s rejected)",
+            round_label,
+            self.failed,
+            self.rejected,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -307,24 +323,10 @@ def screen(
             valid.append(candidate)
             continue
         report.note(candidate, "rejected", reason)
-        report.rejected += 1
-        report.rejections.append(f"node {candidate.node}: {reason}")
-        log(
-            WARNING,
-            "%s: rejected reply from node %s: %s",
-            round_label,
-            candidate.node,
-            reason,
-        )
+        report.count_rejection(candidate, reason, round_label)
     report.used = len(valid)
     if candidates and not valid:
-        log(
-            WARNING,
-            "%s: no usable replies (%s failed, %s rejected)",
-            round_label,
-            report.failed,
-            report.rejected,
-        )
+        report.warn_none_usable(round_label)
     return valid, report
 
 

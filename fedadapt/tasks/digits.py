@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Subset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.models import MLP
-from fedadapt.tasks.partition import client_indices, train_test_split_indices
+from fedadapt.tasks.partition import partitioned_client_data
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # the global test set is the same whatever the run's seed
@@ -44,15 +44,8 @@ def load_client(
 ) -> ClientData:
     """Return client ``partition_id``'s local train/test data."""
     train, _ = load_digits_split()
-    indices = client_indices(
-        train.tensors[1].numpy(), num_partitions, partition_id, cfg
-    )
-    local_train, local_test = train_test_split_indices(
-        indices, cfg["client-test-fraction"], cfg["seed"] + partition_id
-    )
-    return ClientData(
-        train=Subset(train, local_train.tolist()),
-        test=Subset(train, local_test.tolist()),
+    return partitioned_client_data(
+        train, train.tensors[1].numpy(), cfg, partition_id, num_partitions
     )
 
 

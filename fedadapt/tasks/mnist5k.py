@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Subset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from fedadapt._atomic import atomic_open
 from fedadapt.tasks.base import ClientData, DataSpec, Task
@@ -35,11 +35,7 @@ from fedadapt.tasks.datasets import (
     DatasetCorruptError,
     DatasetMissingError,
 )
-from fedadapt.tasks.partition import (
-    cache_dir,
-    client_indices,
-    train_test_split_indices,
-)
+from fedadapt.tasks.partition import cache_dir, partitioned_client_data
 
 FILE_NAME = "mnist_5k.csv.gz"
 TEST_FRACTION = 0.2  # 1,000 test, 4,000 train digits from the real file
@@ -168,13 +164,7 @@ def load_split(data_dir: str | Path) -> tuple[TensorDataset, TensorDataset]:
 
 def _load_client(cfg: Mapping[str, Any], pid: int, num: int) -> ClientData:
     train, _ = load_split(cfg["data-dir"])
-    indices = client_indices(train.tensors[1].numpy(), num, pid, cfg)
-    local_train, local_test = train_test_split_indices(
-        indices, cfg["client-test-fraction"], cfg["seed"] + pid
-    )
-    return ClientData(
-        Subset(train, local_train.tolist()), Subset(train, local_test.tolist())
-    )
+    return partitioned_client_data(train, train.tensors[1].numpy(), cfg, pid, num)
 
 
 def mnist5k_task(

@@ -249,6 +249,22 @@ def _norm(
     raise ValueError(f"norm must be 'batch' or 'group', got {kind!r}")
 
 
+def _shortcut(
+    in_planes: int, out_planes: int, stride: int, norm: NormKind, groups: int
+) -> nn.Module:
+    """Return a block's shortcut: identity, or a 1×1 projection where shapes change.
+
+    The projection's norm layer always keeps running statistics (the Δ-SGD
+    code turns them off only on the blocks' inner BNs).
+    """
+    if stride == 1 and in_planes == out_planes:
+        return nn.Sequential()
+    return nn.Sequential(
+        nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False),
+        _norm(norm, out_planes, groups),
+    )
+
+
 class BasicBlock(nn.Module):
     """ResNet basic block (two 3×3 convs), kuangliu's CIFAR variant.
 
@@ -291,15 +307,9 @@ class BasicBlock(nn.Module):
             planes, planes, kernel_size=3, stride=1, padding=1, bias=False
         )
         self.bn2 = _norm(norm, planes, groups, track_running_stats)
-        self.shortcut: nn.Module = nn.Sequential()
-        out_planes = self.expansion * planes
-        if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(
-                    in_planes, out_planes, kernel_size=1, stride=stride, bias=False
-                ),
-                _norm(norm, out_planes, groups),
-            )
+        self.shortcut = _shortcut(
+            in_planes, self.expansion * planes, stride, norm, groups
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))``."""
@@ -349,14 +359,7 @@ class Bottleneck(nn.Module):
         self.bn2 = _norm(norm, planes, groups, track_running_stats)
         self.conv3 = nn.Conv2d(planes, out_planes, kernel_size=1, bias=False)
         self.bn3 = _norm(norm, out_planes, groups, track_running_stats)
-        self.shortcut: nn.Module = nn.Sequential()
-        if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(
-                    in_planes, out_planes, kernel_size=1, stride=stride, bias=False
-                ),
-                _norm(norm, out_planes, groups),
-            )
+        self.shortcut = _shortcut(in_planes, out_planes, stride, norm, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``relu(bn3(conv3(...)) + shortcut(x))``."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
 from fedadapt.tasks import models
 from fedadapt.tasks.base import ClientData, DataSpec, Task
@@ -41,7 +41,7 @@ from fedadapt.tasks.datasets import (
     load_torchvision,
 )
 from fedadapt.tasks.mnist5k import mnist5k_task
-from fedadapt.tasks.partition import client_indices, train_test_split_indices
+from fedadapt.tasks.partition import partitioned_client_data
 from fedadapt.tasks.synthetic import make_feddua_linreg
 
 
@@ -63,13 +63,7 @@ def vision_task(
         augment = bool(cfg["augment"])
         train = _torchvision(dataset, cfg["data-dir"], True, augment)
         plain = _torchvision(dataset, cfg["data-dir"], True, False)
-        indices = client_indices(labels_of(plain), num, pid, cfg)
-        local_train, local_test = train_test_split_indices(
-            indices, cfg["client-test-fraction"], cfg["seed"] + pid
-        )
-        return ClientData(
-            Subset(train, local_train.tolist()), Subset(plain, local_test.tolist())
-        )
+        return partitioned_client_data(train, labels_of(plain), cfg, pid, num, plain)
 
     def load_test(cfg: Mapping[str, Any]) -> Dataset:
         return _torchvision(dataset, cfg["data-dir"], False, False)

@@ -42,9 +42,11 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from torch.utils.data import Dataset, Subset
 
 from fedadapt._atomic import atomic_open
 from fedadapt.registry import Registry
+from fedadapt.tasks.base import ClientData
 
 Partition = list[NDArray[np.int64]]
 PartitionFn = Callable[[NDArray[Any], int, Mapping[str, Any]], Partition]
@@ -343,3 +345,30 @@ def client_indices(
     params = tuple((k, cfg[k]) for k in PARTITION_KEYS)
     parts = _cached(name, labels.tobytes(), str(labels.dtype), num_partitions, params)
     return parts[partition_id]
+
+
+def partitioned_client_data(
+    train: Dataset,
+    labels: NDArray[Any],
+    cfg: Mapping[str, Any],
+    partition_id: int,
+    num_partitions: int,
+    held_out_from: Dataset | None = None,
+) -> ClientData:
+    """Return client ``partition_id``'s share of a pooled training set.
+
+    The client's indices (:func:`client_indices`, run-config ``partition``)
+    are split into local train and test parts
+    (:func:`train_test_split_indices` with ``client-test-fraction`` and seed
+    ``seed + partition_id``), the same way for every task that partitions
+    one pool. ``held_out_from`` is the dataset the test part is taken from
+    (the same samples without augmentation); ``None``: ``train``.
+    """
+    indices = client_indices(labels, num_partitions, partition_id, cfg)
+    local_train, local_test = train_test_split_indices(
+        indices, cfg["client-test-fraction"], cfg["seed"] + partition_id
+    )
+    test = train if held_out_from is None else held_out_from
+    return ClientData(
+        Subset(train, local_train.tolist()), Subset(test, local_test.tolist())
+    )
