@@ -50,7 +50,7 @@ from fedadapt.tools.submission import SimulationSuperLink  # noqa: E402
 #: Patches Flower's two polling intervals when the variable is set; the
 #: modules are patched right after they are first imported.
 SITECUSTOMIZE = textwrap.dedent(
-    '''
+    """
     import os, sys, importlib.abc, importlib.machinery
 
     POLL = os.environ.get("FEDADAPT_BENCH_FLOWER_POLL")
@@ -97,7 +97,7 @@ SITECUSTOMIZE = textwrap.dedent(
 
     if POLL:
         sys.meta_path.insert(0, _Finder())
-    '''
+    """
 )
 
 
