@@ -28,31 +28,48 @@ class Grid:
         return list(self.nodes)
 
 
-def make_contexts(num: int) -> dict[int, Context]:
+def make_contexts(num: int, run_config: dict | None = None) -> dict[int, Context]:
+    """Nodes 1..num, partitions 0..num-1, each with ``run_config`` (RUN_CONFIG)."""
     return {
         node: Context(
             1,
             node,
             {"partition-id": node - 1, "num-partitions": num},
             RecordDict(),
-            dict(RUN_CONFIG),
+            dict(RUN_CONFIG if run_config is None else run_config),
         )  # fmt: skip
         for node in range(1, num + 1)
     }
 
 
-def message_rounds(strategy, contexts, rounds, replies_hook=None, first=1):
+def message_rounds(
+    strategy,
+    contexts,
+    rounds,
+    replies_hook=None,
+    first=1,
+    *,
+    lr=0.1,
+    messages_hook=None,
+):
     """Run ``rounds`` rounds: strategy ↔ fedadapt's ClientApp, without Flower's loop.
 
     Round ``first`` trains from the strategy's last model (the initial one
-    when ``first`` is 1).
+    when ``first`` is 1); every round's config carries learning rate ``lr``.
+    ``messages_hook(server_round, messages)`` sees each round's train
+    messages before the clients do, ``replies_hook(replies)`` their replies
+    before the strategy does.
     """
     arrays = strategy.training_arrays if first > 1 else ArrayRecord(global_state())
     reports = []
     for server_round in range(first, first + rounds):
-        messages = strategy.configure_train(
-            server_round, arrays, ConfigRecord({wire.LR: 0.1}), Grid(list(contexts))
+        messages = list(
+            strategy.configure_train(
+                server_round, arrays, ConfigRecord({wire.LR: lr}), Grid(list(contexts))
+            )
         )
+        if messages_hook is not None:
+            messages_hook(server_round, messages)
         replies = [
             client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages
         ]
