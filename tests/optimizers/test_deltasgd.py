@@ -128,21 +128,26 @@ def _logreg_torch(X, y, x0, dtype=torch.float64, device="cpu"):
     return w, b, Xt, yt
 
 
+def _logreg_closure(opt, w, b, Xt, yt, batch):
+    """The closure ``opt.step`` takes: the logistic loss of ``batch`` (row
+    indices), gradients cleared first."""
+    idx = torch.as_tensor(batch, device=Xt.device)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(Xt[idx] @ w + b, yt[idx])
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _run_logreg(X, y, batches, x0, steps, dtype=torch.float64, device="cpu", **kw):
     w, b, Xt, yt = _logreg_torch(X, y, x0, dtype, device)
     opt = DeltaSGD([w, b], **kw)
     xs = []
     for k in range(steps):
-        idx = torch.as_tensor(batches[k % len(batches)], device=device)
-
-        def closure(idx=idx):
-            opt.zero_grad()
-            logits = Xt[idx] @ w + b
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, yt[idx])
-            loss.backward()
-            return loss
-
-        opt.step(closure)
+        opt.step(_logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)]))
         xs.append(torch.cat([w, b]).detach().cpu().double().numpy())
     return opt, np.array(xs)
 
@@ -676,17 +681,7 @@ def test_state_dict_round_trip_lock_step(mode):
     opt_a = DeltaSGD([wa, ba], mode=mode, weight_decay=0.01)
 
     def make_closure(opt, w, b, k):
-        idx = torch.as_tensor(batches[k % len(batches)])
-
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.binary_cross_entropy_with_logits(
-                Xt[idx] @ w + b, yt[idx]
-            )
-            loss.backward()
-            return loss
-
-        return closure
+        return _logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)])
 
     for k in range(5):
         opt_a.step(make_closure(opt_a, wa, ba, k))
@@ -720,17 +715,7 @@ def test_state_dict_is_a_snapshot_and_loading_copies(mode):
     opt = DeltaSGD([w, b], mode=mode)
 
     def make_closure(opt, w, b, k):
-        idx = torch.as_tensor(batches[k % len(batches)])
-
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.binary_cross_entropy_with_logits(
-                Xt[idx] @ w + b, yt[idx]
-            )
-            loss.backward()
-            return loss
-
-        return closure
+        return _logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)])
 
     for k in range(4):
         opt.step(make_closure(opt, w, b, k))
