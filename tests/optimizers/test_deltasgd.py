@@ -470,6 +470,19 @@ def test_param_groups_keep_separate_eta():
 # ------------------------ same-batch side effects (§3 remarks: same batch)
 
 
+def _mse_closure(opt, model, inputs, targets):
+    """The closure ``opt.step`` takes: ``model``'s mean squared error on one
+    batch, gradients cleared first."""
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _bn_model():
     torch.manual_seed(0)
     return nn.Sequential(
@@ -525,14 +538,8 @@ def test_u7_without_module_closure_is_responsible():
     opt = DeltaSGD(model.parameters())  # no module: extra pass counts in BN stats
     inputs, targets = _bn_batches()[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     assert model[1].num_batches_tracked.item() == 5
 
 
@@ -752,20 +759,14 @@ def test_same_batch_pass_follows_reassigned_buffers():
     opt = DeltaSGD(model.parameters(), module=model)
     inputs, targets = _bn_batches()[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     model[1].running_mean = model[1].running_mean.clone()
     model[1].num_batches_tracked = model[1].num_batches_tracked.clone()
     reference = copy.deepcopy(model)
     with torch.no_grad():
         reference(inputs)  # the one train-mode pass at x_k that should count
-    opt.step(closure)
+    opt.step(_mse_closure(opt, model, inputs, targets))
     for got, want in zip(model.buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert model[1].num_batches_tracked.item() == 4
@@ -836,14 +837,7 @@ def test_single_tensor_and_foreach_paths_agree(monkeypatch, mode, wd):
         weights = []
         for k in range(12):
             inputs, targets = batches[k % 3]
-
-            def closure(inputs=inputs, targets=targets, opt=opt, model=model):
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(inputs), targets)
-                loss.backward()
-                return loss
-
-            opt.step(closure)
+            opt.step(_mse_closure(opt, model, inputs, targets))
             weights.append([p.detach().clone() for p in model.parameters()])
         runs[foreach] = (opt.history[0], weights, opt.state_dict())
     assert calls == ["_single_tensor_delta_sgd"] * 12 + ["_multi_tensor_delta_sgd"] * 12
@@ -1017,14 +1011,7 @@ def test_step_and_functional_give_identical_trajectories(foreach, mode, wd):
     lr, theta = 2.0, 1.0
     for k in range(15):
         inputs, targets = batches[k % len(batches)]
-
-        def closure(inputs=inputs, targets=targets):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs), targets)
-            loss.backward()
-            return loss
-
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
 
         grads = _grads_at(ref, inputs, targets)
         if mode == "same_batch" and k > 0:
@@ -1086,14 +1073,8 @@ def test_group_level_foreach_is_honoured(monkeypatch, mode):
     )
     inputs, targets = _mse_batches(1)[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     # Both groups' norms (one host read), then both updates, every step.
     step = [
         ("norms", "single", 1),
