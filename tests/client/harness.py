@@ -3,9 +3,11 @@ clients exchange real Flower messages and records without Flower's loop."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.server.client_proxy import ClientProxy
+from torch import nn
 
 from fedadapt.client import client_app, numpy_client
 from fedadapt.strategies import wire
@@ -15,6 +17,16 @@ from fedadapt.tasks import TASKS
 def global_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return TASKS.get("digits-mlp").build_model().state_dict()
+
+
+def linear_model(w: np.ndarray, b: np.ndarray) -> nn.Linear:
+    """A float64 linear model with weight ``w`` (1 × d) and bias ``b``: the
+    model of the tests' closed-form references."""
+    model = nn.Linear(w.shape[1], 1).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(w))
+        model.bias.copy_(torch.from_numpy(b))
+    return model
 
 
 RUN_CONFIG = {"task": "digits-mlp", "local-steps": 2, "batch-size": 16}

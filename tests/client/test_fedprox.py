@@ -32,7 +32,7 @@ from fedadapt.optimizers.fedlamb import FedLAMB as FedLAMBOptimizer
 from fedadapt.strategies import FedLAMB, FedProx, wire
 from fedadapt.strategies.legacy import FedLAMB as LegacyFedLAMB
 from fedadapt.tasks import TASKS
-from tests.client.harness import Grid, InProcessProxy, global_state
+from tests.client.harness import Grid, InProcessProxy, global_state, linear_model
 from tests.client.harness import make_contexts as _plain_contexts
 
 CPU = torch.device("cpu")
@@ -44,14 +44,6 @@ def _linear_problem(seed: int = 0):
     x = rng.normal(size=(12, 4)) * np.array([3.0, 1.0, 0.5, 0.2])  # uneven curvature
     t = rng.normal(size=(12, 1))
     return x, t, rng.normal(size=(1, 4)), rng.normal(size=(1,))
-
-
-def _linear_model(w0: np.ndarray, b0: np.ndarray) -> nn.Linear:
-    model = nn.Linear(4, 1).double()
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(w0))
-        model.bias.copy_(torch.from_numpy(b0))
-    return model
 
 
 def _train_with_prox(model, optimizer, x, t, mu, steps, lr):
@@ -122,7 +114,7 @@ def test_fedprox_with_delta_sgd_has_the_term_in_both_same_batch_passes():
     """FedProx + Δ-SGD (same-batch): both gradient passes include μ(w − w_t)."""
     x, t, w0, b0 = _linear_problem()
     mu, lr, steps = 0.5, 0.2, 6
-    model = _linear_model(w0, b0)
+    model = linear_model(w0, b0)
     cfg = validate_run_config({"client-optimizer": "delta-sgd"})
     _train_with_prox(
         model, OPTIMIZERS.get("delta-sgd")(model, lr, cfg), x, t, mu, steps, lr
@@ -146,13 +138,13 @@ def test_fedprox_with_fed_lamb_steps_on_the_proximal_gradient():
     """Fed-LAMB with FedProx = Fed-LAMB given ∇F + μ(w − w_t), step by step."""
     x, t, w0, b0 = _linear_problem(1)
     mu, lr, steps = 0.3, 0.05, 5
-    model = _linear_model(w0, b0)
+    model = linear_model(w0, b0)
     _train_with_prox(
         model, FedLAMBOptimizer(model.parameters(), lr=lr), x, t, mu, steps, lr
     )
     # the oracle: the unchanged optimizer stepped on the proximal gradient,
     # formed by hand (no closure, no hook)
-    ref = _linear_model(w0, b0)
+    ref = linear_model(w0, b0)
     start = [p.detach().clone() for p in ref.parameters()]
     optimizer = FedLAMBOptimizer(ref.parameters(), lr=lr)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(t)
@@ -165,7 +157,7 @@ def test_fedprox_with_fed_lamb_steps_on_the_proximal_gradient():
         optimizer.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=0)
-    plain = _linear_model(w0, b0)
+    plain = linear_model(w0, b0)
     _train_with_prox(
         plain, FedLAMBOptimizer(plain.parameters(), lr=lr), x, t, 0.0, steps, lr
     )
