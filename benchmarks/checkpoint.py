@@ -23,7 +23,10 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/checkpoint.py --no-runs  # part 2 only
     .venv/bin/python benchmarks/checkpoint.py --json out.json
 
-Takes a few minutes on 2 CPU cores.
+Takes a few minutes on 2 CPU cores. Runs and checkpoints go to a temporary
+folder in the system's temp dir, not the checkout; where that is a RAM disk
+(tmpfs), point ``TMPDIR`` at a real disk, or the checkpoint times are a RAM
+copy's.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}",
     }
-    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+    with tempfile.TemporaryDirectory(prefix="fa-bench-") as tmp:
         work = Path(tmp)
         if not args.no_runs:
             out["runs"] = [

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from benchmarks._protocols import SGD_MNIST5K  # noqa: E402
 from fedadapt.client import client_app  # noqa: E402
 from fedadapt.client.local import _model, client_rng, train_round  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
@@ -59,20 +60,12 @@ from fedadapt.tasks import TASKS  # noqa: E402
 DIGEST = "114c50e5dbef45fc"  # first 16 hex digits
 DIGEST_REPLIES = 5
 
+#: the simulation floor's mnist5k cell with 10 × the clients, each 1/10 the
+#: data (1,000 × 50 samples), 100 per round
 RUN_CONFIG: dict[str, Any] = {
-    "task": "mnist5k-cnn",
-    "partition": "delta-sgd",
-    "dirichlet-alpha": 0.1,
+    **SGD_MNIST5K,
     "samples-per-client": 50,
-    "client-test-fraction": 0.0,
     "clients-per-round": 100,
-    "local-epochs": 1,
-    "local-steps": 0,
-    "batch-size": 64,
-    "strategy": "fedavg",
-    "client-optimizer": "sgd",
-    "client-lr": 0.05,
-    "evaluate-every": 10,
     "device": "cpu",
 }
 

@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._protocols import DELTA_SGD_CLIENTS, DELTA_SGD_MNIST5K  # noqa: E402
 from fedadapt.tools.submission import SimulationSuperLink, submit_run  # noqa: E402
 
 ROUNDS = 3
@@ -53,22 +54,7 @@ CELLS: dict[str, tuple[dict[str, Any], int]] = {
         {**DIGITS, "strategy": "fedavg", "client-optimizer": "sgd", "client-lr": 0.1},
         10,
     ),
-    "delta-sgd-mnist5k": (
-        {
-            "task": "mnist5k-cnn",
-            "partition": "delta-sgd",
-            "dirichlet-alpha": 0.1,
-            "samples-per-client": 500,
-            "client-test-fraction": 0.0,
-            "clients-per-round": 10,
-            "local-epochs": 1,
-            "batch-size": 64,
-            "strategy": "fedavg",
-            "client-optimizer": "delta-sgd",
-            "client-lr": 0.2,
-        },
-        100,
-    ),
+    "delta-sgd-mnist5k": (DELTA_SGD_MNIST5K, DELTA_SGD_CLIENTS),
     "scaffold-digits": (
         {
             **DIGITS,

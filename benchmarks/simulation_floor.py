@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks._protocols import DELTA_SGD_CLIENTS, SGD_MNIST5K  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.tasks import TASKS  # noqa: E402
 from fedadapt.tasks.datasets import DatasetMissingError  # noqa: E402
@@ -64,24 +65,7 @@ MINIMAL = ROOT / "benchmarks" / "minimal_app"
 TIMEOUT = 3600.0
 #: task -> (run config shared by all three, number of clients)
 PROTOCOLS: dict[str, tuple[dict[str, Any], int]] = {
-    "mnist5k-cnn": (
-        {
-            "task": "mnist5k-cnn",
-            "partition": "delta-sgd",
-            "dirichlet-alpha": 0.1,
-            "samples-per-client": 500,
-            "client-test-fraction": 0.0,
-            "clients-per-round": 10,
-            "local-epochs": 1,
-            "local-steps": 0,
-            "batch-size": 64,
-            "strategy": "fedavg",
-            "client-optimizer": "sgd",
-            "client-lr": 0.05,
-            "evaluate-every": 10,
-        },
-        100,
-    ),
+    "mnist5k-cnn": (SGD_MNIST5K, DELTA_SGD_CLIENTS),
     "digits-mlp": (
         {
             "task": "digits-mlp",

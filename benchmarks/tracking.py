@@ -25,7 +25,8 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/tracking.py [--rounds 12] [--pause 0.2] \\
         [--json out.json]
 
-Takes a few minutes on 2 CPU cores.
+Takes a few minutes on 2 CPU cores. Runs go to a temporary folder in the
+system's temp dir (``TMPDIR``), not the checkout.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def main() -> None:
         "rounds": args.rounds,
         "trackers": {},
     }
-    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+    with tempfile.TemporaryDirectory(prefix="fa-bench-") as tmp:
         work = Path(tmp)
         runs = real_runs(trackers, args.rounds, work)
 

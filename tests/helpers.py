@@ -36,6 +36,26 @@ def make_reply(
     return message
 
 
+class FakeSuperLink:
+    """A SimulationSuperLink that starts nothing: what submit_run reads of a
+    SuperLink (``SuperLinkTarget``) and a context manager, for tests that
+    replace ``flwr`` too (``SimulationSuperLink`` or a ``superlink``
+    argument)."""
+
+    def __init__(self, flwr_home: Path, *args: object) -> None:
+        self.flwr_home = flwr_home
+        self.address = "127.0.0.1:1"
+        self.connection = "fake"
+        self.root_certificates: Path | None = None
+        self.simulation = True
+
+    def __enter__(self) -> FakeSuperLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 BACKEND_CONFIG = {
     "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
     "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},

@@ -15,11 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.server.client_manager import SimpleClientManager
 from torch import nn
 
-from fedadapt.client import client_app
 from fedadapt.client.fedlamb import SecondMomentsClient
 from fedadapt.client.fedprox import FedProxClient
 from fedadapt.client.local import client_seed, train_round
@@ -33,31 +31,18 @@ from fedadapt.strategies import legacy as legacy_strategies
 from fedadapt.strategies.fedlamb import SecondMoments, aggregate_second_moments
 from fedadapt.strategies.local_update import LocalUpdates
 from fedadapt.tasks import TASKS
-from tests.client.harness import Grid, InProcessProxy
+from tests.client.harness import (
+    InProcessProxy,
+    global_state,
+    make_contexts,
+    message_rounds,
+)
 
 RUN_CONFIG = {
     "task": "digits-mlp", "local-steps": 3, "batch-size": 16,
     "strategy": "fed-lamb", "client-optimizer": "fed-lamb", "client-lr": 0.01,
     "local-update": "fedprox", "fedprox.mu": 0.5,
 }  # fmt: skip
-
-
-def _global_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return TASKS.get("digits-mlp").build_model().state_dict()
-
-
-def _contexts(num: int) -> dict[int, Context]:
-    return {
-        node: Context(
-            1,
-            node,
-            {"partition-id": node - 1, "num-partitions": num},
-            RecordDict(),
-            dict(RUN_CONFIG),
-        )
-        for node in range(1, num + 1)
-    }
 
 
 def test_fed_lamb_runs_its_second_moments_by_default_and_beside_a_given_one():
@@ -90,7 +75,7 @@ def test_client_round_with_fed_lamb_and_fedprox_matches_a_by_hand_round():
     the optimizer starts from the server's v̂, every loss gains the proximal
     term, and the optimizer's v goes back keyed ``fed-lamb/<parameter>``."""
     cfg = validate_run_config(RUN_CONFIG)
-    state = _global_state()
+    state = global_state()
     model = TASKS.get("digits-mlp").build_model()
     names = [n for n, _ in model.named_parameters()]
     rng = np.random.default_rng(0)
@@ -131,29 +116,24 @@ def test_client_round_with_fed_lamb_and_fedprox_matches_a_by_hand_round():
     assert not torch.equal(first.state[names[0]], result.state[names[0]])
 
 
-def _message_rounds(strategy, contexts, rounds):
-    arrays = ArrayRecord(_global_state())
-    for server_round in range(1, rounds + 1):
-        messages = list(strategy.configure_train(
-            server_round, arrays, ConfigRecord({wire.LR: 0.01}), Grid(list(contexts))
-        ))  # fmt: skip
-        sent = messages[0].content.array_records.get(wire.LOCAL_ARRAYS)
-        assert (sent is None) == (server_round == 1)  # v̂ from round 2 on
-        replies = [client_app.train(m, contexts[m.metadata.dst_node_id])
-                   for m in messages]  # fmt: skip
-        new, _ = strategy.aggregate_train(server_round, replies)
-        assert strategy.round_reports[server_round]["train_replies"]["used"] == 2
-        arrays = new
-    return arrays, replies
-
-
 @pytest.mark.usefixtures("task_identity")
 def test_both_apis_carry_v_hat_and_v_alike_with_fedprox_beside():
     """Two rounds strategy ↔ fedadapt's clients: v̂ = max(v̂, mean v) of the
     clients' replies, and the legacy API ends with the same model and v̂."""
     message = FedLAMB(local_update=FedProx(mu=0.5), min_train_nodes=2,
                       min_available_nodes=2)  # fmt: skip
-    model, replies = _message_rounds(message, _contexts(2), 2)
+
+    def v_hat_sent_from_round_2(server_round, messages):
+        sent = messages[0].content.array_records.get(wire.LOCAL_ARRAYS)
+        assert (sent is None) == (server_round == 1)  # v̂ from round 2 on
+
+    replied = []
+    reports = message_rounds(
+        message, make_contexts(2, RUN_CONFIG), 2, replied.append, lr=0.01,
+        messages_hook=v_hat_sent_from_round_2,
+    )  # fmt: skip
+    assert all(report["train_replies"]["used"] == 2 for _, report in reports)
+    model, replies = message.latest_arrays, replied[-1]
     v_hat = message.local_update.updates[0].v_hat
     # round 2's v̂ from the replies, by hand (uniform ω, Alg. 1 line 16)
     assert v_hat is not None
@@ -166,9 +146,9 @@ def test_both_apis_carry_v_hat_and_v_alike_with_fedprox_beside():
         assert np.all(value >= mean[n].astype(np.float32))
 
     manager = SimpleClientManager()
-    for context in _contexts(2).values():
+    for context in make_contexts(2, RUN_CONFIG).values():
         manager.register(InProcessProxy(context))
-    state = _global_state()
+    state = global_state()
     legacy = legacy_strategies.FedLAMB(
         local_update=FedProx(mu=0.5), array_names=list(state), min_fit_clients=2,
         min_available_clients=2,

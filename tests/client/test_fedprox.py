@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Context
 from flwr.common import Code, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedadapt.client import client_app
 from fedadapt.client.fedprox import FedProxClient
 from fedadapt.client.local import train_round
 from fedadapt.client.local_update import LocalStart
@@ -32,8 +31,14 @@ from fedadapt.optimizers.fedlamb import FedLAMB as FedLAMBOptimizer
 from fedadapt.strategies import FedLAMB, FedProx, wire
 from fedadapt.strategies.legacy import FedLAMB as LegacyFedLAMB
 from fedadapt.tasks import TASKS
-from tests.client.harness import Grid, InProcessProxy, global_state
-from tests.client.harness import make_contexts as _plain_contexts
+from tests.client.harness import (
+    RUN_CONFIG,
+    InProcessProxy,
+    global_state,
+    linear_model,
+    make_contexts,
+    message_rounds,
+)
 
 CPU = torch.device("cpu")
 PROX = {wire.LOCAL_UPDATE: "fedprox"}
@@ -44,14 +49,6 @@ def _linear_problem(seed: int = 0):
     x = rng.normal(size=(12, 4)) * np.array([3.0, 1.0, 0.5, 0.2])  # uneven curvature
     t = rng.normal(size=(12, 1))
     return x, t, rng.normal(size=(1, 4)), rng.normal(size=(1,))
-
-
-def _linear_model(w0: np.ndarray, b0: np.ndarray) -> nn.Linear:
-    model = nn.Linear(4, 1).double()
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(w0))
-        model.bias.copy_(torch.from_numpy(b0))
-    return model
 
 
 def _train_with_prox(model, optimizer, x, t, mu, steps, lr):
@@ -122,7 +119,7 @@ def test_fedprox_with_delta_sgd_has_the_term_in_both_same_batch_passes():
     """FedProx + Δ-SGD (same-batch): both gradient passes include μ(w − w_t)."""
     x, t, w0, b0 = _linear_problem()
     mu, lr, steps = 0.5, 0.2, 6
-    model = _linear_model(w0, b0)
+    model = linear_model(w0, b0)
     cfg = validate_run_config({"client-optimizer": "delta-sgd"})
     _train_with_prox(
         model, OPTIMIZERS.get("delta-sgd")(model, lr, cfg), x, t, mu, steps, lr
@@ -146,13 +143,13 @@ def test_fedprox_with_fed_lamb_steps_on_the_proximal_gradient():
     """Fed-LAMB with FedProx = Fed-LAMB given ∇F + μ(w − w_t), step by step."""
     x, t, w0, b0 = _linear_problem(1)
     mu, lr, steps = 0.3, 0.05, 5
-    model = _linear_model(w0, b0)
+    model = linear_model(w0, b0)
     _train_with_prox(
         model, FedLAMBOptimizer(model.parameters(), lr=lr), x, t, mu, steps, lr
     )
     # the oracle: the unchanged optimizer stepped on the proximal gradient,
     # formed by hand (no closure, no hook)
-    ref = _linear_model(w0, b0)
+    ref = linear_model(w0, b0)
     start = [p.detach().clone() for p in ref.parameters()]
     optimizer = FedLAMBOptimizer(ref.parameters(), lr=lr)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(t)
@@ -165,7 +162,7 @@ def test_fedprox_with_fed_lamb_steps_on_the_proximal_gradient():
         optimizer.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=0)
-    plain = _linear_model(w0, b0)
+    plain = linear_model(w0, b0)
     _train_with_prox(
         plain, FedLAMBOptimizer(plain.parameters(), lr=lr), x, t, 0.0, steps, lr
     )
@@ -218,42 +215,26 @@ def test_fedprox_mu_zero_with_fed_lamb_is_the_plain_client_bit_for_bit():
 
 def _contexts(num: int) -> dict[int, Context]:
     """Nodes as in tests/test_local_update.py, with Fed-LAMB clients."""
-    contexts = _plain_contexts(num)
-    for context in contexts.values():
-        context.run_config.update(
-            {"client-optimizer": "fed-lamb", "strategy": "fed-lamb"}
-        )
-    return contexts
+    fed_lamb = {"client-optimizer": "fed-lamb", "strategy": "fed-lamb"}
+    return make_contexts(num, {**RUN_CONFIG, **fed_lamb})
 
 
 @pytest.mark.usefixtures("task_identity")
 def test_fedprox_with_fed_lamb_strategy_message_api():
     """strategy FedLAMB + local update FedProx + Fed-LAMB clients (ClientApp)."""
-    contexts = _contexts(2)
     strategy = FedLAMB(
         local_update=FedProx(mu=0.1), min_train_nodes=2, min_available_nodes=2
     )
-    arrays = ArrayRecord(global_state())
-    for server_round in (1, 2):
-        messages = list(
-            strategy.configure_train(
-                server_round,
-                arrays,
-                ConfigRecord({wire.LR: 0.01}),
-                Grid(list(contexts)),
-            )
-        )
+
+    def sent(server_round, messages):
         # round 2 carries the server's v̂ next to the model, with μ in the config
         assert (wire.LOCAL_ARRAYS in messages[0].content) == (server_round > 1)
         assert messages[0].content[wire.CONFIG]["fedprox.mu"] == 0.1
-        replies = [
-            client_app.train(m, contexts[m.metadata.dst_node_id]) for m in messages
-        ]
-        new, metrics = strategy.aggregate_train(server_round, replies)
-        assert new is not None and metrics is not None
-        assert strategy.round_reports[server_round]["train_replies"]["used"] == 2
-        assert metrics["fedprox-term"] > 0
-        arrays = new
+
+    reports = message_rounds(strategy, _contexts(2), 2, lr=0.01, messages_hook=sent)
+    for metrics, report in reports:
+        assert metrics is not None and metrics["fedprox-term"] > 0
+        assert report["train_replies"]["used"] == 2
     assert (
         strategy.local_update.updates[0].v_hat is not None
     )  # the clients' v reached the server

@@ -31,6 +31,7 @@ from tests.client.harness import (
     RUN_CONFIG,
     InProcessProxy,
     global_state,
+    linear_model,
     make_contexts,
     message_rounds,
 )
@@ -49,10 +50,7 @@ def test_fedprox_local_steps_match_a_float64_reference():
     x, t = rng.normal(size=(12, 4)), rng.normal(size=(12, 1))
     w0, b0 = rng.normal(size=(1, 4)), rng.normal(size=(1,))
     mu, lr, steps = 0.7, 0.05, 4
-    model = nn.Linear(4, 1).double()
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(w0))
-        model.bias.copy_(torch.from_numpy(b0))
+    model = linear_model(w0, b0)
     data = TensorDataset(torch.from_numpy(x), torch.from_numpy(t))
     prox = FedProxClient()
     prox.begin(

@@ -32,6 +32,7 @@ from tests.client.harness import (
     RUN_CONFIG,
     InProcessProxy,
     global_state,
+    linear_model,
     make_contexts,
     message_rounds,
 )
@@ -77,17 +78,9 @@ def _reference_client(x, data, m, c, beta, lr, batches):
     return (w, b), _grad(*x, inputs, targets)  # y_i and ∇f_i(x) (full batch)
 
 
-def _linear(w: np.ndarray, b: np.ndarray) -> nn.Linear:
-    model = nn.Linear(w.shape[1], 1).double()
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(w))
-        model.bias.copy_(torch.from_numpy(b))
-    return model
-
-
 def _client_round(name, x, data, config, arrays, lr, steps, batch_size, seed):
     """One client's round through the client half and train_local (float64)."""
-    model = _linear(*x)
+    model = linear_model(*x)
     dataset = TensorDataset(*(torch.from_numpy(a) for a in data))
     client = CLIENT_UPDATES.get(name)()
     client.begin(

@@ -28,6 +28,7 @@ from tests.client.harness import (
     Grid,
     InProcessProxy,
     global_state,
+    linear_model,
     make_contexts,
     message_rounds,
 )
@@ -49,10 +50,7 @@ def test_local_steps_match_a_float64_reference():
     c = {"weight": rng.normal(size=(1, 4)), "bias": rng.normal(size=(1,))}
     c_i = {"weight": rng.normal(size=(1, 4)), "bias": rng.normal(size=(1,))}
     lr, steps, clip, wd = 0.05, 3, 0.5, 0.1
-    model = nn.Linear(4, 1).double()
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(w0))
-        model.bias.copy_(torch.from_numpy(b0))
+    model = linear_model(w0, b0)
     data = TensorDataset(torch.from_numpy(x_in), torch.from_numpy(t))
     client = ScaffoldClient()
     client.begin(

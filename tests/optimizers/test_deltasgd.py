@@ -128,21 +128,26 @@ def _logreg_torch(X, y, x0, dtype=torch.float64, device="cpu"):
     return w, b, Xt, yt
 
 
+def _logreg_closure(opt, w, b, Xt, yt, batch):
+    """The closure ``opt.step`` takes: the logistic loss of ``batch`` (row
+    indices), gradients cleared first."""
+    idx = torch.as_tensor(batch, device=Xt.device)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(Xt[idx] @ w + b, yt[idx])
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _run_logreg(X, y, batches, x0, steps, dtype=torch.float64, device="cpu", **kw):
     w, b, Xt, yt = _logreg_torch(X, y, x0, dtype, device)
     opt = DeltaSGD([w, b], **kw)
     xs = []
     for k in range(steps):
-        idx = torch.as_tensor(batches[k % len(batches)], device=device)
-
-        def closure(idx=idx):
-            opt.zero_grad()
-            logits = Xt[idx] @ w + b
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, yt[idx])
-            loss.backward()
-            return loss
-
-        opt.step(closure)
+        opt.step(_logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)]))
         xs.append(torch.cat([w, b]).detach().cpu().double().numpy())
     return opt, np.array(xs)
 
@@ -465,6 +470,19 @@ def test_param_groups_keep_separate_eta():
 # ------------------------ same-batch side effects (§3 remarks: same batch)
 
 
+def _mse_closure(opt, model, inputs, targets):
+    """The closure ``opt.step`` takes: ``model``'s mean squared error on one
+    batch, gradients cleared first."""
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _bn_model():
     torch.manual_seed(0)
     return nn.Sequential(
@@ -520,14 +538,8 @@ def test_u7_without_module_closure_is_responsible():
     opt = DeltaSGD(model.parameters())  # no module: extra pass counts in BN stats
     inputs, targets = _bn_batches()[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     assert model[1].num_batches_tracked.item() == 5
 
 
@@ -676,17 +688,7 @@ def test_state_dict_round_trip_lock_step(mode):
     opt_a = DeltaSGD([wa, ba], mode=mode, weight_decay=0.01)
 
     def make_closure(opt, w, b, k):
-        idx = torch.as_tensor(batches[k % len(batches)])
-
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.binary_cross_entropy_with_logits(
-                Xt[idx] @ w + b, yt[idx]
-            )
-            loss.backward()
-            return loss
-
-        return closure
+        return _logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)])
 
     for k in range(5):
         opt_a.step(make_closure(opt_a, wa, ba, k))
@@ -720,17 +722,7 @@ def test_state_dict_is_a_snapshot_and_loading_copies(mode):
     opt = DeltaSGD([w, b], mode=mode)
 
     def make_closure(opt, w, b, k):
-        idx = torch.as_tensor(batches[k % len(batches)])
-
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.binary_cross_entropy_with_logits(
-                Xt[idx] @ w + b, yt[idx]
-            )
-            loss.backward()
-            return loss
-
-        return closure
+        return _logreg_closure(opt, w, b, Xt, yt, batches[k % len(batches)])
 
     for k in range(4):
         opt.step(make_closure(opt, w, b, k))
@@ -767,20 +759,14 @@ def test_same_batch_pass_follows_reassigned_buffers():
     opt = DeltaSGD(model.parameters(), module=model)
     inputs, targets = _bn_batches()[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     model[1].running_mean = model[1].running_mean.clone()
     model[1].num_batches_tracked = model[1].num_batches_tracked.clone()
     reference = copy.deepcopy(model)
     with torch.no_grad():
         reference(inputs)  # the one train-mode pass at x_k that should count
-    opt.step(closure)
+    opt.step(_mse_closure(opt, model, inputs, targets))
     for got, want in zip(model.buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert model[1].num_batches_tracked.item() == 4
@@ -851,14 +837,7 @@ def test_single_tensor_and_foreach_paths_agree(monkeypatch, mode, wd):
         weights = []
         for k in range(12):
             inputs, targets = batches[k % 3]
-
-            def closure(inputs=inputs, targets=targets, opt=opt, model=model):
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(inputs), targets)
-                loss.backward()
-                return loss
-
-            opt.step(closure)
+            opt.step(_mse_closure(opt, model, inputs, targets))
             weights.append([p.detach().clone() for p in model.parameters()])
         runs[foreach] = (opt.history[0], weights, opt.state_dict())
     assert calls == ["_single_tensor_delta_sgd"] * 12 + ["_multi_tensor_delta_sgd"] * 12
@@ -1032,14 +1011,7 @@ def test_step_and_functional_give_identical_trajectories(foreach, mode, wd):
     lr, theta = 2.0, 1.0
     for k in range(15):
         inputs, targets = batches[k % len(batches)]
-
-        def closure(inputs=inputs, targets=targets):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs), targets)
-            loss.backward()
-            return loss
-
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
 
         grads = _grads_at(ref, inputs, targets)
         if mode == "same_batch" and k > 0:
@@ -1101,14 +1073,8 @@ def test_group_level_foreach_is_honoured(monkeypatch, mode):
     )
     inputs, targets = _mse_batches(1)[0]
 
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(_mse_closure(opt, model, inputs, targets))
     # Both groups' norms (one host read), then both updates, every step.
     step = [
         ("norms", "single", 1),

@@ -116,11 +116,19 @@ def test_seeded_sampling_is_uniform_over_partitions():
     assert all(58 <= c <= 122 for c in counts.values()), counts
 
 
-def test_global_rng_is_left_as_it_was():
+@pytest.mark.parametrize(
+    "sample_rounds",
+    [
+        lambda: _sampled_partitions(*_a_run(run_seed=1, sampling_seed=5), [1, 2, 3]),
+        lambda: _legacy_sampled(*_a_legacy_run(run_seed=1, sampling_seed=5), [1, 2, 3]),
+    ],
+    ids=["message-api", "legacy-api"],
+)
+def test_global_rng_is_left_as_it_was(sample_rounds):
     random.seed(123)
     expected = random.random()
     random.seed(123)
-    _sampled_partitions(*_a_run(run_seed=1, sampling_seed=5), [1, 2, 3])
+    sample_rounds()
     assert random.random() == expected
 
 
@@ -344,14 +352,6 @@ def test_legacy_every_client_sampled_asks_nobody():
     pairs = strategy.configure_fit(1, LEGACY_PARAMETERS, manager)
     assert len(pairs) == NUM_NODES
     assert not any(c.get_properties.called for c in manager.all().values())
-
-
-def test_legacy_global_rng_is_left_as_it_was():
-    random.seed(123)
-    expected = random.random()
-    random.seed(123)
-    _legacy_sampled(*_a_legacy_run(run_seed=1, sampling_seed=5), [1, 2, 3])
-    assert random.random() == expected
 
 
 def test_legacy_bad_partition_answers_are_left_out_and_sampled_last():

@@ -20,7 +20,7 @@ from fedadapt.tools.experiments import (
     summarise,
     write_report,
 )
-from tests.helpers import ROOT, VENV_BIN
+from tests.helpers import ROOT, VENV_BIN, FakeSuperLink
 
 SUITE = """
 name: tiny
@@ -374,19 +374,6 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
 
     commands = []
 
-    class FakeSuperLink:
-        flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"
-        root_certificates, simulation = None, True
-
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
     def fake_flwr(args, env, **kw):
         if args[0] == "run":
             commands.append(list(args))
@@ -422,19 +409,6 @@ def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys
     """``--federation-config`` with a key Flower rejects: exit 2 and Flower's
     message, not a traceback."""
     from fedadapt.tools import submission as cli
-
-    class FakeSuperLink:
-        flwr_home, address, connection = tmp_path / "home", "127.0.0.1:1", "fake"
-        root_certificates, simulation = None, True
-
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
 
     def refusing_flwr(args, env, **kw):
         raise RuntimeError("flwr run failed (1): Unknown simulation config field(s)")

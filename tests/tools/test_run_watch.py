@@ -10,15 +10,7 @@ import time
 from pathlib import Path
 
 from fedadapt.tools import submission as cli
-
-
-class FakeSuperLink:
-    def __init__(self, home: Path) -> None:
-        self.flwr_home = home
-        self.address = "127.0.0.1:1"
-        self.connection = "fake"
-        self.root_certificates = None
-        self.simulation = True
+from tests.helpers import FakeSuperLink
 
 
 def _write(path: Path, status: str, rounds: int) -> None:

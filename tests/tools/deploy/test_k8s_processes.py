@@ -120,6 +120,19 @@ def test_k8s_commands_register_and_admit_a_supernode(tmp_path):
         "/public-keys/", f"{public_keys}/"
     )
     job_env = tree.env(flower_env(tmp_path / "job-home"))
+
+    def run_job(expected: str) -> None:
+        """Run the Job's script: exit 0, ``expected`` once for each of 3 keys."""
+        done = subprocess.run(
+            ["sh", "-c", script],
+            env=job_env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count(expected) == 3, done.stdout
+
     try:
         superlink.start()
         superlink.wait_until(
@@ -127,24 +140,8 @@ def test_k8s_commands_register_and_admit_a_supernode(tmp_path):
             60,
             "healthy",
         )
-        first = subprocess.run(
-            ["sh", "-c", script],
-            env=job_env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert first.returncode == 0, first.stdout + first.stderr
-        assert first.stdout.count("registered successfully") == 3, first.stdout
-        again = subprocess.run(
-            ["sh", "-c", script],
-            env=job_env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert again.returncode == 0, again.stdout + again.stderr
-        assert again.stdout.count("registered before") == 3, again.stdout
+        run_job("registered successfully")
+        run_job("registered before")  # a rerun of the Job is harmless
 
         supernode.start()
         cli_home = tmp_path / "cli"
