@@ -45,7 +45,6 @@ from fedadapt.server.run import (
 from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.strategies import wire
-from fedadapt.strategies._message_api import send_and_receive
 from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import TASKS
 
@@ -114,7 +113,7 @@ def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         for node in node_ids
     ]
     answers: dict[int, Mapping[str, Any] | None] = dict.fromkeys(node_ids)
-    for reply in send_and_receive(grid, messages, timeout=timeout):
+    for reply in grid.send_and_receive(messages, timeout=timeout):
         if not reply.has_error() and len(reply.content.metric_records) == 1:
             record = next(iter(reply.content.metric_records.values()))
             answers[reply.metadata.src_node_id] = dict(record)

@@ -88,59 +88,6 @@ class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     evaluate_metrics_aggr_fn: Callable[..., MetricRecord] | None
 
 
-#: Wait before the second pull for replies; it doubles up to the grid's own
-#: ``pull_interval`` (the in-memory grid of the simulation: 0.1 s) or, for a
-#: grid without one (deployment: each pull is a request to the SuperLink),
-#: up to ``LONGEST_PULL_WAIT_S``.
-FIRST_PULL_WAIT_S = 0.005
-LONGEST_PULL_WAIT_S = 1.0
-
-
-def send_and_receive(
-    grid: Grid, messages: Iterable[Message], *, timeout: float | None = None
-) -> list[Message]:
-    """Push ``messages`` and pull their replies until all are in or ``timeout``.
-
-    ``Grid.send_and_receive``'s contract (the replies that arrived by the
-    deadline, in arrival order; ``timeout=None`` waits for all), with a
-    shorter wait between pulls: 5 ms first, doubling up to the grid's own
-    interval. Flower 1.42's grids sleep a fixed interval between pulls (the
-    simulation's in-memory grid 0.1 s, the deployment's HTTP grid 3 s), so
-    each exchange, two a round (train, evaluate), ended up to that long
-    after its last reply: on a short simulated round (digits, 0.2 s) that
-    is a large share (issue #30, docs/benchmarks.md). Never slower than
-    Flower's loop in simulation (the cap is its interval); in deployment one
-    pull a second at most instead of one every 3 s. Only Flower's own grids
-    (whose ``send_and_receive`` is that loop) are polled this way; a grid
-    with its own ``send_and_receive`` (a test double, another transport) is
-    used as it is. Callers that need an order sort the replies (the reply
-    screening does, by node).
-    """
-    own = getattr(type(grid), "send_and_receive", None)
-    if not getattr(own, "__module__", "").startswith("flwr."):
-        return list(grid.send_and_receive(messages, timeout=timeout))
-    pending = set(grid.push_messages(messages))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
-    wait = FIRST_PULL_WAIT_S
-    longest = float(getattr(grid, "pull_interval", LONGEST_PULL_WAIT_S))
-    while pending:
-        pulled = list(grid.pull_messages(pending))
-        replies.extend(pulled)
-        pending.difference_update(m.metadata.reply_to_message_id for m in pulled)
-        if not pending:
-            break
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(wait, left))
-        else:
-            time.sleep(wait)
-        wait = min(2 * wait, longest)
-    return replies
-
-
 def _to_numpy(record: ArrayRecord) -> Arrays:
     return {k: v.numpy() for k, v in record.items()}
 
@@ -572,9 +519,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
     ) -> ArrayRecord:
         """One round of Flower's loop: train, federated and central evaluation."""
-        train_replies = send_and_receive(
-            grid,
-            self.configure_train(current_round, arrays, configs[0], grid),
+        train_replies = grid.send_and_receive(
+            messages=self.configure_train(current_round, arrays, configs[0], grid),
             timeout=timeout,
         )
         agg_arrays, agg_train_metrics = self.aggregate_train(
@@ -586,9 +532,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         if agg_train_metrics is not None:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_train_metrics)
             result.train_metrics_clientapp[current_round] = agg_train_metrics
-        evaluate_replies = send_and_receive(
-            grid,
-            self.configure_evaluate(current_round, arrays, configs[1], grid),
+        evaluate_replies = grid.send_and_receive(
+            messages=self.configure_evaluate(current_round, arrays, configs[1], grid),
             timeout=timeout,
         )
         agg_evaluate_metrics = self.aggregate_evaluate(current_round, evaluate_replies)
