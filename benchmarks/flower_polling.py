@@ -25,7 +25,6 @@ the ratios shipped / shortened::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._output import write_json  # noqa: E402
 from benchmarks.simulation_floor import (  # noqa: E402
     MINIMAL,
     MINIMAL_KEYS,
@@ -174,24 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         ratios[app] = round(a / b, 2)
         print(f"| {app} round (s) | {a:.3f} | {b:.3f} | {a / b:.2f} |")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": info,
-                    "task": args.task,
-                    "rounds": args.rounds,
-                    "poll_s": args.poll,
-                    "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "shipped": shipped,
-                    "shortened": shortened,
-                    "ratios": ratios,
-                },
-                indent=1,
-            )
-            + "\n"
+        write_json(
+            args.json,
+            {
+                "machine": info,
+                "task": args.task,
+                "rounds": args.rounds,
+                "poll_s": args.poll,
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "shipped": shipped,
+                "shortened": shortened,
+                "ratios": ratios,
+            },
         )
-        print(f"written: {args.json}")
     return 0
 
 

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks._output import write_json  # noqa: E402
 from benchmarks._protocols import DELTA_SGD_CLIENTS, SGD_MNIST5K  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.tasks import TASKS  # noqa: E402
@@ -422,23 +423,18 @@ def main(argv: list[str] | None = None) -> int:
         if "ratios" in r:
             print(f"{name} ratios: {r['ratios']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": info,
-                    "rounds": args.rounds,
-                    "device": args.device,
-                    "client_cpus": args.client_cpus,
-                    "client_gpus": args.client_gpus,
-                    "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "results": results,
-                },
-                indent=1,
-            )
-            + "\n"
+        write_json(
+            args.json,
+            {
+                "machine": info,
+                "rounds": args.rounds,
+                "device": args.device,
+                "client_cpus": args.client_cpus,
+                "client_gpus": args.client_gpus,
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "results": results,
+            },
         )
-        print(f"written: {args.json}")
     return 0
 
 
