@@ -43,7 +43,7 @@ test-flower-versions: $(STAMP)
 
 # real processes: SuperLink + 3 SuperNodes with TLS, SuperNode auth, a refused
 # stranger and node loss; a Ray cluster; slow process-failure checks and the
-# longest multi-run e2e tests (about 12 minutes; kept out of the default suite,
+# longest multi-run e2e tests (about 10 minutes; kept out of the default suite,
 # which must stay within CI's 20 minutes including install)
 test-deploy: $(STAMP)
 	$(BIN)/python -m pytest -q -m deploy -rs tests
