@@ -1,0 +1,130 @@
+"""The attack suite's hostile updates (fedadapt.attacks) against their definitions.
+
+Oracles: the formulas of algorithms-spec.md §12 written out here per
+attack (sign flip, orthogonal, ALIE's z_max from the standard normal
+quantile, IPM), computed on small hand-made updates.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from fedadapt.attacks import (
+    ATTACKS,
+    FALSE_REPORT_FACTOR,
+    UNBOUNDED_SCALE,
+    UNDER_BOUND,
+    RoundView,
+    alie_z,
+    craft,
+    norm,
+)
+
+
+def _honest(seed=0, n=7, dim=6):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=dim)
+    return [{"w": (base + 0.3 * rng.normal(size=dim)).astype(np.float32),
+             "steps": np.array(3, dtype=np.int64)} for _ in range(n)]  # fmt: skip
+
+
+def _view(cap=math.inf, f=1):
+    honest = _honest()
+    own = _honest(seed=1, n=f)
+    return RoundView(honest, own, cap, [10.0] * len(honest), seed=3)
+
+
+def _mu(view):
+    return np.mean([h["w"].astype(np.float64) for h in view.honest], axis=0)
+
+
+@pytest.mark.parametrize("cap", [math.inf, 2.5])
+def test_sign_flip_points_against_its_own_update_just_under_the_cap(cap):
+    view = _view(cap)
+    (reply,) = craft("sign-flip", view)
+    own = view.own[0]["w"].astype(np.float64)
+    expected_norm = (
+        UNDER_BOUND * cap if math.isfinite(cap) else UNBOUNDED_SCALE * norm(view.own[0])
+    )
+    sent = reply.update["w"].astype(np.float64)
+    assert norm(reply.update) == pytest.approx(expected_norm, rel=1e-5)
+    cosine = sent @ own / (np.linalg.norm(sent) * np.linalg.norm(own))
+    assert cosine == pytest.approx(-1.0, abs=1e-6)
+    assert reply.update["steps"] == view.own[0]["steps"]  # integer arrays untouched
+    assert reply.claims == {}
+
+
+def test_orthogonal_has_no_component_along_the_honest_mean():
+    view = _view(cap=2.0)
+    (reply,) = craft("orthogonal", view)
+    sent = reply.update["w"].astype(np.float64)
+    mu = _mu(view)
+    assert abs(sent @ mu) / (np.linalg.norm(sent) * np.linalg.norm(mu)) < 1e-5
+    assert norm(reply.update) == pytest.approx(UNDER_BOUND * 2.0, rel=1e-5)
+
+
+@pytest.mark.parametrize(("n", "f"), [(10, 1), (10, 2), (10, 3), (20, 5)])
+def test_alie_z_is_baruchs_z_max(n, f):
+    s = math.floor(n / 2 + 1) - f
+    assert alie_z(n, f) == pytest.approx(NormalDist().inv_cdf((n - s) / n))
+    assert alie_z(10, 1) == pytest.approx(0.0)
+
+
+def test_alie_sends_mean_minus_z_sigma_from_every_colluder():
+    view = _view(f=3)
+    replies = craft("alie", view)
+    stack = np.stack([h["w"].astype(np.float64) for h in view.honest])
+    z = alie_z(view.num_clients, 3)
+    expected = stack.mean(axis=0) - z * stack.std(axis=0)
+    assert len(replies) == 3
+    for reply in replies:
+        np.testing.assert_allclose(reply.update["w"], expected, rtol=1e-5)
+
+
+def test_ipm_is_a_negative_multiple_of_the_honest_mean_at_the_cap():
+    view = _view(cap=1.5)
+    (reply,) = craft("ipm", view)
+    sent = reply.update["w"].astype(np.float64)
+    mu = _mu(view)
+    epsilon = -(sent @ mu) / (mu @ mu)
+    np.testing.assert_allclose(sent, -epsilon * mu, rtol=1e-5, atol=1e-7)
+    assert epsilon > 0
+    assert norm(reply.update) == pytest.approx(UNDER_BOUND * 1.5, rel=1e-5)
+
+
+def test_scaled_copy_scales_its_own_update_up_never_down():
+    up = craft("scaled-copy", _view(cap=100.0))[0]
+    own = _view().own[0]
+    ratio = up.update["w"] / own["w"]
+    np.testing.assert_allclose(ratio, ratio[0], rtol=1e-5)
+    assert norm(up.update) == pytest.approx(UNDER_BOUND * 100.0, rel=1e-5)
+    same = craft("scaled-copy", _view(cap=1e-3))[0]
+    np.testing.assert_array_equal(same.update["w"], own["w"])
+
+
+def test_false_reports_claim_what_the_attack_says():
+    view = _view()
+    (norm_lie,) = craft("false-norm", view)
+    np.testing.assert_array_equal(norm_lie.update["w"], view.own[0]["w"])
+    assert norm_lie.claims["update-sq-norm"] == pytest.approx(
+        FALSE_REPORT_FACTOR * norm(view.own[0]) ** 2
+    )
+    (weight_lie,) = craft("false-weight", view)
+    assert weight_lie.claims == {"num-examples": FALSE_REPORT_FACTOR * 10.0}
+    np.testing.assert_array_equal(
+        weight_lie.update["w"], craft("sign-flip", view)[0].update["w"]
+    )
+
+
+def test_every_attack_is_crafted_and_an_unknown_one_is_refused():
+    view = _view(cap=2.0, f=2)
+    for attack in ATTACKS:
+        replies = craft(attack, view)
+        assert len(replies) == 2
+        assert all(np.all(np.isfinite(r.update["w"])) for r in replies)
+    with pytest.raises(ValueError, match="unknown attack"):
+        craft("gradient-ascent", view)
