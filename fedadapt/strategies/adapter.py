@@ -373,6 +373,9 @@ def apply_rule(
     max_norm_ratio: float = 0.0,
     aggregation: str = "mean",
     trim_fraction: float = 0.2,
+    clip_mode: str = "flag",
+    max_weight_ratio: float = 0.0,
+    step_guard: bool = False,
 ) -> tuple[Arrays | None, dict[str, float | None], list[TrainReply]]:
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
@@ -408,6 +411,9 @@ def apply_rule(
                 max_norm_ratio=max_norm_ratio,
                 aggregation=aggregation,
                 trim_fraction=trim_fraction,
+                clip_mode=clip_mode,
+                max_weight_ratio=max_weight_ratio,
+                step_guard=step_guard,
             )
         except ReplyError as error:
             bad = [c for c in ordered if c.arrays is error.arrays]

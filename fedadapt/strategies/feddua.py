@@ -140,6 +140,7 @@ class FedDuARule(ServerRule):
         """
         assert stats.mean_sq_norm is not None, "FedDuA's step needs A"
         delta, half_a = stats.mean_update, 0.5 * float(stats.mean_sq_norm)
+        guard = self.guard_step_size(stats)  # before v, s, m move
         identity = self.preconditioner == "identity"
         if self.v is None:
             self.v = zeros_like(delta)
@@ -166,11 +167,70 @@ class FedDuARule(ServerRule):
         q = math.fsum(float(np.vdot(self.v[k], u)) for k, u in direction.items())
         denominator = q + self.step_epsilon(stats)
         eta = self.m / denominator if denominator > 0 else 0.0
+        diagnostics = {"server-lr": eta, "q": q, "m": self.m}
+        if guard is not None and guard < eta:
+            diagnostics["server-lr-unguarded"] = eta
+            eta = diagnostics["server-lr"] = guard
         new = {
             k: x + np.multiply(direction[k], eta, out=self.scratch(direction[k]))
             for k, x in current.items()
         }
-        return new, {"server-lr": eta, "q": q, "m": self.m}
+        return new, diagnostics
+
+    def guard_step_size(self, stats: RoundStatistics) -> float | None:
+        """Return min_i η_t^{(−i)}: the step size were any one client absent.
+
+        The step guard (issue #38, our addition; not in DUA): η_t adapts to
+        the clients' disagreement, so one client that cancels part of Δ̄
+        (a sign flip) or adds a direction of its own raises η_t and the
+        server multiplies its push. Capping η_t at the smallest step size
+        the round would give without each client in turn
+        (``stats.without_each``, :func:`~fedadapt.strategies.core.
+        aggregation.leave_one_out`) means no single client can raise the
+        server's step size; its push moves the model by no more than the
+        other clients' own step would. Evaluated from the moments before
+        this round's update (v, s, m are not touched). None when the guard
+        is off.
+        """
+        if stats.without_each is None:
+            return None
+        identity = self.preconditioner == "identity"
+        adagrad, b1, b2 = self.variant == "adagrad", self.beta_1, self.beta_2
+        eps_g = self.step_epsilon(stats)
+        smallest = math.inf
+        for delta, a in stats.without_each():
+            if a is None:
+                return None
+            if adagrad:
+                m = 0.5 * a
+                v = delta
+            else:
+                m = 0.5 * b1 * self.m + (1 - b1) * 0.5 * a
+                v = {
+                    k: (1 - b1) * d if self.v is None else b1 * self.v[k] + (1 - b1) * d
+                    for k, d in delta.items()
+                }
+            q = 0.0
+            for k, vk in v.items():
+                if identity:
+                    q += float(np.vdot(vk, vk))
+                    continue
+                square = np.square(delta[k])
+                if adagrad:
+                    s = square if self.s is None else self.s[k] + square
+                else:
+                    s = (
+                        (1 - b2) * square
+                        if self.s is None
+                        else b2 * self.s[k] + (1 - b2) * square
+                    )
+                g = np.sqrt(s) + self.epsilon
+                q += float(
+                    np.sum(np.divide(vk * vk, g, out=np.zeros_like(g), where=g > 0))
+                )
+            denominator = q + eps_g
+            smallest = min(smallest, m / denominator if denominator > 0 else 0.0)
+        return None if math.isinf(smallest) else smallest
 
     def step_epsilon(self, stats: RoundStatistics) -> float:
         """Return the ε_g of this update (FedExPM uses FedExP's decayed ε)."""

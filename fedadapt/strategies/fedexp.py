@@ -36,6 +36,7 @@ any reported ``update-sq-norm`` against it; only
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,9 +131,33 @@ class FedExPRule(FedDuARule):
         denominator = 2.0 * (sq_norm(stats.mean_update) + eps)
         assert stats.mean_sq_norm is not None, "FedExP's step needs A"
         raw = float(stats.mean_sq_norm) / denominator if denominator > 0 else 0.0
+        diagnostics = {"epsilon": eps}
+        guard = self.guard_raw_step(stats, eps)
+        if guard is not None and guard < raw:
+            diagnostics["server-lr-unguarded"] = (
+                max(1.0, raw) if self.form == "original" else raw
+            )
+            raw = guard
         eta = max(1.0, raw) if self.form == "original" else raw
         new = {k: x + eta * stats.mean_update[k] for k, x in current.items()}
-        return new, {"server-lr": eta, "epsilon": eps}
+        return new, {"server-lr": eta, **diagnostics}
+
+    def guard_raw_step(self, stats: RoundStatistics, eps: float) -> float | None:
+        """Return min_i A_{−i} / (2(‖Δ̄_{−i}‖² + ε)): the step guard.
+
+        See :meth:`FedDuARule.guard_step_size` (the same guard, our
+        addition): no single client can raise FedExP's extrapolation; the
+        max(1,·) floor still applies after it. None when the guard is off.
+        """
+        if stats.without_each is None:
+            return None
+        smallest = math.inf
+        for delta, a in stats.without_each():
+            if a is None:
+                return None
+            denominator = 2.0 * (sq_norm(delta) + eps)
+            smallest = min(smallest, a / denominator if denominator > 0 else 0.0)
+        return None if math.isinf(smallest) else smallest
 
     def step_epsilon(self, stats: RoundStatistics) -> float:
         """Return FedExPM's ε_g: this round's FedExP ε."""

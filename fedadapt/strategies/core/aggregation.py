@@ -18,7 +18,7 @@ in a row. Plain NumPy: no Flower, no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,6 +86,11 @@ class RoundStatistics:
     clip_scales : tuple[float, ...] | None
         The factor each client's adaptive update was multiplied by (1 when
         not clipped); None when clipping was off.
+    without_each : Callable[[], Iterator[tuple[Arrays, float | None]]] | None
+        The step guard's leave-one-out statistics (:func:`leave_one_out`):
+        called, it yields (Δ̄_{−i}, A_{−i}) client by client; None when the
+        guard is off or cannot apply (fewer than 3 replies, robust
+        aggregation, trusted norms).
     """
 
     mean_update: Arrays
@@ -94,14 +99,23 @@ class RoundStatistics:
     client_sq_norms: tuple[float, ...] | None = None
     norm_bound: float | None = None
     clip_scales: tuple[float, ...] | None = None
+    without_each: Callable[[], Iterator[tuple[Arrays, float | None]]] | None = None
 
 
-def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any]:
+def client_weights(
+    num_examples: Sequence[float], weighting: str, max_weight_ratio: float = 0.0
+) -> NDArray[Any]:
     """Return ω: uniform ``1/|S|`` or ``n_i / Σ n_j``.
 
     The papers average uniformly (Δ-SGD arXiv:2306.11201 Alg. 1 line 13,
     FedDuA Alg. 1 lines 9 and 12, Fed-LAMB arXiv:2110.00532 Alg. 1 line 15);
     ``n_i``-weighting is Flower's default and the FedExP code's.
+
+    ``max_weight_ratio = c > 0`` caps each count at c times the round's
+    median count before normalising (``n_i ← min(n_i, c·median_j n_j)``):
+    ``num-examples`` is the client's own claim, and without a cap one
+    client that claims 100× the others' data takes almost all the weight
+    (our choice; issue #38's ``false-weight`` attack).
     """
     n = np.asarray(num_examples, dtype=np.float64)
     if n.size == 0:
@@ -110,6 +124,8 @@ def client_weights(num_examples: Sequence[float], weighting: str) -> NDArray[Any
         return np.full(n.size, 1.0 / n.size)
     if not np.all(np.isfinite(n)) or np.any(n <= 0):
         raise ValueError(f"num_examples must be finite and > 0, got {n.tolist()}")
+    if max_weight_ratio > 0:
+        n = np.minimum(n, max_weight_ratio * float(np.median(n)))
     return n / n.sum()
 
 
@@ -199,6 +215,7 @@ def clip_scales(
     sq_norms: Sequence[float] | NDArray[Any],
     max_norm: float,
     max_norm_ratio: float,
+    clip_mode: str = "flag",
 ) -> NDArray[Any]:
     """Return the factor s_i ≤ 1 each client's update is multiplied by.
 
@@ -224,6 +241,8 @@ def clip_scales(
         if median is not None:
             threshold = max_norm_ratio * median
             flagged = norms > threshold
+            if clip_mode == "clip":  # to the bound itself
+                return np.where(flagged, np.minimum(scales, threshold / norms), scales)
             kept = norms[~flagged]
             target = float(np.median(kept)) if kept.size else threshold
             scales = np.where(flagged, np.minimum(scales, target / norms), scales)
@@ -248,6 +267,53 @@ def robust_mean(stack: NDArray[Any], aggregation: str, trim_fraction: float) -> 
     return np.mean(kept, axis=0)
 
 
+#: Fewest replies for the step guard: leaving one of two out leaves a
+#: single client, whose own step says nothing about the others'.
+GUARD_MIN_CLIENTS = 3
+
+
+def leave_one_out(
+    current: Mapping[str, NDArray[Any]],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    effective_weights: Sequence[float],
+    weights: Sequence[float],
+    stats_mean: Mapping[str, NDArray[Any]],
+    per_client_sq: Sequence[float] | None,
+    mean_sq_norm: float | None,
+    keys: Sequence[str],
+) -> Callable[[], Iterator[tuple[Arrays, float | None]]]:
+    """Return a generator of each client's leave-one-out round statistics.
+
+    With Δ̄ = Σ_j ω_j s_j Δ_j (s_j: clip factor) and A = Σ_j ω_j ‖s_jΔ_j‖²,
+    leaving client i out and renormalising the weights gives
+
+        Δ̄_{−i} = (Δ̄ − ω_i s_i Δ_i) / (1 − ω_i),
+        A_{−i} = (A − ω_i ‖s_iΔ_i‖²) / (1 − ω_i).
+
+    One client's pair at a time (one model-sized buffer, not n of them),
+    over ``keys`` only (the rule's adaptive arrays). What the step guard of
+    the adaptive rules needs (:meth:`ServerRule.guarded_step`): the server
+    step each client's absence would give.
+    """
+
+    def generate() -> Iterator[tuple[Arrays, float | None]]:
+        for i, client in enumerate(clients):
+            rest = 1.0 - weights[i]
+            if rest <= 0:
+                continue
+            delta = {}
+            for k in keys:
+                own = np.subtract(client[k], current[k], dtype=_acc_dtype(current[k]))
+                own *= effective_weights[i]
+                delta[k] = (stats_mean[k] - own) / rest
+            a = None
+            if mean_sq_norm is not None and per_client_sq is not None:
+                a = max(0.0, (mean_sq_norm - weights[i] * per_client_sq[i]) / rest)
+            yield delta, a
+
+    return generate
+
+
 def round_statistics(
     rule: Rule,
     current: Mapping[str, NDArray[Any]],
@@ -259,6 +325,9 @@ def round_statistics(
     max_norm_ratio: float = 0.0,
     aggregation: str = "mean",
     trim_fraction: float = 0.2,
+    clip_mode: str = "flag",
+    max_weight_ratio: float = 0.0,
+    step_guard: bool = False,
 ) -> RoundStatistics:
     """Form Δ̄ and (when ``rule`` needs it) A from per-client arrays.
 
@@ -304,7 +373,7 @@ def round_statistics(
         raise ValueError(
             "clipping and robust aggregation need the server's own norms, not sq_norms"
         )
-    weights = client_weights(num_examples, rule.weighting).tolist()
+    weights = client_weights(num_examples, rule.weighting, max_weight_ratio).tolist()
     adaptive = rule.adaptive_keys(current)
     compute = sq_norms is None and (rule.needs_sq_norms or clip)
     norms = np.zeros(len(clients)) if compute else None
@@ -329,7 +398,7 @@ def round_statistics(
     if clip:
         assert norms is not None, "clipping computes the clients' norms"
         bound = norm_bound(norms, max_norm, max_norm_ratio)
-        scales = clip_scales(norms, max_norm, max_norm_ratio)
+        scales = clip_scales(norms, max_norm, max_norm_ratio, clip_mode)
     if aggregation != "mean":
         mean_update = _robust_update(
             current, clients, adaptive, scales, aggregation, trim_fraction
@@ -341,6 +410,7 @@ def round_statistics(
                 current[k], [c[k] for c in clients], clipped, None
             )
     mean_sq_norm = None
+    per_client = None
     if rule.needs_sq_norms:
         per_client = norms if norms is not None else np.asarray(sq_norms, float)
         if scales is not None:
@@ -351,6 +421,20 @@ def round_statistics(
             mean_sq_norm = float(
                 robust_mean(np.asarray(per_client), aggregation, trim_fraction)
             )
+    without_each = None
+    guarded = step_guard and aggregation == "mean" and sq_norms is None
+    if guarded and len(clients) >= GUARD_MIN_CLIENTS:
+        effective = weights if scales is None else (np.asarray(weights) * scales)
+        without_each = leave_one_out(
+            current,
+            clients,
+            list(map(float, effective)),
+            weights,
+            mean_update,
+            None if per_client is None else per_client.tolist(),
+            mean_sq_norm,
+            adaptive,
+        )
     return RoundStatistics(
         mean_update,
         mean_sq_norm,
@@ -358,6 +442,7 @@ def round_statistics(
         None if norms is None else tuple(norms.tolist()),
         bound,
         None if scales is None else tuple(scales.tolist()),
+        without_each,
     )
 
 
@@ -441,6 +526,7 @@ def apply_statistics(
             {k: stats.mean_update[k] for k in keys},
             stats.mean_sq_norm,
             stats.num_clients,
+            without_each=stats.without_each,
         ),
     )
     for key, x_t in current.items():

@@ -1,0 +1,130 @@
+"""Issue #38: the default defences against a hostile client that knows them.
+
+Oracles: closed forms (the weight cap, clipping to the bound) and, for the
+step guard, a brute-force reference: the same rule, copied, run on every
+round with one client removed; the guarded step size is the smallest of
+those. Then the attack that targets the guard: a client just under the
+norm bound that sign-flips its update must not raise the server's step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from fedadapt.strategies.core.aggregation import (
+    apply_statistics,
+    client_weights,
+    clip_scales,
+    round_statistics,
+)
+from fedadapt.strategies.feddua import FedDuARule
+from fedadapt.strategies.fedexp import FedExPRule
+
+
+def test_weight_cap_limits_a_claim_to_the_median_count():
+    # counts 10, 20, 30, 40 and a claim of 1e6: the median is 30
+    omega = client_weights([10, 20, 30, 40, 1e6], "num_examples", max_weight_ratio=1.0)
+    expected = np.array([10, 20, 30, 30, 30]) / 120
+    np.testing.assert_allclose(omega, expected)
+    # off: Flower's n_i / Σ n_j
+    plain = client_weights([10, 20, 30], "num_examples")
+    np.testing.assert_allclose(plain, [1 / 6, 2 / 6, 3 / 6])
+    # uniform weighting ignores the counts
+    np.testing.assert_allclose(client_weights([1, 1e9], "uniform", 1.0), [0.5, 0.5])
+
+
+def test_clip_mode_clips_to_the_bound_itself():
+    # norms 1, 2, 3, 4, 100: median 3, bound 1 x 3
+    sq = np.square([1.0, 2.0, 3.0, 4.0, 100.0])
+    np.testing.assert_allclose(
+        clip_scales(sq, 0.0, 1.0, "clip"), [1, 1, 1, 3 / 4, 3 / 100]
+    )
+    # flag mode (k = 5): only the outlier, to the median of the others (2.5)
+    np.testing.assert_allclose(
+        clip_scales(sq, 0.0, 5.0, "flag"), [1, 1, 1, 1, 2.5 / 100]
+    )
+
+
+def _updates(seed=0, n=6, dim=8):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=dim)
+    return [base + 0.8 * rng.normal(size=dim) for _ in range(n)]
+
+
+RULES = {
+    "fedexp": lambda: FedExPRule(),
+    "fedexpm": lambda: FedExPRule(server_momentum=0.9),
+    "fedduadam": lambda: FedDuARule(),
+    "fedduadagrad": lambda: FedDuARule(variant="adagrad"),
+}
+
+
+def _eta(rule, x, clients, counts, **options):
+    stats = round_statistics(
+        rule, {"w": x}, [{"w": c} for c in clients], counts, **options
+    )
+    _, diagnostics = apply_statistics(rule, {"w": x}, stats)
+    return diagnostics["server-lr"], diagnostics
+
+
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
+def test_guarded_step_is_the_smallest_leave_one_out_step(name, weighting):
+    x = np.zeros(8)
+    rule = RULES[name]()
+    rule.weighting = weighting
+    counts = [5.0, 8.0, 13.0, 21.0, 34.0, 55.0]
+    # two rounds, so the momentum rules carry state into the second
+    for round_ in range(2):
+        clients = [x + d for d in _updates(seed=round_)]
+        leave_one_out = []
+        for i in range(len(clients)):
+            reference = copy.deepcopy(rule)
+            rest = clients[:i] + clients[i + 1 :]
+            eta, _ = _eta(reference, x, rest, counts[:i] + counts[i + 1 :])
+            leave_one_out.append(eta)
+        unguarded, _ = _eta(copy.deepcopy(rule), x, clients, counts)
+        guarded, diagnostics = _eta(rule, x, clients, counts, step_guard=True)
+        expected = min(unguarded, min(leave_one_out))
+        if name == "fedexp":  # the guard acts before max(1, ·)
+            expected = max(1.0, expected)
+        assert guarded == pytest.approx(expected, rel=1e-9)
+        if guarded < unguarded:
+            assert diagnostics["server-lr-unguarded"] == pytest.approx(unguarded)
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_a_sign_flipping_client_under_the_bound_cannot_raise_the_step(name):
+    # Prepare: nine honest clients and one that knows the bound (1 x the
+    # median norm) and sends its update sign-flipped just under it
+    x = np.zeros(8)
+    honest = [x + d for d in _updates(n=9)]
+    norms = [np.linalg.norm(h) for h in honest]
+    flip = -honest[0] / norms[0] * 0.99 * np.median(norms)
+    options = {"max_norm_ratio": 1.0, "clip_mode": "clip"}
+    # Execute
+    alone, _ = _eta(RULES[name](), x, honest, [1.0] * 9, **options)
+    attacked, _ = _eta(RULES[name](), x, [*honest, x + flip], [1.0] * 10, **options)
+    guarded, _ = _eta(
+        RULES[name](), x, [*honest, x + flip], [1.0] * 10, step_guard=True, **options
+    )
+    # Assert: unguarded, the flip raises the step; guarded, the step is at
+    # most the honest clients' own
+    assert attacked > alone
+    assert guarded <= alone * (1 + 1e-9)
+
+
+def test_the_guard_needs_three_clients_and_the_mean():
+    x = np.zeros(8)
+    two = [x + d for d in _updates(n=2)]
+    rule = FedExPRule()
+    stats = round_statistics(rule, {"w": x}, [{"w": c} for c in two], [1, 1],
+                             step_guard=True)  # fmt: skip
+    assert stats.without_each is None
+    many = [{"w": x + d} for d in _updates(n=5)]
+    stats = round_statistics(rule, {"w": x}, many, [1] * 5, step_guard=True,
+                             aggregation="median")  # fmt: skip
+    assert stats.without_each is None
