@@ -1,0 +1,502 @@
+"""The attack suite (issue #38): every strategy × defence × attack, one command.
+
+Hostile clients (:mod:`fedadapt.attacks`: sign flip, orthogonal, "a little
+is enough", inner-product manipulation, scaled copy, false norm report,
+false weight, label flipping), each tuned to the defence in force (it
+knows the norm bound and stays just under it), against every server rule
+with every defence. The server step is fedadapt's shared aggregation path
+(:func:`fedadapt.strategies.screening.screen` then
+:func:`fedadapt.strategies.adapter.apply_rule`: what both Flower APIs and
+the app call), so a defence measured here is the one users get.
+
+Two levels:
+
+- ``harness``: least squares in NumPy (10 clients, non-IID drift, local
+  gradient steps), the strategies' unit-level harness; label flipping
+  negates the client's targets. Seconds for the whole grid.
+- ``task``: a real task (digits-mlp, mnist5k-cnn) at its default non-IID
+  partition, each client training with the ClientApp's own
+  :func:`~fedadapt.client.local.train_round`; label flipping trains on
+  y → C−1−y. Final central test accuracy.
+
+For each cell: the final metric, the distance of the final model from the
+honest run's (same strategy, defence, seed; the hostile clients then train
+honestly), ``‖x_T − x_T^honest‖ / ‖x_T^honest − x_0‖``, and its ratio to
+FedAvg's distance under the same attack, defence and clients. Results go
+to a JSON file (``--out``), a Markdown table on stdout and a plot.
+
+Usage (from the repository root)::
+
+    python benchmarks/attacks.py harness
+    python benchmarks/attacks.py task --task digits-mlp --seeds 5 --rounds 20 \\
+        --defences default --hostile 1
+    python benchmarks/attacks.py report benchmarks/results/attacks-digits-mlp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._output import write_json  # noqa: E402
+from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
+from fedadapt.config import validate_run_config  # noqa: E402
+from fedadapt.server.strategy_factory import build_rule, trust_kwargs  # noqa: E402
+from fedadapt.strategies.adapter import apply_rule, evaluation_average  # noqa: E402
+from fedadapt.strategies.core.aggregation import norm_bound  # noqa: E402
+from fedadapt.strategies.screening import TrainReply, screen  # noqa: E402
+
+Arrays = dict[str, np.ndarray]
+
+STRATEGIES = (
+    "fedavg", "fedavgm", "fedadam", "fedadagrad", "fedyogi", "fedexp",
+    "fedexpm", "feddua", "feddua-adagrad", "fed-lamb",
+)  # fmt: skip
+
+#: Defences as overrides of the aggregation options (``apply_rule``'s
+#: keywords) the run config gives; ``default`` is what a user gets without
+#: setting anything.
+DEFENCES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "off": {"max_norm_ratio": 0.0, "aggregation": "mean"},
+    "norm-flag-5": {"max_norm_ratio": 5.0, "clip_mode": "flag", "aggregation": "mean"},
+    "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
+    "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
+                         "aggregation": "mean", "max_weight_ratio": 1.0},
+    "clip-2median-wcap": {"max_norm_ratio": 2.0, "clip_mode": "clip",
+                          "aggregation": "mean", "max_weight_ratio": 1.0},
+    "clip-median-wcap-guard": {"max_norm_ratio": 1.0, "clip_mode": "clip",
+                               "aggregation": "mean", "max_weight_ratio": 1.0,
+                               "step_guard": True},
+    "flag-5-guard": {"max_norm_ratio": 5.0, "clip_mode": "flag",
+                     "aggregation": "mean", "step_guard": True},
+    "median": {"aggregation": "median"},
+    "trimmed-mean": {"aggregation": "trimmed_mean"},
+}  # fmt: skip
+
+NUM_CLIENTS = 10
+
+
+def strategy_config(name: str, task: str, overrides: Mapping[str, Any]) -> dict:
+    """The validated run config of suite strategy ``name`` with a defence."""
+    cfg: dict[str, Any] = {"task": task, "strategy": name, **overrides}
+    if name == "feddua-adagrad":
+        cfg.update({"strategy": "feddua", "feddua.variant": "adagrad"})
+    if name == "fed-lamb":
+        cfg.setdefault("client-optimizer", "fed-lamb")
+    return validate_run_config(cfg)
+
+
+def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``apply_rule`` that the run config selects."""
+    trust = trust_kwargs(cfg)
+    return {
+        "secure_aggregation": trust["secure_aggregation"],
+        "max_norm": trust["max_update_norm"],
+        "max_norm_ratio": trust["max_update_norm_ratio"],
+        "aggregation": trust["aggregation"],
+        "trim_fraction": trust["trim_fraction"],
+    }
+
+
+def norm_cap(options: Mapping[str, Any], honest_sq: Sequence[float], f: int) -> float:
+    """The largest ‖Δ‖ the defence leaves untouched, as an attacker computes it.
+
+    The hostile norms are placed above every honest one (they will be),
+    which is where they shift the round's median.
+    """
+    bound = norm_bound(
+        list(honest_sq) + [math.inf] * f, options["max_norm"], options["max_norm_ratio"]
+    )
+    return math.inf if bound is None else float(bound)
+
+
+def _diff(a: Arrays, b: Mapping[str, np.ndarray]) -> Arrays:
+    return {k: (a[k].astype(np.float64) - b[k]) for k in a}
+
+
+def float_distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """‖a − b‖ over the floating-point arrays, in float64."""
+    return math.sqrt(
+        math.fsum(
+            float(np.sum((a[k].astype(np.float64) - b[k]) ** 2))
+            for k in a
+            if a[k].dtype.kind == "f"
+        )
+    )
+
+
+#: train(client, x, round, poisoned) -> (x_i, num_examples)
+Trainer = Callable[[int, Arrays, int, bool], tuple[Arrays, float]]
+
+
+def federate(
+    cfg: Mapping[str, Any],
+    options: Mapping[str, Any],
+    x0: Arrays,
+    train: Trainer,
+    rounds: int,
+    attack: str | None,
+    hostile: Sequence[int],
+    seed: int,
+) -> tuple[Arrays, dict[str, Any]]:
+    """Run ``rounds`` rounds; return the model the strategy reports and counts.
+
+    ``options``: ``apply_rule``'s aggregation keywords (the defence).
+
+    Every client trains each round; the ``hostile`` ones send
+    :func:`fedadapt.attacks.craft`'s reply for ``attack`` (None: honest).
+    """
+    rule, adapter = build_rule(cfg)
+    weight_key = "num-examples"
+    x, previous = x0, x0
+    clipped = mismatches = 0
+    for server_round in range(1, rounds + 1):
+        trained = [
+            train(i, x, server_round, attack == "label-flip" and i in hostile)
+            for i in range(NUM_CLIENTS)
+        ]
+        updates = [_diff(xi, x) for xi, _ in trained]
+        examples = [n for _, n in trained]
+        honest_ids = [i for i in range(NUM_CLIENTS) if i not in hostile or not attack]
+        sent: dict[int, tuple[Arrays, dict[str, float]]] = {
+            i: (updates[i], {}) for i in honest_ids
+        }
+        if attack and hostile:
+            honest_sq = [_sq(updates[i]) for i in honest_ids]
+            view = RoundView(
+                honest=[updates[i] for i in honest_ids],
+                own=[updates[i] for i in hostile],
+                norm_cap=norm_cap(options, honest_sq, len(hostile)),
+                honest_examples=[examples[i] for i in honest_ids],
+                seed=seed * 1000 + server_round,
+            )
+            for i, reply in zip(hostile, craft(attack, view), strict=True):
+                sent[i] = (reply.update, reply.claims)
+        candidates = []
+        for i in range(NUM_CLIENTS):
+            delta, claims = sent[i]
+            arrays = {
+                k: (x[k] + delta[k]).astype(x[k].dtype)
+                if x[k].dtype.kind == "f"
+                else (x[k] + np.rint(delta[k])).astype(x[k].dtype)
+                for k in x
+            }
+            metrics = {
+                weight_key: examples[i],
+                "update-sq-norm": _sq(delta),
+                **claims,
+            }
+            candidates.append(TrainReply(i, metrics, arrays=arrays))
+        label = f"round {server_round}"
+        valid, report = screen(candidates, x, weight_key, label,
+                               weight_optional=rule.weighting == "uniform")  # fmt: skip
+        new, _, _ = apply_rule(rule, x, valid, weight_key, report, label, **options)
+        clipped += report.clipped
+        mismatches += report.norm_mismatches
+        if new is not None:
+            previous, x = x, new
+    reported = evaluation_average(previous, x) if adapter.get("average_last_two") else x
+    return reported, {"clipped": clipped, "norm-mismatches": mismatches}
+
+
+def _sq(delta: Mapping[str, np.ndarray]) -> float:
+    return math.fsum(
+        float(np.vdot(a, a)) for a in delta.values() if a.dtype.kind == "f"
+    )
+
+
+# --- the unit-level harness: least squares -----------------------------------
+
+DIM = 20
+SAMPLES = 40
+LOCAL_STEPS = 5
+CLIENT_LR = 0.05
+
+
+def harness_problem(seed: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], Trainer]:
+    """Ten least-squares clients with drifting optima and sizes; a trainer."""
+    rng = np.random.default_rng(seed)
+    x_star = rng.normal(size=DIM)
+    data = []
+    for i in range(NUM_CLIENTS):
+        m = rng.normal(size=(SAMPLES + 8 * i, DIM))
+        y = m @ (x_star + 0.5 * rng.normal(size=DIM)) + 0.1 * rng.normal(size=len(m))
+        data.append((m, y))
+
+    def train(
+        i: int, x: Arrays, server_round: int, poisoned: bool
+    ) -> tuple[Arrays, float]:
+        m, y = data[i]
+        target = -y if poisoned else y
+        w = x["x"].astype(np.float64)
+        for _ in range(LOCAL_STEPS):
+            w = w - CLIENT_LR * m.T @ (m @ w - target) / len(target)
+        return {"x": w.astype(np.float32)}, float(len(y))
+
+    return data, train
+
+
+def harness_loss(data: Sequence[tuple[np.ndarray, np.ndarray]], x: Arrays) -> float:
+    w = x["x"].astype(np.float64)
+    return float(np.mean([0.5 * np.mean((m @ w - y) ** 2) for m, y in data]))
+
+
+# --- real tasks: the ClientApp's own training ---------------------------------
+
+
+def task_setup(
+    cfg: Mapping[str, Any],
+) -> tuple[Arrays, Trainer, Callable[[Arrays], float]]:
+    """The initial model, a trainer and the central accuracy of ``cfg``'s task."""
+    import torch
+    from torch.utils.data import Dataset
+
+    from fedadapt.client import local
+    from fedadapt.server.run import central_evaluator, initial_state
+    from fedadapt.tasks import TASKS
+    from fedadapt.tasks.base import ClientData
+
+    task = TASKS.get(cfg["task"])
+    classes = task.data_spec.num_classes if hasattr(task, "data_spec") else 10
+
+    class Flipped(Dataset):
+        def __init__(self, base: Dataset) -> None:
+            self.base = base
+
+        def __len__(self) -> int:
+            return len(self.base)  # type: ignore[arg-type]
+
+        def __getitem__(self, index: int) -> tuple[Any, Any]:
+            x, y = self.base[index]
+            return x, (classes - 1 - torch.as_tensor(y))
+
+    honest_data = local.partition_data
+
+    def train(
+        i: int, x: Arrays, server_round: int, poisoned: bool
+    ) -> tuple[Arrays, float]:
+        if poisoned:
+            local.partition_data = lambda c, p, n: (  # type: ignore[assignment]
+                lambda d: ClientData(Flipped(d.train), d.test)
+            )(honest_data(c, p, n))
+        try:
+            result = local.train_round(cfg, i, NUM_CLIENTS, x, cfg["client-lr"],
+                                       server_round)  # fmt: skip
+        finally:
+            local.partition_data = honest_data
+        state = {k: v.numpy() for k, v in result.state.items()}
+        return state, float(result.metrics["num-examples"])
+
+    evaluate = central_evaluator(task, cfg)
+    assert evaluate is not None
+    return initial_state(task, cfg), train, lambda x: evaluate(x)["accuracy"]
+
+
+# --- the grid ------------------------------------------------------------------
+
+
+def run_grid(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every cell; return the suite's JSON document."""
+    cells: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    task = "synthetic-linreg" if args.level == "harness" else args.task
+    for seed in range(args.seeds):
+        for defence in args.defences:
+            for name in args.strategies:
+                overrides: dict[str, Any] = {"seed": seed}
+                if args.level == "task":
+                    overrides["num-server-rounds"] = args.rounds
+                cfg = strategy_config(name, task, overrides)
+                options = {**apply_options(cfg), **DEFENCES[defence]}
+                if args.level == "harness":
+                    data, train = harness_problem(seed)
+                    x0 = {"x": np.zeros(DIM, dtype=np.float32)}
+
+                    def metric(x: Arrays, data: Any = data) -> float:
+                        return harness_loss(data, x)
+                else:
+                    x0, train, metric = task_setup(cfg)
+                honest, _ = federate(
+                    cfg, options, x0, train, args.rounds, None, (), seed
+                )
+                honest_metric = metric(honest)
+                scale = float_distance(honest, x0) or 1.0
+                base = {"seed": seed, "defence": defence, "strategy": name}
+                cells.append({**base, "attack": "none", "hostile": 0,
+                              "metric": honest_metric, "distance": 0.0})  # fmt: skip
+                for f in args.hostile:
+                    hostile = list(range(f))  # clients 0..f-1
+                    for attack in args.attacks:
+                        model, counts = federate(
+                            cfg, options, x0, train, args.rounds, attack, hostile, seed
+                        )
+                        value = metric(model)
+                        cells.append({
+                            **base, "attack": attack, "hostile": f, "metric": value,
+                            "distance": float_distance(model, honest) / scale,
+                            "honest_metric": honest_metric, **counts,
+                        })  # fmt: skip
+                elapsed = time.perf_counter() - started
+                print(f"[{elapsed:7.1f}s] seed {seed} {defence} {name}: "
+                      f"honest {honest_metric:.4g}", flush=True)  # fmt: skip
+    return {
+        "level": args.level,
+        "task": task,
+        "metric": "loss" if args.level == "harness" else "accuracy",
+        "rounds": args.rounds,
+        "clients": NUM_CLIENTS,
+        "seconds": time.perf_counter() - started,
+        "cells": cells,
+    }
+
+
+def summarise(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Mean over seeds per (defence, strategy, attack, f), with FedAvg's ratio."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for cell in doc["cells"]:
+        key = (cell["defence"], cell["strategy"], cell["attack"], cell["hostile"])
+        groups.setdefault(key, []).append(cell)
+    rows = []
+    for (defence, strategy, attack, f), cells in groups.items():
+        honest = groups[(defence, strategy, "none", 0)]
+        row = {
+            "defence": defence, "strategy": strategy, "attack": attack, "hostile": f,
+            "metric": float(np.mean([c["metric"] for c in cells])),
+            "honest": float(np.mean([c["metric"] for c in honest])),
+            "distance": float(np.mean([c["distance"] for c in cells])),
+            "worst_cost": max(
+                (h["metric"] - c["metric"]) * (1 if doc["metric"] == "accuracy" else -1)
+                for c, h in zip(cells, honest, strict=False)
+            ),
+        }  # fmt: skip
+        fedavg = groups.get((defence, "fedavg", attack, f))
+        if fedavg and attack != "none":
+            d = float(np.mean([c["distance"] for c in fedavg]))
+            if d > 0:
+                row["distance_vs_fedavg"] = row["distance"] / d
+            elif row["distance"] == 0:
+                row["distance_vs_fedavg"] = 1.0  # neither moved
+            else:
+                row["distance_vs_fedavg"] = math.inf
+        rows.append(row)
+    return rows
+
+
+def markdown(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """One table per (defence, f): strategies × attacks, cost and distance ratio."""
+    accuracy = doc["metric"] == "accuracy"
+    out = []
+    keys = sorted({(r["defence"], r["hostile"]) for r in rows if r["hostile"]})
+    for defence, f in keys:
+        chosen = [r for r in rows if r["defence"] == defence and r["hostile"] == f]
+        attacks = list(dict.fromkeys(r["attack"] for r in chosen))
+        out.append(f"\n{doc['task']}, defence `{defence}`, {f} hostile of "
+                   f"{doc['clients']}: " + ("accuracy points lost (mean over seeds) / "
+                   if accuracy else "loss change / ") +
+                   "distance from the honest run ÷ FedAvg's\n")  # fmt: skip
+        out.append("| strategy | honest | " + " | ".join(attacks) + " |")
+        out.append("|---" * (len(attacks) + 2) + "|")
+        for strategy in dict.fromkeys(r["strategy"] for r in chosen):
+            mine = {r["attack"]: r for r in chosen if r["strategy"] == strategy}
+            honest = next(iter(mine.values()))["honest"]
+            cells = []
+            for attack in attacks:
+                r = mine[attack]
+                if accuracy:
+                    cost = f"{100 * (r['honest'] - r['metric']):+.1f}"
+                else:
+                    cost = f"{(r['metric'] - r['honest']) / r['honest']:+.0%}"
+                ratio = r.get("distance_vs_fedavg", math.nan)
+                cells.append(f"{cost} / {ratio:.2f}×")
+            shown = f"{100 * honest:.1f}" if accuracy else f"{honest:.4g}"
+            out.append(f"| {strategy} | {shown} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Bar chart: distance ÷ FedAvg's per strategy, one panel per attack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = [r for r in rows if r["hostile"] == 1 and r["attack"] != "none"]
+    attacks = list(dict.fromkeys(r["attack"] for r in chosen))
+    defences = list(dict.fromkeys(r["defence"] for r in chosen))
+    strategies = list(dict.fromkeys(r["strategy"] for r in chosen))
+    fig, axes = plt.subplots(1, len(attacks), figsize=(3 * len(attacks), 4),
+                             sharey=True, squeeze=False)  # fmt: skip
+    width = 0.8 / max(len(defences), 1)
+    for ax, attack in zip(axes[0], attacks, strict=True):
+        for j, defence in enumerate(defences):
+            values = [
+                next((r.get("distance_vs_fedavg", np.nan) for r in chosen
+                      if r["attack"] == attack and r["defence"] == defence
+                      and r["strategy"] == s), np.nan)
+                for s in strategies
+            ]  # fmt: skip
+            ax.bar(np.arange(len(strategies)) + j * width, values, width, label=defence)
+        ax.axhline(1.5, color="red", lw=0.8, ls="--")
+        ax.set_title(attack, fontsize=9)
+        ax.set_xticks(np.arange(len(strategies)) + 0.4 - width / 2)
+        ax.set_xticklabels(strategies, rotation=90, fontsize=7)
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("distance from honest run ÷ FedAvg's")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{doc['task']}: one hostile client of {doc['clients']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("level", choices=("harness", "task", "report"))
+    parser.add_argument("results", nargs="?", help="report: the suite's JSON file")
+    parser.add_argument("--task", default="digits-mlp")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--defences", default=",".join(DEFENCES))
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--hostile", default="1,2,3")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.level == "report":
+        doc = json.loads(Path(args.results).read_text())
+        out = Path(args.results)
+    else:
+        args.rounds = args.rounds or (10 if args.level == "harness" else 20)
+        args.strategies = args.strategies.split(",")
+        args.defences = args.defences.split(",")
+        args.attacks = args.attacks.split(",")
+        args.hostile = [int(f) for f in args.hostile.split(",")]
+        unknown = set(args.defences) - set(DEFENCES)
+        if unknown:
+            parser.error(
+                f"unknown defences {sorted(unknown)}; choose from {list(DEFENCES)}"
+            )
+        doc = run_grid(args)
+        name = "harness" if args.level == "harness" else args.task
+        out = args.out or Path("benchmarks/results") / f"attacks-{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, doc)
+    rows = summarise(doc)
+    print(markdown(doc, rows))
+    plot(doc, rows, out.with_suffix(".png"))
+    print(f"\nresults: {out}, plot: {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
