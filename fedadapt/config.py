@@ -23,6 +23,7 @@ from typing import Any
 
 from fedadapt.errors import ConfigError
 from fedadapt.strategies import ALGORITHMS, Algorithm, Param
+from fedadapt.strategies.core.robust import required_replies
 from fedadapt.strategies.local_update import LOCAL_UPDATES
 
 __all__ = [
@@ -214,11 +215,28 @@ _RUN_KEYS: tuple[Key, ...] = (
         "with secure-aggregation (the server sees only sums).", minimum=0.0),
     Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
         "steps on: mean (weighted, the papers), median or trimmed-mean "
-        "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg). Not "
-        "with secure-aggregation.", choices=("mean", "median", "trimmed-mean")),
+        "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg), "
+        "krum, multi-krum or bulyan (keep the updates nearest the others, "
+        "Blanchard et al. 2017, El Mhamdi et al. 2018, as Flower's Krum / "
+        "MultiKrum / Bulyan; num-hostile), centered-clipping (clip each update's "
+        "distance to the previous round's Δ̄, Karimireddy et al. 2021; "
+        "clip-radius, clip-iterations). Not with secure-aggregation.",
+        choices=("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
+                 "centered-clipping")),
     Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
         "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
         "below 0.5.", minimum=0.0, maximum=0.49),
+    Key("num-hostile", 1, "f, the hostile clients per round aggregation=krum, "
+        "multi-krum and bulyan assume (Flower's num_malicious_clients). Krum needs "
+        "2f + 3 replies, Bulyan 4f + 3; a round with fewer uses the largest f it "
+        "allows (warned; under 3 replies the coordinate-wise median).", minimum=0),
+    Key("krum-keep", 0, "m, the updates aggregation=multi-krum averages (weighted "
+        "as the strategy's mean); 0 = n − f of the round.", minimum=0),
+    Key("clip-radius", 0.0, "τ of aggregation=centered-clipping: each client's "
+        "Δ_i − v is clipped to this L2 norm; 0 = the round's median ‖Δ_i − v‖ "
+        "(adaptive).", minimum=0.0),
+    Key("clip-iterations", 1, "L, the clipping iterations per round of "
+        "aggregation=centered-clipping.", minimum=1),
     Key("max-failed-rounds", 3, "Stop the run (status failed, client errors in "
         "the log) after this many consecutive rounds without a usable train reply; "
         "0 = never.", minimum=0),
@@ -368,6 +386,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             f"{config['aggregation']} needs the individual updates; with "
             "secure-aggregation only their sum is known: use mean",
         )
+    _check_robust_aggregation(config)
     if config["clients-per-eval"] > 0 and config["client-test-fraction"] == 0:
         raise ConfigError(
             "clients-per-eval",
@@ -412,6 +431,34 @@ def _check_strategy_keys(config: RunConfig) -> None:
                 f"does not read it (only {prefix}* keys); remove it or set "
                 f"{selector}={key.name.split('.', 1)[0]!r}",
             )
+
+
+def _check_robust_aggregation(config: RunConfig) -> None:
+    """Refuse Krum/Bulyan settings that no round of this size can meet.
+
+    With ``clients-per-round`` fixed, every round would silently fall back
+    to a smaller f (or multi-Krum to fewer updates); a round that loses
+    replies still does, with a warning.
+    """
+    name, per_round = config["aggregation"], config["clients-per-round"]
+    if name not in ("krum", "multi-krum", "bulyan") or per_round == 0:
+        return
+    hostile = config["num-hostile"]
+    need = required_replies(name.replace("-", "_"), hostile)
+    if per_round < need:
+        raise ConfigError(
+            "num-hostile",
+            f"aggregation={name} with num-hostile={hostile} needs at least {need} "
+            f"replies per round, but clients-per-round={per_round}; lower "
+            "num-hostile or raise clients-per-round",
+        )
+    keep = config["krum-keep"]
+    if name == "multi-krum" and keep > per_round - hostile:
+        raise ConfigError(
+            "krum-keep",
+            f"{keep} updates to average, but a round has at most "
+            f"clients-per-round − num-hostile = {per_round - hostile} to keep",
+        )
 
 
 def _check_local_update_optimizer(config: RunConfig) -> None:

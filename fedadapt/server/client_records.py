@@ -12,8 +12,10 @@ Each line (:func:`flatten`)::
     round, node, partition, status (used | rejected | failed), reason,
     num_examples, train_loss, train_accuracy, train_time_s (client wall
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
-    clip_scale, clipped, optimizer ({"eta-mean": ...}: the client
-    optimizer's opt-* statistics, e.g. Δ-SGD's step sizes), metrics (every
+    clip_scale, clipped, selected (Krum/multi-Krum/Bulyan kept the update),
+    center_clip_scale (centered clipping's factor), optimizer ({"eta-mean":
+    ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
+    sizes), metrics (every
     other scalar metric the reply carried)
 
 Crash safety: a round's lines are appended in one write, flushed and
@@ -71,6 +73,8 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         norm_mismatch=record.get("norm_mismatch"),
         clip_scale=scale,
         clipped=scale is not None and scale < 1,
+        selected=record.get("selected"),
+        center_clip_scale=record.get("center_clip_scale"),
         optimizer={
             k[len(_OPTIMIZER_PREFIX) :]: metrics.pop(k)
             for k in sorted(metrics)

@@ -61,6 +61,10 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         else cfg["max-update-norm-ratio"],
         "aggregation": cfg["aggregation"].replace("-", "_"),
         "trim_fraction": cfg["trim-fraction"],
+        "num_hostile": cfg["num-hostile"],
+        "krum_keep": cfg["krum-keep"],
+        "clip_radius": cfg["clip-radius"],
+        "clip_iterations": cfg["clip-iterations"],
         "max_failed_rounds": cfg["max-failed-rounds"],
     }
 

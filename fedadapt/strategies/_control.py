@@ -36,6 +36,7 @@ from fedadapt.strategies._records import (
     state_to_records,
 )
 from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.core.robust import AggregatorState
 from fedadapt.strategies.core.stopping import StopRule, find_metric
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class RunControl:
 
     rule: ServerRule
     local_update: LocalUpdate | None
+    aggregator_state: AggregatorState
 
     def __init__(
         self,
@@ -230,6 +232,9 @@ class RunControl:
         }
         if self.local_update is not None:
             state["local_update"] = self.local_update.state_dict()
+        aggregator = self.aggregator_state.state_dict()
+        if aggregator:  # centered clipping's centre
+            state["aggregator"] = aggregator
         return state_to_records(state, STATE_NAME)
 
     def load_state_records(self, records: RecordDict) -> None:
@@ -244,6 +249,7 @@ class RunControl:
         self.rule.load_state_dict(state["rule"])
         if self.local_update is not None and "local_update" in state:
             self.local_update.load_state_dict(state["local_update"])
+        self.aggregator_state.load_state_dict(state.get("aggregator") or {})
         if self.stop_rule is not None and state["stop"] is not None:
             self.stop_rule.load_state_dict(state["stop"])
         self.completed_round = int(state["round"])

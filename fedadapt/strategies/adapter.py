@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from logging import ERROR, WARNING
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import numpy as np
 from flwr.common.logger import log
 
 from fedadapt._validation import check_choice, check_scalar
@@ -39,6 +40,12 @@ from fedadapt.strategies.core.aggregation import (
     AGGREGATIONS,
     apply_statistics,
     round_statistics,
+)
+from fedadapt.strategies.core.robust import (
+    DEFAULT_NUM_HOSTILE,
+    AggregatorState,
+    Defence,
+    RobustOptions,
 )
 from fedadapt.strategies.screening import (
     NORM_RTOL,
@@ -61,6 +68,10 @@ if TYPE_CHECKING:
 #: typical client, and an unflagged one at most 5x a typical one.
 DEFAULT_NORM_RATIO = 5.0
 
+#: The key of the aggregator's state (centered clipping's centre) in
+#: :meth:`RuleHost.state_dict`.
+AGGREGATOR_STATE = "aggregator"
+
 
 class ScreeningKwargs(TypedDict, total=False):
     """fedadapt's options, accepted by every strategy (see :class:`RuleHost`)."""
@@ -70,6 +81,10 @@ class ScreeningKwargs(TypedDict, total=False):
     max_update_norm_ratio: float | None
     aggregation: str
     trim_fraction: float
+    num_hostile: int
+    krum_keep: int
+    clip_radius: float
+    clip_iterations: int
     max_failed_rounds: int
     trainable: Trainable | None
 
@@ -122,11 +137,29 @@ class RuleHost:
         coordinate-wise median / trimmed mean of the updates as the Δ̄ the
         rule steps on (Flower's FedMedian / FedTrimmedAvg applied to
         updates, composed with any rule; see
-        :func:`~fedadapt.strategies.core.aggregation.round_statistics`). Not with
-        ``secure_aggregation``.
+        :func:`~fedadapt.strategies.core.aggregation.round_statistics`).
+        ``"krum"``, ``"multi_krum"``, ``"bulyan"`` (Blanchard et al. 2017;
+        El Mhamdi et al. 2018; Flower's Krum, MultiKrum and Bulyan applied
+        to updates) or ``"centered_clipping"`` (Karimireddy, He and Jaggi
+        2021, from the previous round's Δ̄, kept in the strategy's state):
+        see :func:`~fedadapt.strategies.core.robust.robust_statistics`; a
+        round with too few replies for ``num_hostile`` uses the largest f
+        it allows, with a warning. Not with ``secure_aggregation``.
     trim_fraction : float (default: 0.2)
         Fraction cut from each end per coordinate by ``"trimmed_mean"``, in
         [0, 0.5) (Flower's FedTrimmedAvg ``beta``).
+    num_hostile : int (default: 1)
+        f, the hostile updates ``"krum"``, ``"multi_krum"`` and
+        ``"bulyan"`` assume (Flower's ``num_malicious_clients``); Krum
+        needs n ≥ 2f + 3 replies, Bulyan n ≥ 4f + 3.
+    krum_keep : int (default: 0)
+        m, the updates ``"multi_krum"`` averages; 0 = n − f (Flower's
+        ``num_clients_to_keep`` / ``num_nodes_to_select``).
+    clip_radius : float (default: 0.0)
+        τ of ``"centered_clipping"``; 0 = adaptive, the median over the
+        clients of ‖Δ_i − v‖ in each iteration (our choice).
+    clip_iterations : int (default: 1)
+        L, the iterations of ``"centered_clipping"`` per round.
     max_failed_rounds : int (default: 3)
         After this many consecutive rounds in which every reply failed or
         was rejected, :class:`FederationFailedError` (with the clients' error
@@ -168,6 +201,10 @@ class RuleHost:
         max_update_norm_ratio: float | None = None,
         aggregation: str = "mean",
         trim_fraction: float = 0.2,
+        num_hostile: int = DEFAULT_NUM_HOSTILE,
+        krum_keep: int = 0,
+        clip_radius: float = 0.0,
+        clip_iterations: int = 1,
         max_failed_rounds: int = 3,
         trainable: Trainable | None = None,
         **kwargs: Any,
@@ -197,6 +234,11 @@ class RuleHost:
                 f"aggregation={aggregation!r} needs the individual updates; "
                 "under secure_aggregation only their sum is known: use 'mean'"
             )
+        self.robust_options = RobustOptions(
+            num_hostile, krum_keep, clip_radius, clip_iterations
+        )
+        #: centered clipping's centre (the previous round's Δ̄), checkpointed
+        self.aggregator_state = AggregatorState()
         super().__init__(*args, **kwargs)
         self.rule = rule
         self.average_last_two = bool(average_last_two)
@@ -270,6 +312,8 @@ class RuleHost:
                 max_norm_ratio=self.max_update_norm_ratio,
                 aggregation=self.aggregation,
                 trim_fraction=self.trim_fraction,
+                robust_options=self.robust_options,
+                aggregator_state=self.aggregator_state,
             )
         entry["train_replies"] = report.as_dict()
         # per reply, from the same screening and statistics (clients.jsonl)
@@ -325,14 +369,16 @@ class RuleHost:
     def state_dict(self) -> dict[str, Any]:
         """Return the strategy's resumable state (the rule's moments).
 
-        With a local update, its server half's state too (``local_update``).
+        With a local update, its server half's state too (``local_update``);
+        with centered clipping, its centre (``aggregator``).
         """
-        if self.local_update is None:
-            return {"rule": self.rule.state_dict()}
-        return {
-            "rule": self.rule.state_dict(),
-            "local_update": self.local_update.state_dict(),
-        }
+        state = {"rule": self.rule.state_dict()}
+        if self.local_update is not None:
+            state["local_update"] = self.local_update.state_dict()
+        aggregator = self.aggregator_state.state_dict()
+        if aggregator:
+            state[AGGREGATOR_STATE] = aggregator
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (before training starts).
@@ -342,8 +388,10 @@ class RuleHost:
         there (older still, beside it), where
         :class:`~fedadapt.strategies.fedlamb.SecondMoments` finds it.
         """
-        extra = {k: v for k, v in state.items() if k not in ("rule", "local_update")}
+        own_keys = ("rule", "local_update", AGGREGATOR_STATE)
+        extra = {k: v for k, v in state.items() if k not in own_keys}
         rule_state = {**state["rule"], **extra}
+        self.aggregator_state.load_state_dict(state.get(AGGREGATOR_STATE) or {})
         if self.local_update is not None:
             own = state.get("local_update")
             self.local_update.load_state_dict(rule_state if own is None else own)
@@ -376,6 +424,8 @@ def apply_rule(
     clip_mode: str = "flag",
     max_weight_ratio: float = 0.0,
     step_guard: bool = False,
+    robust_options: RobustOptions | None = None,
+    aggregator_state: AggregatorState | None = None,
 ) -> tuple[Arrays | None, dict[str, float | None], list[TrainReply]]:
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
@@ -388,12 +438,20 @@ def apply_rule(
     ``trim_fraction`` choose how Δ̄ is formed (see
     :func:`~fedadapt.strategies.core.aggregation.round_statistics`);
     clipped updates are counted in ``report.clipped`` and the bound is the
-    diagnostic ``update-norm-bound``.
+    diagnostic ``update-norm-bound``. ``robust_options`` are those of
+    Krum, multi-Krum, Bulyan and centered clipping; ``aggregator_state``
+    holds centered clipping's centre, replaced by this round's Δ̄ (a
+    centre whose arrays do not fit ``reference`` is dropped with a
+    warning). What they did goes to each reply's record
+    (:func:`_record_defence`).
     Replies whose data turn out inconsistent or non-finite are dropped here
     (counted in ``report``) and the round is aggregated again without them;
     ``(None, {}, [])`` when none remain.
     """
     ordered = canonical_order(list(valid), weight_key)
+    center = None
+    if aggregation == "centered_clipping" and aggregator_state is not None:
+        center = _fitting_center(aggregator_state.center, reference, round_label)
     while ordered:
         norms = [c.metrics.get(wire.UPDATE_SQ_NORM) for c in ordered]
         reported = [float(n) for n in norms if n is not None]
@@ -414,6 +472,8 @@ def apply_rule(
                 clip_mode=clip_mode,
                 max_weight_ratio=max_weight_ratio,
                 step_guard=step_guard,
+                robust_options=robust_options,
+                center=center,
             )
         except ReplyError as error:
             bad = [c for c in ordered if c.arrays is error.arrays]
@@ -440,11 +500,71 @@ def apply_rule(
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
+    if stats.defence is not None:
+        diagnostics.update(_record_defence(ordered, stats.defence, report, round_label))
+        centered = stats.defence.aggregation == "centered_clipping"
+        if centered and aggregator_state is not None:
+            aggregator_state.center = {
+                k: np.array(v) for k, v in stats.mean_update.items()
+            }
     clean: dict[str, float | None] = {
         k: (v if math.isfinite(v) else None) for k, v in diagnostics.items()
     }
     clean["norms-trusted"] = float(trusted is not None)
     return new, clean, ordered
+
+
+def _fitting_center(
+    center: Arrays | None, reference: Arrays, round_label: str
+) -> Arrays | None:
+    """Return ``center`` if its arrays match ``reference``'s, else None (warned)."""
+    if center is None:
+        return None
+    fits = set(center) == set(reference) and all(
+        np.shape(center[k]) == np.shape(x) for k, x in reference.items()
+    )
+    if not fits:
+        log(
+            WARNING,
+            "%s: centered clipping's saved centre does not match the model's "
+            "arrays; starting from zero",
+            round_label,
+        )
+        return None
+    return center
+
+
+def _record_defence(
+    used: Sequence[TrainReply],
+    defence: Defence,
+    report: ScreenReport,
+    round_label: str,
+) -> dict[str, float]:
+    """Write what a robust aggregator did into each reply's record; log it.
+
+    Krum, multi-Krum and Bulyan: ``selected`` (whether the update entered
+    Δ̄); centered clipping: ``center_clip_scale``, the factor
+    min(1, τ/‖Δ_i − v‖) of the last iteration. Returns the round's
+    diagnostics: ``hostile-assumed`` (the f used) and ``excluded`` (updates
+    left out), or ``center-clip-radius`` (τ of the last iteration) and
+    ``center-clipped`` (factors below 1).
+    """
+    if defence.fallback is not None:
+        log(WARNING, "%s: %s: %s", round_label, defence.aggregation, defence.fallback)
+    if defence.center_scales is not None:
+        for candidate, scale in zip(used, defence.center_scales, strict=True):
+            report.record_of(candidate)["center_clip_scale"] = scale
+        return {
+            "center-clip-radius": float(defence.radius or 0.0),
+            "center-clipped": float(sum(s < 1 for s in defence.center_scales)),
+        }
+    selected = defence.selected or ()
+    for candidate, kept in zip(used, selected, strict=True):
+        report.record_of(candidate)["selected"] = kept
+    return {
+        "hostile-assumed": float(defence.num_hostile or 0),
+        "excluded": float(sum(not kept for kept in selected)),
+    }
 
 
 def _count_clipped(

@@ -192,7 +192,10 @@ def reply_record(
     ``metrics`` keeps the reply's scalar metrics as sent (non-finite values
     as None); ``server_sq_norm`` (the server's ‖Δ_i‖², None when it computed
     none), ``norm_mismatch`` and ``clip_scale`` are filled in by aggregation
-    (:func:`~fedadapt.strategies.adapter.apply_rule`).
+    (:func:`~fedadapt.strategies.adapter.apply_rule`), and so are
+    ``selected`` (Krum, multi-Krum, Bulyan: whether the update entered Δ̄)
+    and ``center_clip_scale`` (centered clipping: the factor its Δ_i − v
+    got in the last iteration); None where that aggregator is not in use.
     """
     if isinstance(candidate, str):
         node: int | str | None = None
@@ -214,6 +217,8 @@ def reply_record(
         "server_sq_norm": None,
         "norm_mismatch": None,
         "clip_scale": None,
+        "selected": None,
+        "center_clip_scale": None,
     }
 
 

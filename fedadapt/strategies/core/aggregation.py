@@ -26,6 +26,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedadapt._validation import check_choice
+from fedadapt.strategies.core import robust
+from fedadapt.strategies.core.robust import Defence, RobustOptions
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -55,8 +57,9 @@ class Rule(Protocol):
 
 #: How Δ̄ (and A) are formed from the updates: the weighted mean (the papers),
 #: or Flower's robust aggregators applied to the updates (see
-#: :func:`round_statistics`).
-AGGREGATIONS = ("mean", "median", "trimmed_mean")
+#: :func:`round_statistics`), or those of :mod:`.robust` (Krum, multi-Krum,
+#: Bulyan, centered clipping).
+AGGREGATIONS = ("mean", "median", "trimmed_mean", *robust.AGGREGATIONS)
 
 
 def sq_norm(arrays: Mapping[str, NDArray[Any]]) -> float:
@@ -91,6 +94,9 @@ class RoundStatistics:
         called, it yields (Δ̄_{−i}, A_{−i}) client by client; None when the
         guard is off or cannot apply (fewer than 3 replies, robust
         aggregation, trusted norms).
+    defence : Defence | None
+        What an aggregator of :mod:`.robust` did (which updates it kept,
+        centered clipping's factors); None for the others.
     """
 
     mean_update: Arrays
@@ -100,6 +106,7 @@ class RoundStatistics:
     norm_bound: float | None = None
     clip_scales: tuple[float, ...] | None = None
     without_each: Callable[[], Iterator[tuple[Arrays, float | None]]] | None = None
+    defence: Defence | None = None
 
 
 def client_weights(
@@ -328,6 +335,8 @@ def round_statistics(
     clip_mode: str = "flag",
     max_weight_ratio: float = 0.0,
     step_guard: bool = False,
+    robust_options: RobustOptions | None = None,
+    center: Mapping[str, NDArray[Any]] | None = None,
 ) -> RoundStatistics:
     """Form Δ̄ and (when ``rule`` needs it) A from per-client arrays.
 
@@ -357,7 +366,11 @@ def round_statistics(
     FedTrimmedAvg), and A by the same statistic of the (clipped)
     ‖Δ_i‖² (our choice: a mean A would let one outlier's norm inflate
     FedExP/FedDuA's step size again). They need the individual updates,
-    so they exclude ``sq_norms`` too.
+    so they exclude ``sq_norms`` too. ``"krum"``, ``"multi_krum"``,
+    ``"bulyan"`` and ``"centered_clipping"`` (with ``robust_options``, and
+    ``center``, centered clipping's v_0: the previous round's Δ̄, None =
+    zero) form Δ̄ and A from the (clipped) updates as
+    :func:`.robust.robust_statistics` says; what they did is ``defence``.
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
@@ -399,7 +412,20 @@ def round_statistics(
         assert norms is not None, "clipping computes the clients' norms"
         bound = norm_bound(norms, max_norm, max_norm_ratio)
         scales = clip_scales(norms, max_norm, max_norm_ratio, clip_mode)
-    if aggregation != "mean":
+    defence, robust_a = None, None
+    if aggregation in robust.AGGREGATIONS:
+        mean_update, robust_a, defence = robust.robust_statistics(
+            current,
+            clients,
+            weights,
+            adaptive,
+            scales,
+            aggregation,
+            robust_options or RobustOptions(),
+            center,
+            need_sq_norm=rule.needs_sq_norms,
+        )
+    elif aggregation != "mean":
         mean_update = _robust_update(
             current, clients, adaptive, scales, aggregation, trim_fraction
         )
@@ -415,7 +441,9 @@ def round_statistics(
         per_client = norms if norms is not None else np.asarray(sq_norms, float)
         if scales is not None:
             per_client = per_client * scales**2
-        if aggregation == "mean":
+        if defence is not None:
+            mean_sq_norm = robust_a
+        elif aggregation == "mean":
             mean_sq_norm = float(np.dot(weights, per_client))
         else:
             mean_sq_norm = float(
@@ -443,6 +471,7 @@ def round_statistics(
         bound,
         None if scales is None else tuple(scales.tolist()),
         without_each,
+        defence,
     )
 
 
