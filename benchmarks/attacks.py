@@ -54,6 +54,7 @@ from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.server.strategy_factory import build_rule, trust_kwargs  # noqa: E402
 from fedadapt.strategies.adapter import apply_rule, evaluation_average  # noqa: E402
 from fedadapt.strategies.core.aggregation import norm_bound  # noqa: E402
+from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import TrainReply, screen  # noqa: E402
 
 Arrays = dict[str, np.ndarray]
@@ -80,8 +81,19 @@ DEFENCES: dict[str, dict[str, Any]] = {
                                "step_guard": True},
     "flag-5-guard": {"max_norm_ratio": 5.0, "clip_mode": "flag",
                      "aggregation": "mean", "step_guard": True},
+    "clip-2median-wcap-guard": {"max_norm_ratio": 2.0, "clip_mode": "clip",
+                                "aggregation": "mean", "max_weight_ratio": 2.0,
+                                "step_guard": True},
+    "wcap-guard": {"max_weight_ratio": 1.0, "step_guard": True},
+    "clip-median-wcap2-guard": {"max_norm_ratio": 1.0, "clip_mode": "clip",
+                                "aggregation": "mean", "max_weight_ratio": 2.0,
+                                "step_guard": True},
     "median": {"aggregation": "median"},
     "trimmed-mean": {"aggregation": "trimmed_mean"},
+    "krum": {"aggregation": "krum"},
+    "multi-krum": {"aggregation": "multi_krum"},
+    "bulyan": {"aggregation": "bulyan"},
+    "centered-clipping": {"aggregation": "centered_clipping"},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
@@ -161,6 +173,7 @@ def federate(
     weight_key = "num-examples"
     x, previous = x0, x0
     clipped = mismatches = 0
+    state = AggregatorState()  # centered clipping's centre
     for server_round in range(1, rounds + 1):
         trained = [
             train(i, x, server_round, attack == "label-flip" and i in hostile)
@@ -201,7 +214,8 @@ def federate(
         label = f"round {server_round}"
         valid, report = screen(candidates, x, weight_key, label,
                                weight_optional=rule.weighting == "uniform")  # fmt: skip
-        new, _, _ = apply_rule(rule, x, valid, weight_key, report, label, **options)
+        new, _, _ = apply_rule(rule, x, valid, weight_key, report, label,
+                               aggregator_state=state, **options)  # fmt: skip
         clipped += report.clipped
         mismatches += report.norm_mismatches
         if new is not None:
@@ -481,7 +495,7 @@ def main() -> None:
         args.strategies = args.strategies.split(",")
         args.defences = args.defences.split(",")
         args.attacks = args.attacks.split(",")
-        args.hostile = [int(f) for f in args.hostile.split(",")]
+        args.hostile = [int(f) for f in args.hostile.split(",") if f]  # "": honest only
         unknown = set(args.defences) - set(DEFENCES)
         if unknown:
             parser.error(

@@ -207,12 +207,23 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
-    Key("max-update-norm-ratio", 5.0, "Detection threshold of norm bounding: a "
-        "client update above this multiple of the round's median client update "
-        "norm is scaled down to the median norm of the other updates before "
-        "aggregation (one hostile client weighs like one typical client; counted "
-        "as clipped, threshold in the round's strategy diagnostics); 0 = off. Off "
-        "with secure-aggregation (the server sees only sums).", minimum=0.0),
+    Key("max-update-norm-ratio", 2.0, "Norm bounding: a client update above this "
+        "multiple k of the round's median client update norm is clipped to k × "
+        "that median before aggregation (norm-bound-mode=clip: no client weighs "
+        "more than k typical ones; counted as clipped, bound in the round's "
+        "strategy diagnostics); 0 = off. Off with secure-aggregation (the server "
+        "sees only sums). docs/robustness.md.", minimum=0.0),
+    Key("norm-bound-mode", "clip", "What norm bounding does above its bound: clip "
+        "(to the bound) or flag (scale to the median norm of the other updates; "
+        "the default before issue #38, which a client just under the bound "
+        "defeats).", choices=("clip", "flag")),
+    Key("max-weight-ratio", 2.0, "Cap on a reply's num-examples, as a multiple of "
+        "the round's median count, before weighting (a count is the client's "
+        "claim); 0 = off. Only under num-examples weighting.", minimum=0.0),
+    Key("step-guard", True, "FedExP/FedExPM/FedDuA: cap the server step size at "
+        "the smallest one the round gives without any one client (leave-one-out), "
+        "so no single client raises the extrapolation. Inactive with "
+        "secure-aggregation and robust aggregation."),
     Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
         "steps on: mean (weighted, the papers), median or trimmed-mean "
         "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg), "

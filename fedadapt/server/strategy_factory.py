@@ -59,6 +59,9 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_update_norm_ratio": 0.0
         if cfg["secure-aggregation"]
         else cfg["max-update-norm-ratio"],
+        "norm_bound_mode": cfg["norm-bound-mode"],
+        "max_weight_ratio": cfg["max-weight-ratio"],
+        "step_guard": cfg["step-guard"],
         "aggregation": cfg["aggregation"].replace("-", "_"),
         "trim_fraction": cfg["trim-fraction"],
         "num_hostile": cfg["num-hostile"],

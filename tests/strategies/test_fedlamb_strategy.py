@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
 from fedadapt.strategies import FedLAMB, wire
-from tests.helpers import make_reply
+from tests.helpers import NO_DEFENCE, make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -35,7 +35,7 @@ def _reply(theta, v, node, n=10):
 
 def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
     rng = np.random.default_rng(0)
-    strategy = FedLAMB(eps=1e-8)
+    strategy = FedLAMB(eps=1e-8, **NO_DEFENCE)
     arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
     expected_v_hat = np.full(4, 1e-8)  # v̂_0 = ε·1 (LAMB Alg. 1 line 2)
     for server_round in (1, 2, 3):

@@ -162,10 +162,11 @@ def test_a_hostile_client_cannot_blow_up_the_step(name, api):
     # Execute: one of five clients sends its update x1e6 every round
     defended, strategy = _run(name, api, ALL_ROUNDS)
     undefended, _ = _run(name, api, ALL_ROUNDS, max_update_norm_ratio=0.0)
-    # Assert: the default defence keeps the loss within a few percent of the
-    # honest run's (the flagged client weighs like one typical client;
-    # measured within 0.5 %, 2 % leaves a margin)
-    assert defended == pytest.approx(honest, rel=0.02), (defended, honest)
+    # Assert: the default defence (clipping to 2x the median norm) leaves
+    # the loss no worse than the honest run's (the clipped client, whose
+    # direction is honest, weighs like two typical clients: measured 16-18 %
+    # better for FedAvg/FedExP/FedDuA; 2 % worse at most)
+    assert defended <= 1.02 * honest, (defended, honest)
     for server_round in ALL_ROUNDS:
         report = strategy.round_reports[server_round]
         assert report["train_replies"]["clipped"] == 1
@@ -187,8 +188,9 @@ def test_a_hostile_client_cannot_stall_fedadam(api):
     # Execute
     defended, _ = _run("FedAdam", api, (1,), rounds=6)
     undefended, _ = _run("FedAdam", api, (1,), rounds=6, max_update_norm_ratio=0.0)
-    # Assert
-    assert defended == pytest.approx(honest, rel=0.02), (defended, honest)
+    # Assert: measured +2.1 % with the default (the ×1e6 round's update
+    # clipped to 2x the median still enters v), +70 % without
+    assert defended <= 1.05 * honest, (defended, honest)
     assert undefended >= 1.5 * honest, (undefended, honest)
 
 
@@ -240,7 +242,9 @@ def test_strategies_clip_count_and_record_the_bound(api, caplog):
     mean = np.array([0.5, 0.4, 1.0, 0.8])
     eta = max(1.0, 7.25 / (2 * (float(mean @ mean) + 1e-3)))
     module = ours if api == "message" else legacy
-    strategy = module.FedExP(average_last_two=False)  # the step's w_1
+    # the step's w_1, with the earlier flag rule (k = 5) and no step guard
+    strategy = module.FedExP(average_last_two=False, max_update_norm_ratio=5.0,
+                             norm_bound_mode="flag", step_guard=False)  # fmt: skip
     replies = [(c["w"], float(np.sum(np.square(d)))) for c, d in
                zip(_hand_clients(x0), HAND_DELTAS, strict=True)]  # fmt: skip
     # Execute
@@ -453,8 +457,11 @@ def test_robust_a_is_the_same_statistic_of_the_norms(aggregation):
 
 
 def test_default_is_on_and_off_under_secure_aggregation():
-    assert ours.FedDuA().max_update_norm_ratio == 5.0
-    assert legacy.FedDuA().max_update_norm_ratio == 5.0
+    for strategy in (ours.FedDuA(), legacy.FedDuA()):
+        assert strategy.max_update_norm_ratio == 2.0
+        assert strategy.norm_bound_mode == "clip"
+        assert strategy.max_weight_ratio == 2.0
+        assert strategy.step_guard is True
     assert ours.FedDuA(secure_aggregation=True).max_update_norm_ratio == 0.0
     assert legacy.FedExP(secure_aggregation=True).max_update_norm_ratio == 0.0
 
@@ -481,6 +488,9 @@ def test_run_config_keys_reach_both_apis():
         {
             "strategy": "feddua",
             "max-update-norm-ratio": 3.0,
+            "norm-bound-mode": "flag",
+            "max-weight-ratio": 4.0,
+            "step-guard": False,
             "aggregation": "trimmed-mean",
             "trim-fraction": 0.1,
         }
@@ -488,13 +498,16 @@ def test_run_config_keys_reach_both_apis():
     for strategy in (build_strategy(cfg, num_nodes=5),
                      build_strategy(cfg, api="legacy")):  # fmt: skip
         assert strategy.max_update_norm_ratio == 3.0
+        assert strategy.norm_bound_mode == "flag"
+        assert strategy.max_weight_ratio == 4.0
+        assert strategy.step_guard is False
         assert strategy.aggregation == "trimmed_mean"
         assert strategy.trim_fraction == 0.1
     secure = validate_run_config({"strategy": "feddua", "secure-aggregation": True})
     assert build_strategy(secure, num_nodes=5).max_update_norm_ratio == 0.0
     assert (
         build_strategy(validate_run_config({}), num_nodes=5).max_update_norm_ratio
-        == 5.0
+        == 2.0
     )
 
 

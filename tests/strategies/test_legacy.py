@@ -18,6 +18,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 
 from fedadapt.strategies import legacy
+from tests.helpers import NO_DEFENCE
 
 SHAPES = [(6, 4), (4,), (3, 6)]
 
@@ -71,7 +72,7 @@ def test_legacy_drop_in_equivalence(name, kwargs):
     rng = np.random.default_rng(0)
     x0 = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
     kwargs = {**kwargs, "initial_parameters": ndarrays_to_parameters(x0)}
-    got = _run(getattr(legacy, name)(**kwargs), x0, rounds=4, seed=1)
+    got = _run(getattr(legacy, name)(**{**NO_DEFENCE, **kwargs}), x0, rounds=4, seed=1)
     want = _run(getattr(flower_legacy, name)(**kwargs), x0, rounds=4, seed=1)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-5)

@@ -23,7 +23,7 @@ from flwr.server.client_proxy import ClientProxy
 
 import fedadapt.strategies as ours
 from fedadapt.strategies import legacy
-from tests.helpers import make_reply
+from tests.helpers import NO_DEFENCE, make_reply
 from tests.strategies.test_trust import _grid, _record
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -117,7 +117,7 @@ def _legacy_round(strategy, x0, clients, metrics):
 
 def _build(api, name, **kwargs):
     module = ours if api == "message" else legacy
-    kwargs.setdefault("average_last_two", False)  # compare the step's w_1
+    kwargs = {"average_last_two": False, **NO_DEFENCE, **kwargs}  # the bare step
     if api == "legacy":
         kwargs["array_names"] = list(SHAPES)
     return module.FedExP(**kwargs) if name == "fedexp" else module.FedDuA(**kwargs)
@@ -227,7 +227,9 @@ def test_a_torch_module_with_a_registered_buffer():
     trained = [name for name, _ in model.named_parameters()]
     assert set(trained) == set(PARAMS) and "running_scale" in x0
     for trainable, mismatches in ((None, NUM_CLIENTS), (trained, 0)):
-        strategy = ours.FedDuA(trainable=trainable, average_last_two=False)
+        strategy = ours.FedDuA(
+            trainable=trainable, average_last_two=False, **NO_DEFENCE
+        )
         got, _, report = _message_round(strategy, x0, clients, _norm_metrics(norms))
         assert report["train_replies"]["norm_mismatches"] == mismatches
     want = _oracle("feddua", x0, clients, trained)

@@ -14,7 +14,7 @@ from flwr.serverapp import strategy as flwr_strategy
 from fedadapt import strategies as ours
 from fedadapt.server.policy import RunStrategy
 from fedadapt.strategies.core import FedAvgRule, FedDuARule, FedExPRule
-from tests.helpers import make_reply
+from tests.helpers import NO_DEFENCE, make_reply
 
 SHAPES = {"conv.weight": (8, 3, 3, 3), "conv.bias": (8,), "fc.weight": (10, 8)}
 
@@ -70,7 +70,8 @@ def _equivalence(ours_cls, flower_cls, kwargs, rounds=5, seed=0):
             for s, n in zip(seeds, sizes[:rounds] * 2, strict=False)
         ]
 
-    got = _run_rounds(ours_cls(**kwargs), x0, factories())
+    # the same arguments, fedadapt's defences off (they act on these replies)
+    got = _run_rounds(ours_cls(**{**NO_DEFENCE, **kwargs}), x0, factories())
     want = _run_rounds(flower_cls(**kwargs), x0, factories())
     for g, w in zip(got, want, strict=True):
         for k in SHAPES:
@@ -208,7 +209,7 @@ def test_reported_norm_path_equals_recomputed_path():
     ]
 
     def run(secure):
-        strategy = ours.FedDuA(secure_aggregation=secure)
+        strategy = ours.FedDuA(secure_aggregation=secure, step_guard=False)
         list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
         replies = [
             make_reply(c, {"num-examples": 5, "update-sq-norm": s})

@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 from fedadapt import strategies as ours
 from fedadapt.strategies import legacy
 from fedadapt.strategies.adapter import FederationFailedError
-from tests.helpers import make_reply
+from tests.helpers import NO_DEFENCE, make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -79,7 +79,7 @@ def oracle(name, x0, deltas, norms):
 
 def build(name, api="message", **kwargs):
     """The strategy ``name``, returning the iterate w_1 (the step under test)."""
-    kwargs.setdefault("average_last_two", False)
+    kwargs = {"average_last_two": False, **NO_DEFENCE, **kwargs}
     module = ours if api == "message" else legacy
     if name.startswith("feddua"):
         return module.FedDuA(variant=name.split("-")[1], **kwargs)
@@ -241,7 +241,7 @@ def test_feddua_composes_with_flowers_server_side_dp_clipping():
     assert all(np.sqrt(_sq(d)) > clip for d in deltas)
     clipped = _clipped(deltas, clip)
     want = oracle("feddua-adam", x0, clipped, [_sq(d) for d in clipped])
-    inner = ours.FedDuA(average_last_two=False)  # returns the step's w_1
+    inner = ours.FedDuA(average_last_two=False, **NO_DEFENCE)  # the bare w_1
     dp = DifferentialPrivacyServerSideFixedClipping(
         inner, noise_multiplier=0.0, clipping_norm=clip, num_sampled_clients=5
     )

@@ -61,6 +61,10 @@ class Rule(Protocol):
 #: Bulyan, centered clipping).
 AGGREGATIONS = ("mean", "median", "trimmed_mean", *robust.AGGREGATIONS)
 
+#: What norm bounding does above its bound (:func:`clip_scales`): clip to
+#: the bound, or flag and scale to the median norm of the others.
+NORM_BOUND_MODES = ("clip", "flag")
+
 
 def sq_norm(arrays: Mapping[str, NDArray[Any]]) -> float:
     """Return Σ_k ‖a_k‖² over the arrays, accumulated in float64."""
@@ -226,6 +230,11 @@ def clip_scales(
 ) -> NDArray[Any]:
     """Return the factor s_i ≤ 1 each client's update is multiplied by.
 
+    ``clip_mode="clip"`` (the strategies' default since issue #38): an
+    update above k·m is clipped to k·m, s_i = min(1, k·m/‖Δ_i‖), so a
+    client weighs at most k typical ones whatever norm it sends; the
+    ``"flag"`` rule below left a client just under k = 5 weighing 5.
+
     ``max_norm = C > 0`` clips to C: s_i = min(1, C/‖Δ_i‖) (the flat clipping
     of DP-FedAvg, McMahan et al., arXiv 1710.06963). ``max_norm_ratio = k >
     0`` flags an update with ‖Δ_i‖ > k·m, m = median_j ‖Δ_j‖ of the round,
@@ -379,6 +388,11 @@ def round_statistics(
             f"max_norm_ratio must be finite and >= 0, got {max_norm_ratio}"
         )
     check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("clip_mode", clip_mode, NORM_BOUND_MODES)
+    if max_weight_ratio < 0 or not math.isfinite(max_weight_ratio):
+        raise ValueError(
+            f"max_weight_ratio must be finite and >= 0, got {max_weight_ratio}"
+        )
     if not 0 <= trim_fraction < 0.5:
         raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
     clip = max_norm > 0 or max_norm_ratio > 0
