@@ -13,7 +13,9 @@ Each line (:func:`flatten`)::
     num_examples, train_loss, train_accuracy, train_time_s (client wall
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
     clip_scale, clipped, selected (Krum/multi-Krum/Bulyan kept the update),
-    center_clip_scale (centered clipping's factor), optimizer ({"eta-mean":
+    center_clip_scale (centered clipping's factor), server_lr_without and
+    step_guard (the server step without this client; whether it capped the
+    round's step), optimizer ({"eta-mean":
     ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
     sizes), metrics (every
     other scalar metric the reply carried)
@@ -75,6 +77,8 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         clipped=scale is not None and scale < 1,
         selected=record.get("selected"),
         center_clip_scale=record.get("center_clip_scale"),
+        server_lr_without=record.get("server_lr_without"),
+        step_guard=record.get("step_guard"),
         optimizer={
             k[len(_OPTIMIZER_PREFIX) :]: metrics.pop(k)
             for k in sorted(metrics)

@@ -542,9 +542,11 @@ def apply_rule(
             _count_clipped(
                 ordered, stats.client_sq_norms, stats.clip_scales, report, round_label
             )
+    rule.leave_one_out_steps = None
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
+    _record_step_guard(ordered, rule.leave_one_out_steps, diagnostics, report)
     if stats.defence is not None:
         diagnostics.update(_record_defence(ordered, stats.defence, report, round_label))
         centered = stats.defence.aggregation == "centered_clipping"
@@ -610,6 +612,31 @@ def _record_defence(
         "hostile-assumed": float(defence.num_hostile or 0),
         "excluded": float(sum(not kept for kept in selected)),
     }
+
+
+def _record_step_guard(
+    used: Sequence[TrainReply],
+    steps: Sequence[float] | None,
+    diagnostics: Mapping[str, float],
+    report: ScreenReport,
+) -> None:
+    """Write each client's leave-one-out step size to its record.
+
+    ``server_lr_without``: the server step η the round would have taken
+    without this client (the step guard's η_t^{(−i)}); the client whose
+    absence gives the smallest one set the cap when ``server-lr-unguarded``
+    is in the diagnostics (``step_guard`` = true in its record). An
+    operator sees a client that raises the step far above what the others
+    give on its own.
+    """
+    if steps is None or len(steps) != len(used):
+        return
+    capped = "server-lr-unguarded" in diagnostics
+    lowest = min(steps)
+    for candidate, step in zip(used, steps, strict=True):
+        record = report.record_of(candidate)
+        record["server_lr_without"] = step
+        record["step_guard"] = capped and step == lowest
 
 
 def _count_clipped(

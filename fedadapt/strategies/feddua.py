@@ -192,14 +192,16 @@ class FedDuARule(ServerRule):
         this round's update (v, s, m are not touched). None when the guard
         is off.
         """
+        self.leave_one_out_steps = None
         if stats.without_each is None:
             return None
         identity = self.preconditioner == "identity"
         adagrad, b1, b2 = self.variant == "adagrad", self.beta_1, self.beta_2
         eps_g = self.step_epsilon(stats)
-        smallest = math.inf
+        self.leave_one_out_steps = steps = []
         for delta, a in stats.without_each():
             if a is None:
+                self.leave_one_out_steps = None
                 return None
             if adagrad:
                 m = 0.5 * a
@@ -229,8 +231,8 @@ class FedDuARule(ServerRule):
                     np.sum(np.divide(vk * vk, g, out=np.zeros_like(g), where=g > 0))
                 )
             denominator = q + eps_g
-            smallest = min(smallest, m / denominator if denominator > 0 else 0.0)
-        return None if math.isinf(smallest) else smallest
+            steps.append(m / denominator if denominator > 0 else 0.0)
+        return min(steps) if steps else None
 
     def step_epsilon(self, stats: RoundStatistics) -> float:
         """Return the ε_g of this update (FedExPM uses FedExP's decayed ε)."""

@@ -36,7 +36,6 @@ any reported ``update-sq-norm`` against it; only
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -149,15 +148,18 @@ class FedExPRule(FedDuARule):
         addition): no single client can raise FedExP's extrapolation; the
         max(1,·) floor still applies after it. None when the guard is off.
         """
+        self.leave_one_out_steps = None
         if stats.without_each is None:
             return None
-        smallest = math.inf
+        raw = []
         for delta, a in stats.without_each():
             if a is None:
                 return None
             denominator = 2.0 * (sq_norm(delta) + eps)
-            smallest = min(smallest, a / denominator if denominator > 0 else 0.0)
-        return None if math.isinf(smallest) else smallest
+            raw.append(a / denominator if denominator > 0 else 0.0)
+        floor = 1.0 if self.form == "original" else 0.0
+        self.leave_one_out_steps = [max(floor, r) for r in raw]
+        return min(raw) if raw else None
 
     def step_epsilon(self, stats: RoundStatistics) -> float:
         """Return FedExPM's ε_g: this round's FedExP ε."""

@@ -196,6 +196,9 @@ def reply_record(
     ``selected`` (Krum, multi-Krum, Bulyan: whether the update entered Δ̄)
     and ``center_clip_scale`` (centered clipping: the factor its Δ_i − v
     got in the last iteration); None where that aggregator is not in use.
+    ``server_lr_without`` / ``step_guard``: the step guard's server step
+    size without this client, and whether that one capped the round's step
+    (FedExP/FedExPM/FedDuA; None otherwise).
     """
     if isinstance(candidate, str):
         node: int | str | None = None
@@ -219,6 +222,8 @@ def reply_record(
         "clip_scale": None,
         "selected": None,
         "center_clip_scale": None,
+        "server_lr_without": None,
+        "step_guard": None,
     }
 
 

@@ -14,6 +14,8 @@ import copy
 import numpy as np
 import pytest
 
+from fedadapt import strategies as ours
+from fedadapt.strategies import legacy
 from fedadapt.strategies.core.aggregation import (
     apply_statistics,
     client_weights,
@@ -22,6 +24,9 @@ from fedadapt.strategies.core.aggregation import (
 )
 from fedadapt.strategies.feddua import FedDuARule
 from fedadapt.strategies.fedexp import FedExPRule
+from tests.helpers import make_reply
+
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def test_weight_cap_limits_a_claim_to_the_median_count():
@@ -128,3 +133,64 @@ def test_the_guard_needs_three_clients_and_the_mean():
     stats = round_statistics(rule, {"w": x}, many, [1] * 5, step_guard=True,
                              aggregation="median")  # fmt: skip
     assert stats.without_each is None
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_the_guard_is_on_by_default_and_recorded_per_client(api):
+    # Prepare: nine honest clients and one sign-flipping just under 2x the
+    # median norm (the default bound), through the strategy of either API
+    x = np.zeros(8, dtype=np.float32)
+    honest = [d.astype(np.float32) for d in _updates(n=9)]
+    norms = [np.linalg.norm(h) for h in honest]
+    flip = (-honest[0] / norms[0] * 1.98 * np.median(norms)).astype(np.float32)
+    clients = [x + d for d in [*honest, flip]]
+    module = ours if api == "message" else legacy
+    strategy = module.FedExP(average_last_two=False)
+    # Execute
+    _strategy_round(api, strategy, x, clients)
+    # Assert: the step was capped at the step without the flipping client
+    report = strategy.round_reports[1]
+    diagnostics = report["diagnostics"]
+    assert diagnostics["server-lr-unguarded"] > diagnostics["server-lr"]
+    records = report["clients"]
+    steps = [r["server_lr_without"] for r in records]
+    assert all(s is not None for s in steps)
+    assert [r["step_guard"] for r in records].count(True) == 1
+    capping = next(r for r in records if r["step_guard"])
+    assert capping["server_lr_without"] == pytest.approx(diagnostics["server-lr"])
+    assert capping["server_lr_without"] == pytest.approx(min(steps))
+    # the flipping client is the one whose absence lowers the step most
+    flipper = max(records, key=lambda r: r["server_sq_norm"])
+    assert flipper is capping
+
+
+def _strategy_round(api, strategy, x, clients):
+    from unittest.mock import Mock
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.server.client_manager import ClientManager
+    from flwr.server.client_proxy import ClientProxy
+    from flwr.serverapp import Grid
+
+    if api == "message":
+        grid = Mock(spec=Grid)
+        grid.get_node_ids.return_value = list(range(1, len(clients) + 1))
+        record = ArrayRecord({"w": Array(x)})
+        list(strategy.configure_train(1, record, ConfigRecord(), grid))
+        replies = [make_reply({"w": c}, {"num-examples": 10}, i + 1)
+                   for i, c in enumerate(clients)]  # fmt: skip
+        strategy.aggregate_train(1, replies)
+        return
+    proxies = []
+    for i in range(len(clients)):
+        proxy = Mock(spec=ClientProxy)
+        proxy.cid = str(i)
+        proxies.append(proxy)
+    manager = Mock(spec=ClientManager)
+    manager.num_available.return_value = len(proxies)
+    manager.sample.return_value = proxies
+    strategy.configure_fit(1, ndarrays_to_parameters([x]), manager)
+    results = [(p, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([c]), 10, {}))
+               for p, c in zip(proxies, clients, strict=True)]  # fmt: skip
+    strategy.aggregate_fit(1, results, [])

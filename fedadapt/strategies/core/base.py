@@ -108,6 +108,11 @@ class ServerRule(ABC):
     #: whether :meth:`update` uses A_t (per-client squared update norms)
     needs_sq_norms: bool = False
 
+    #: the step guard's leave-one-out step sizes of the last update, one per
+    #: client in the order of the round's replies (None: no guard ran); the
+    #: adapters write them to each reply's record (clients.jsonl)
+    leave_one_out_steps: list[float] | None = None
+
     def __init__(
         self,
         *,
