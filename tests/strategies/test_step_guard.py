@@ -147,7 +147,7 @@ def test_the_guard_is_on_by_default_and_recorded_per_client(api):
     module = ours if api == "message" else legacy
     strategy = module.FedExP(average_last_two=False)
     # Execute
-    _strategy_round(api, strategy, x, clients)
+    _round(api, strategy, x, clients, [10] * len(clients))
     # Assert: the step was capped at the step without the flipping client
     report = strategy.round_reports[1]
     diagnostics = report["diagnostics"]
@@ -164,11 +164,35 @@ def test_the_guard_is_on_by_default_and_recorded_per_client(api):
     assert flipper is capping
 
 
-def _strategy_round(api, strategy, x, clients):
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_a_false_weight_claim_counts_as_at_most_twice_the_median(api):
+    # Prepare: four clients with 10 examples and equal updates; a fifth
+    # claims 1e6 examples for an update pointing the other way (norm equal)
+    x = np.zeros(8, dtype=np.float32)
+    up = np.full(8, 0.1, dtype=np.float32)
+    clients = [x + up] * 4 + [x - up]
+    counts = [10, 10, 10, 10, 1_000_000]
+    module = ours if api == "message" else legacy
+    strategy = module.FedAvg()
+    # Execute
+    new = _round(api, strategy, x, clients, counts)
+    # Assert: the claim is capped at 2 x the median count (20): Δ̄ =
+    # (4·10·up − 20·up)/60 = up/3; uncapped the liar's −up would win
+    np.testing.assert_allclose(new, up / 3, rtol=1e-6)
+
+
+def _round(api, strategy, x, clients, counts):
+    """One round of ``strategy`` (either API) on replies ``clients``; w_1."""
     from unittest.mock import Mock
 
     from flwr.app import Array, ArrayRecord, ConfigRecord
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.common import (
+        Code,
+        FitRes,
+        Status,
+        ndarrays_to_parameters,
+        parameters_to_ndarrays,
+    )
     from flwr.server.client_manager import ClientManager
     from flwr.server.client_proxy import ClientProxy
     from flwr.serverapp import Grid
@@ -178,10 +202,12 @@ def _strategy_round(api, strategy, x, clients):
         grid.get_node_ids.return_value = list(range(1, len(clients) + 1))
         record = ArrayRecord({"w": Array(x)})
         list(strategy.configure_train(1, record, ConfigRecord(), grid))
-        replies = [make_reply({"w": c}, {"num-examples": 10}, i + 1)
-                   for i, c in enumerate(clients)]  # fmt: skip
-        strategy.aggregate_train(1, replies)
-        return
+        pairs = enumerate(zip(clients, counts, strict=True))
+        replies = [
+            make_reply({"w": c}, {"num-examples": n}, i + 1) for i, (c, n) in pairs
+        ]
+        new, _ = strategy.aggregate_train(1, replies)
+        return new["w"].numpy()
     proxies = []
     for i in range(len(clients)):
         proxy = Mock(spec=ClientProxy)
@@ -191,6 +217,7 @@ def _strategy_round(api, strategy, x, clients):
     manager.num_available.return_value = len(proxies)
     manager.sample.return_value = proxies
     strategy.configure_fit(1, ndarrays_to_parameters([x]), manager)
-    results = [(p, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([c]), 10, {}))
-               for p, c in zip(proxies, clients, strict=True)]  # fmt: skip
-    strategy.aggregate_fit(1, results, [])
+    results = [(p, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([c]), n, {}))
+               for p, c, n in zip(proxies, clients, counts, strict=True)]  # fmt: skip
+    new, _ = strategy.aggregate_fit(1, results, [])
+    return parameters_to_ndarrays(new)[0]
