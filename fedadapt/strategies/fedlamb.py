@@ -198,6 +198,8 @@ class FedLAMBRule(FedAvgRule):
         ε > 0 of the clients' optimizer; v̂_0 = ε·1 (Algorithm 1 line 2).
     weighting : str (default: "uniform")
         ω for both the models and v (Algorithm 1 lines 15-16).
+    max_moment_ratio : float (default: 4.0)
+        The clip of each client's v (:class:`SecondMoments`); 0 = off.
     plain_average : Callable[[str], bool] | None (default: None)
         See :class:`~fedadapt.strategies.core.ServerRule`.
     """
@@ -207,15 +209,43 @@ class FedLAMBRule(FedAvgRule):
         *,
         eps: float = 1e-8,
         weighting: str = "uniform",
+        max_moment_ratio: float = 4.0,
         plain_average: Callable[[str], bool] | None = None,
     ) -> None:
         super().__init__(weighting=weighting, plain_average=plain_average)
         self.eps = check_scalar("eps", eps, low=0, low_inclusive=False)
+        # the moments' clip acts in SecondMoments (the declaration builds it
+        # from the same parameters); kept here so both halves see it
+        self.max_moment_ratio = check_scalar(
+            "max_moment_ratio", max_moment_ratio, low=0
+        )
 
 
 def _positional(model: Mapping[str, Any]) -> bool:
     """Whether ``model`` is keyed by position (a legacy list without names)."""
     return list(model) == [str(i) for i in range(len(model))]
+
+
+def clip_moments(
+    client_v: Sequence[Mapping[str, NDArray[Any]]], ratio: float
+) -> list[dict[str, NDArray[Any]]]:
+    """Return each v_i clipped to ``ratio`` × the coordinate-wise median of v.
+
+    v_i ← min(v_i, c·median_j v_j) per coordinate (our addition, issue
+    #38): a client's second moment counts at most c typical ones, whatever
+    it sends. With one or two clients the median is the value or the mean
+    of both, so a single client cannot be singled out there. Inputs are not
+    modified.
+    """
+    if not client_v:
+        return []
+    out: list[dict[str, NDArray[Any]]] = [{} for _ in client_v]
+    for name in client_v[0]:
+        stack = np.stack([np.asarray(v[name]) for v in client_v])
+        cap = ratio * np.median(stack, axis=0)
+        for i, v in enumerate(client_v):
+            out[i][name] = np.minimum(v[name], cap.astype(v[name].dtype))
+    return out
 
 
 class SecondMoments(LocalUpdate):
@@ -238,6 +268,13 @@ class SecondMoments(LocalUpdate):
     weighting : str (default: "uniform")
         ω of Σω_i v_i: ``"uniform"`` (Algorithm 1 line 16) or
         ``"num_examples"``; the strategy's rule weights the models alike.
+    max_moment_ratio : float (default: 4.0)
+        c > 0 clips each client's v, coordinate by coordinate, to c times
+        the coordinate-wise median of the round's v before the mean
+        (:func:`clip_moments`); 0 = off. Our addition (issue #38), not in
+        the paper: v̂ is a running maximum, so one client sending v ×1e6
+        would raise v̂ for good and shrink every later LAMB step by ~1e3.
+        4 = 2², the square of the norm bound's default ratio 2.
 
     Attributes
     ----------
@@ -248,9 +285,17 @@ class SecondMoments(LocalUpdate):
 
     name: ClassVar[str] = "fed-lamb"
 
-    def __init__(self, eps: float = 1e-8, weighting: str = "uniform") -> None:
+    def __init__(
+        self,
+        eps: float = 1e-8,
+        weighting: str = "uniform",
+        max_moment_ratio: float = 4.0,
+    ) -> None:
         self.eps = check_scalar("eps", eps, low=0, low_inclusive=False)
         self.weighting = check_choice("weighting", weighting, WEIGHTINGS)
+        self.max_moment_ratio = check_scalar(
+            "max_moment_ratio", max_moment_ratio, low=0
+        )
         self.v_hat: Arrays | None = None
         self._model: Mapping[str, NDArray[Any]] | None = None
         self._peer: Mapping[str, NDArray[Any]] | None = None
@@ -298,10 +343,13 @@ class SecondMoments(LocalUpdate):
     ) -> dict[str, float]:
         """v̂_r = max(v̂_{r−1}, Σω_i v_i) over the used replies; diagnostics."""
         omega = client_weights(weights, self.weighting)
+        moments: Sequence[Mapping[str, NDArray[Any]]] = [r or {} for r in replies]
+        if self.max_moment_ratio > 0:
+            moments = clip_moments(moments, self.max_moment_ratio)
         self.v_hat = aggregate_second_moments(
             # check_reply accepted each reply's moments
             self.v_hat,
-            [r or {} for r in replies],
+            moments,
             weights=list(omega),
             eps=self.eps,
         )
@@ -317,12 +365,21 @@ class SecondMoments(LocalUpdate):
         self.v_hat = state.get("v_hat")
 
     def describe(self) -> dict[str, Scalar]:
-        """Name, ε and weighting, as results.json records."""
-        return {"name": self.name, "eps": self.eps, "weighting": self.weighting}
+        """Name, ε, weighting and the moment clip, as results.json records."""
+        return {
+            "name": self.name,
+            "eps": self.eps,
+            "weighting": self.weighting,
+            "max_moment_ratio": self.max_moment_ratio,
+        }
 
 
 def _second_moments(values: Mapping[str, Any]) -> SecondMoments:
-    return SecondMoments(eps=values["eps"], weighting=values["weighting"])
+    return SecondMoments(
+        eps=values["eps"],
+        weighting=values["weighting"],
+        max_moment_ratio=values["max_moment_ratio"],
+    )
 
 
 FED_LAMB = Algorithm(
@@ -347,6 +404,15 @@ FED_LAMB = Algorithm(
             low_open=True,
         ),
         weighting("uniform", "Fed-LAMB Algorithm 1 lines 15-16"),
+        Param(
+            "max_moment_ratio",
+            4.0,
+            "Clip each client's v per coordinate to this multiple of the round's "
+            "coordinate-wise median v before the mean (one client cannot raise v̂ "
+            "for good); 0 = off.",
+            "ours (issue #38); not in Fed-LAMB",
+            low=0.0,
+        ),
     ),
 )
 

@@ -35,7 +35,7 @@ def _reply(theta, v, node, n=10):
 
 def test_v_hat_is_the_running_max_of_uniform_means_and_is_broadcast():
     rng = np.random.default_rng(0)
-    strategy = FedLAMB(eps=1e-8, **NO_DEFENCE)
+    strategy = FedLAMB(eps=1e-8, max_moment_ratio=0.0, **NO_DEFENCE)
     arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
     expected_v_hat = np.full(4, 1e-8)  # v̂_0 = ε·1 (LAMB Alg. 1 line 2)
     for server_round in (1, 2, 3):
@@ -197,3 +197,22 @@ def test_checkpoint_with_v_hat_in_or_beside_the_rule_state_still_loads(where):
     restored = FedLAMB()
     restored.load_state_dict(old)
     np.testing.assert_array_equal(restored.local_update.v_hat["w"], 0.5)
+
+
+def test_one_client_cannot_raise_v_hat_for_good():
+    # Prepare: four clients with v = 1 and one that sends v = 1e6 (issue #38:
+    # v̂ is a running maximum, so one round of it would shrink every later
+    # LAMB step by ~1e3)
+    strategy = FedLAMB()
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    list(strategy.configure_train(1, arrays, ConfigRecord(), _grid()))
+    ones = np.ones(4, np.float32)
+    replies = [_reply(ones, v, i) for i, v in enumerate([ones] * 4 + [1e6 * ones])]
+    # Execute
+    strategy.aggregate_train(1, replies)
+    # Assert: the liar's v is clipped to 4 x the median (1): v̂ = (4 + 4)/5
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], 8 / 5, rtol=1e-6)
+    off = FedLAMB(max_moment_ratio=0.0)
+    list(off.configure_train(1, arrays, ConfigRecord(), _grid()))
+    off.aggregate_train(1, replies)
+    assert off.local_update.v_hat["w"][0] > 1e5
