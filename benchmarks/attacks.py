@@ -69,8 +69,11 @@ STRATEGIES = (
 #: setting anything.
 DEFENCES: dict[str, dict[str, Any]] = {
     "default": {},
-    "off": {"max_norm_ratio": 0.0, "aggregation": "mean"},
-    "norm-flag-5": {"max_norm_ratio": 5.0, "clip_mode": "flag", "aggregation": "mean"},
+    "off": {"max_norm_ratio": 0.0, "aggregation": "mean", "max_weight_ratio": 0.0,
+            "step_guard": False},
+    # the default before issue #38: flag above 5x the median, nothing else
+    "before-38": {"max_norm_ratio": 5.0, "clip_mode": "flag", "aggregation": "mean",
+                  "max_weight_ratio": 0.0, "step_guard": False},
     "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
     "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                          "aggregation": "mean", "max_weight_ratio": 1.0},
@@ -118,6 +121,9 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_norm_ratio": trust["max_update_norm_ratio"],
         "aggregation": trust["aggregation"],
         "trim_fraction": trust["trim_fraction"],
+        "clip_mode": trust["norm_bound_mode"],
+        "max_weight_ratio": trust["max_weight_ratio"],
+        "step_guard": trust["step_guard"],
     }
 
 
