@@ -451,7 +451,10 @@ def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chosen = [r for r in rows if r["hostile"] == 1 and r["attack"] != "none"]
+    fewest = min((r["hostile"] for r in rows if r["hostile"]), default=0)
+    chosen = [r for r in rows if r["hostile"] == fewest and r["attack"] != "none"]
+    if not chosen:
+        return  # honest runs only: nothing to plot
     attacks = list(dict.fromkeys(r["attack"] for r in chosen))
     defences = list(dict.fromkeys(r["defence"] for r in chosen))
     strategies = list(dict.fromkeys(r["strategy"] for r in chosen))
@@ -474,7 +477,7 @@ def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: Path) 
         ax.set_yscale("log")
     axes[0][0].set_ylabel("distance from honest run ÷ FedAvg's")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"{doc['task']}: one hostile client of {doc['clients']}")
+    fig.suptitle(f"{doc['task']}: {fewest} hostile of {doc['clients']} clients")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
