@@ -55,7 +55,8 @@ def test_fed_lamb_runs_its_second_moments_by_default_and_beside_a_given_one():
         assert isinstance(both, LocalUpdates) and both.name == "fed-lamb+fedprox"
     assert both.describe() == {
         "name": "fed-lamb+fedprox", "fed-lamb.eps": 1e-8,
-        "fed-lamb.weighting": "uniform", "fedprox.mu": 0.5,
+        "fed-lamb.weighting": "uniform", "fed-lamb.max_moment_ratio": 4.0,
+        "fedprox.mu": 0.5,
     }  # fmt: skip
     cfg = validate_run_config(RUN_CONFIG)
     app = build_strategy(cfg, num_nodes=3)
