@@ -26,7 +26,7 @@ import pytest
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("fedadapt", "fedadapt._atomic", "fedadapt._validation",
               "fedadapt.errors", "fedadapt.registry")),
-    ("library", ("fedadapt.strategies", "fedadapt.optimizers")),
+    ("library", ("fedadapt.strategies", "fedadapt.optimizers", "fedadapt.attacks")),
     ("app", ("fedadapt.server", "fedadapt.client", "fedadapt.tasks",
              "fedadapt.config", "fedadapt.reference")),
     ("tools.deploy", ("fedadapt.tools.deploy",)),
