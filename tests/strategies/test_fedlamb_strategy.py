@@ -210,7 +210,8 @@ def test_one_client_cannot_raise_v_hat_for_good():
     replies = [_reply(ones, v, i) for i, v in enumerate([ones] * 4 + [1e6 * ones])]
     # Execute
     strategy.aggregate_train(1, replies)
-    # Assert: the liar's v is clipped to 4 x the median (1): v̂ = (4 + 4)/5
+    # Assert: the liar's v is scaled to 4 x the median total (4 x 4): v = 4,
+    # v̂ = (4 + 4)/5
     np.testing.assert_allclose(strategy.local_update.v_hat["w"], 8 / 5, rtol=1e-6)
     off = FedLAMB(max_moment_ratio=0.0)
     list(off.configure_train(1, arrays, ConfigRecord(), _grid()))
