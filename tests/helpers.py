@@ -51,7 +51,7 @@ class FakeSuperLink:
     replace ``flwr`` too (``SimulationSuperLink`` or a ``superlink``
     argument)."""
 
-    def __init__(self, flwr_home: Path, *args: object) -> None:
+    def __init__(self, flwr_home: Path, *args: object, **kwargs: object) -> None:
         self.flwr_home = flwr_home
         self.address = "127.0.0.1:1"
         self.connection = "fake"
@@ -63,6 +63,35 @@ class FakeSuperLink:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+class FakeRayCluster:
+    """A PrivateRayCluster that starts nothing; ``started`` counts entries."""
+
+    started = 0
+
+    def __init__(self, log_dir: Path, **kwargs: object) -> None:
+        self.kwargs = kwargs
+        self.address = "127.0.0.2:1"
+
+    def __enter__(self) -> FakeRayCluster:
+        type(self).started += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def fake_ray(monkeypatch, cpus: int = 2, gpus: int = 0) -> type[FakeRayCluster]:
+    """Make suites run on fake clusters, on a machine of ``cpus`` and ``gpus``."""
+    from fedadapt.tools import experiments
+    from fedadapt.tools.deploy import ray_cluster
+
+    cluster = type("Cluster", (FakeRayCluster,), {"started": 0})
+    monkeypatch.setattr(ray_cluster, "PrivateRayCluster", cluster)
+    monkeypatch.setattr(experiments.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(experiments, "_visible_gpus", lambda: gpus)
+    return cluster
 
 
 BACKEND_CONFIG = {

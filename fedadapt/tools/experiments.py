@@ -51,6 +51,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -426,6 +427,15 @@ def _stop_reason(error: BaseException) -> str:
     return f"fedadapt-exp ended with an error: {error!r}"
 
 
+def _visible_gpus() -> int:
+    """GPUs this machine shows (0 without CUDA); imports torch only here."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def cell_done(results: Path, rounds: int) -> bool:
     """Whether a cell's results.json says it completed all its rounds."""
     try:
@@ -440,22 +450,34 @@ def run_suite(
     output_root: Path,
     app: Path,
     federation_config: str = "",
-    parallel: int = 1,
+    parallel: int | None = None,
+    ray_address: str | None = None,
 ) -> int:
     """Run every unfinished cell; return the number of failed cells.
+
+    Ray's start-up is paid once per suite, not once per cell: the cells run
+    on the cluster at ``ray_address`` one after another (it is never
+    stopped here), or else on private clusters started for the suite and
+    stopped at its end — one per *slot*, each slot running its share of the
+    cells in turn (:mod:`fedadapt.tools.deploy.ray_cluster` says why one cell
+    at a time per cluster). ``parallel`` bounds the slots (None: as many as
+    the cores hold, at most four; each slot gets its share of the CPUs).
 
     ``federation_config`` is passed to every ``flwr run`` (its
     ``--federation-config``), e.g. ``"client-resources-num-gpus=0.25"`` so
     that four simulated clients share each GPU; without it Ray gives the
-    clients no GPU and they train on the CPU. ``parallel`` cells run at once
-    on the suite's SuperLink (each its own simulation process): a cell spends
-    most of its first ~25 s starting Flower and Ray, which overlaps well.
-    Seeded cells give the same numbers whatever runs beside them.
+    clients no GPU and they train on the CPU. ``init-args-num-cpus`` /
+    ``-num-gpus`` size the private clusters together (refused with
+    ``ray_address``). Seeded cells give the same numbers whatever runs
+    beside them.
     """
+    import contextlib
+    import queue
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from tqdm import tqdm
 
+    from fedadapt.tools.deploy import ray_cluster
     from fedadapt.tools.submission import (
         Cancelled,
         SimulationSuperLink,
@@ -480,11 +502,31 @@ def run_suite(
     failed = 0
     if not todo:
         return 0
+    client = ray_cluster.client_resources(federation_config)
+    init = ray_cluster.parse_federation_config(federation_config)
+    sized = {
+        k: float(init[k])
+        for k in (ray_cluster.INIT_CPUS, ray_cluster.INIT_GPUS)
+        if k in init
+    }
+    if ray_address and sized:
+        raise ValueError(
+            "init-args-num-cpus / init-args-num-gpus size private clusters; "
+            f"the cluster at {ray_address} has the resources `ray start` gave it"
+        )
+    if ray_address:
+        slots = 1  # one cluster: one cell at a time (Flower sizes a run's pool to it)
+    else:
+        cpus = sized.get(ray_cluster.INIT_CPUS, float(os.cpu_count() or 1))
+        gpus = sized.get(ray_cluster.INIT_GPUS, float(_visible_gpus()))
+        slots = ray_cluster.suite_slots(parallel, len(todo), cpus, gpus, client)
+    cell_config = ray_cluster.slot_federation_config(federation_config, slots)
     cancel = threading.Event()
     tracks: dict[str, Submitted] = {}
     finished: set[str] = set()
     bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
-    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    free: queue.SimpleQueue[SimulationSuperLink] = queue.SimpleQueue()
+    pool = ThreadPoolExecutor(max_workers=slots)
 
     def run(cell: Cell) -> tuple[Cell, Any]:
         if cancel.is_set():  # a stop arrived before this cell started
@@ -493,19 +535,48 @@ def run_suite(
         # (a live one is still refused: docs/failures.md)
         overrides = {**cell.overrides, "overwrite": True}
         track = tracks.setdefault(cell.run_name, Submitted())
-        return cell, submit_run(
-            superlink,
-            app,
-            overrides,
-            suite.num_supernodes,
-            suite.timeout,
-            federation_config=federation_config,
-            track=track,
-            cancel=cancel,
-        )
+        superlink = free.get()  # a slot: as many as the pool's threads
+        try:
+            return cell, submit_run(
+                superlink,
+                app,
+                overrides,
+                suite.num_supernodes,
+                suite.timeout,
+                federation_config=cell_config,
+                track=track,
+                cancel=cancel,
+            )
+        finally:
+            free.put(superlink)
 
     try:
-        with SimulationSuperLink(out / ".flwr") as superlink:
+        # leaving the block stops every SuperLink (and the simulations they
+        # started), then every cluster started here
+        with contextlib.ExitStack() as stack:
+            for slot in range(slots):
+                address = ray_address
+                if address is None:
+                    address = stack.enter_context(
+                        ray_cluster.PrivateRayCluster(
+                            out / ".flwr",
+                            num_cpus=float(int(cpus // slots)),
+                            num_gpus=sized.get(ray_cluster.INIT_GPUS),
+                            name=f"ray-slot-{slot}",
+                        )
+                    ).address
+                free.put(
+                    stack.enter_context(
+                        SimulationSuperLink(out / ".flwr", ray_address=address)
+                    )
+                )
+            where = (
+                f"the Ray cluster at {ray_address}"
+                if ray_address
+                else f"{slots} Ray cluster(s) started for this suite, "
+                f"{int(cpus // slots)} CPUs each"
+            )
+            tqdm.write(f"{suite.name}: {slots} cell(s) at once on {where}")
             try:
                 for future in as_completed([pool.submit(run, c) for c in todo]):
                     cell, outcome = future.result()
@@ -520,8 +591,7 @@ def run_suite(
                         )
             finally:
                 # on any way out (Ctrl-C, SIGTERM, an error): start no further
-                # cell and end the waits; leaving the block stops the
-                # SuperLink and every simulation it started
+                # cell and end the waits
                 cancel.set()
                 pool.shutdown(wait=False, cancel_futures=True)
     except BaseException as error:
@@ -936,9 +1006,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--parallel",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="run N cells at once (each its own simulation; default 1)",
+        help="run at most N cells at once (default: as many as the Ray cluster's "
+        "CPUs/GPUs hold, each cell's clients keeping their resources)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="run the cells on this running Ray cluster (left running); default: "
+        "start one private cluster for the whole suite and stop it at the end "
+        "(docs/ray-cluster.md)",
     )
     parser.add_argument(
         "--methods",
@@ -991,8 +1070,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.app.resolve(),
                 args.federation_config,
                 args.parallel,
+                args.ray_address,
             )
-        except RuntimeError as error:  # flwr refused the run (e.g. a bad setting)
+        # flwr refused the run (e.g. a bad setting), Ray could not start or be
+        # reached, or the federation config does not parse
+        except (RuntimeError, ValueError) as error:
             print(f"fedadapt-exp: {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ from fedadapt.tools.experiments import (
     summarise,
     write_report,
 )
-from tests.helpers import ROOT, VENV_BIN, FakeSuperLink
+from tests.helpers import ROOT, VENV_BIN, FakeSuperLink, fake_ray
 
 SUITE = """
 name: tiny
@@ -380,6 +381,7 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
             return json.dumps({"run-id": len(commands)})
         raise AssertionError(args)
 
+    fake_ray(monkeypatch)
     monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
     monkeypatch.setattr(cli, "flwr", fake_flwr)
     monkeypatch.setattr(
@@ -413,6 +415,7 @@ def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys
     def refusing_flwr(args, env, **kw):
         raise RuntimeError("flwr run failed (1): Unknown simulation config field(s)")
 
+    fake_ray(monkeypatch)
     monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
     monkeypatch.setattr(cli, "flwr", refusing_flwr)
     path = _write(tmp_path)
@@ -428,3 +431,122 @@ def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys
     )
     assert code == 2
     assert "Unknown simulation config field" in capsys.readouterr().err
+
+
+def _fake_suite_run(tmp_path, monkeypatch, cpus, gpus, *flags):
+    """Run the 3-cell suite on a fake cluster; return (exit code, the
+    federation configs the cells got, the cluster class, the most cells
+    that were running at once)."""
+    import threading
+
+    from fedadapt.tools import submission as cli
+
+    configs, lock = [], threading.Lock()
+    running = {"now": 0, "most": 0}
+
+    def fake_flwr(args, env, **kw):
+        if args[0] == "run":
+            with lock:
+                configs.append(args[args.index("--federation-config") + 1])
+                running["now"] += 1
+                running["most"] = max(running["most"], running["now"])
+            time.sleep(0.3)
+            with lock:
+                running["now"] -= 1
+            return json.dumps({"run-id": len(configs)})
+        raise AssertionError(args)
+
+    cluster = fake_ray(monkeypatch, cpus, gpus)
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(
+        cli,
+        "run_status",
+        lambda *a: {"status": "finished:failed", "status-details": ""},
+    )
+    path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
+    code = main(["run", str(path), "--output", str(tmp_path / "out"), *flags])
+    return code, configs, cluster, running["most"]
+
+
+def test_a_suite_starts_its_clusters_once_not_once_per_cell(tmp_path, monkeypatch):
+    """Issue #39: private clusters for the suite (not one per cell): on 4
+    CPUs with 1-CPU clients, 3 cells run at once, each slot its own cluster
+    of 4 // 3 = 1 CPU; the cells' federation config is the given one."""
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        4,
+        0,
+        "--federation-config",
+        "client-resources-num-cpus=1",
+    )
+    assert code == 1 and cluster.started == 3
+    assert configs == ["num-supernodes=3 client-resources-num-cpus=1"] * 3
+    assert most == 3
+
+
+def test_parallel_bounds_the_cells_at_once(tmp_path, monkeypatch):
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        4,
+        0,
+        "--parallel",
+        "2",
+        "--federation-config",
+        "client-resources-num-cpus=1",
+    )
+    assert cluster.started == 2 and most == 2
+    assert len(configs) == 3
+
+
+def test_a_machine_that_holds_one_client_runs_one_cell_at_a_time(tmp_path, monkeypatch):
+    """Flower's default client (2 CPUs) on 2 cores: one slot, one cluster."""
+    code, configs, cluster, most = _fake_suite_run(tmp_path, monkeypatch, 2, 0)
+    assert cluster.started == 1 and most == 1
+    assert configs == ["num-supernodes=3"] * 3
+
+
+def test_gpu_clients_share_the_gpus_across_slots(tmp_path, monkeypatch):
+    """Two slots on one GPU: each client's share doubles, so the two slots'
+    pools (each sized by Flower against the one GPU) fit it together."""
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        16,
+        1,
+        "--parallel",
+        "2",
+        "--federation-config",
+        "client-resources-num-cpus=2 client-resources-num-gpus=0.25",
+    )
+    assert cluster.started == 2
+    want = "num-supernodes=3 client-resources-num-cpus=2 client-resources-num-gpus=0.5"
+    assert configs == [want] * 3
+
+
+def test_a_given_cluster_is_used_and_never_started(tmp_path, monkeypatch):
+    """With ``--ray-address`` nothing is started and the cells run one at a
+    time (each run's actor pool takes the whole cluster)."""
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path, monkeypatch, 16, 0, "--ray-address", "127.0.0.9:6379"
+    )
+    assert cluster.started == 0
+    assert configs == ["num-supernodes=3"] * 3
+    assert most == 1
+
+
+def test_init_args_with_a_given_cluster_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    code, configs, _, _ = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        2,
+        0,
+        "--ray-address",
+        "127.0.0.9:6379",
+        "--federation-config",
+        "init-args-num-cpus=4",
+    )
+    assert code == 2 and configs == []
+    assert "init-args-num-cpus" in capsys.readouterr().err

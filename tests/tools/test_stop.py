@@ -232,7 +232,9 @@ def test_stopping_a_suite_stops_its_processes_and_starts_no_further_cell(
         time.sleep(0.3)
     assert results is not None, "the first cell did not start in time"
     watch.cli.send_signal(signum)
-    code, out_text, err = watch.finish(ray=False)
+    # the suite's private Ray cluster (issue #39) is part of the tree: seen
+    # while it ran, gone when the command ended
+    code, out_text, err = watch.finish(ray=True)
     assert code == 128 + signum if signum == signal.SIGTERM else code == 130, err
     assert "no further cell started, every process started was stopped" in err
     data = json.loads(results.read_text())

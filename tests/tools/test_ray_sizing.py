@@ -1,0 +1,88 @@
+"""How a suite spreads its cells over private Ray clusters (issue #39),
+against Flower's own actor-pool sizing: every slot's pool must hold at least
+one client, and the slots' pools together must fit the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedadapt.tools.deploy.ray_cluster import (
+    client_resources,
+    parse_federation_config,
+    slot_federation_config,
+    suite_slots,
+)
+
+
+def flower_pool_size(cpus: float, gpus: float, client: tuple[float, float]) -> int:
+    """Flower's ``pool_size_from_resources`` for a one-node cluster (the
+    oracle, re-derived from flwr/simulation/ray_transport/ray_actor.py)."""
+    actors = int(cpus / client[0])
+    if client[1] > 0:
+        actors = min(actors, int(gpus / client[1])) if gpus else 0
+    return actors
+
+
+@pytest.mark.parametrize(
+    "cpus, gpus, config, requested",
+    [
+        (2, 0, "client-resources-num-cpus=1", None),
+        (16, 0, "client-resources-num-cpus=1", None),
+        (16, 0, "", None),  # Flower's default: 2 CPUs a client
+        (16, 0, "client-resources-num-cpus=3", 8),
+        (16, 1, "client-resources-num-cpus=2 client-resources-num-gpus=0.25", None),
+        (16, 1, "client-resources-num-cpus=1 client-resources-num-gpus=0.3", None),
+        (8, 2, "client-resources-num-cpus=1 client-resources-num-gpus=1", None),
+    ],
+)
+def test_the_slots_pools_fit_the_machine_together(cpus, gpus, config, requested):
+    client = client_resources(config)
+    slots = suite_slots(requested, 40, cpus, gpus, client)
+    scaled = client_resources(slot_federation_config(config, slots))
+    # each slot is a cluster of cpus // slots CPUs that sees every GPU
+    pool = flower_pool_size(cpus // slots, gpus, scaled)
+    assert pool >= 1, (slots, scaled)
+    assert slots * pool * scaled[0] <= cpus
+    assert slots * pool * client[1] <= gpus + 1e-9  # physical GPU shares
+    assert scaled[1] <= 1 or float(scaled[1]).is_integer()  # Ray's rule
+
+
+def test_slot_examples():
+    assert suite_slots(None, 3, 2, 0, (1, 0)) == 2
+    assert suite_slots(None, 3, 2, 0, (2, 0)) == 1
+    assert suite_slots(None, 1, 64, 0, (1, 0)) == 1  # one cell
+    assert suite_slots(None, 40, 64, 0, (1, 0)) == 4  # AUTO_SLOTS_MAX
+    assert suite_slots(8, 40, 64, 0, (1, 0)) == 8
+    assert suite_slots(None, 8, 16, 1, (1, 0.25)) == 4
+    assert suite_slots(None, 8, 16, 1, (1, 0.3)) == 3  # 4 x 0.3 > 1 GPU
+    assert suite_slots(None, 8, 1, 0, (2, 0)) == 1  # too small: Flower says so
+
+
+def test_the_cell_config_keeps_other_keys_and_drops_init_args():
+    config = "client-resources-num-cpus=1 init-args-num-cpus=4 verbose=true"
+    assert (
+        slot_federation_config(config, 1) == "client-resources-num-cpus=1 verbose=true"
+    )
+    assert (
+        slot_federation_config(config, 3) == "client-resources-num-cpus=1 verbose=true"
+    )
+    gpu = "client-resources-num-gpus=0.25"
+    assert slot_federation_config(gpu, 2) == "client-resources-num-gpus=0.5"
+
+
+@pytest.mark.parametrize(
+    "config, pattern",
+    [
+        ("client-resources-num-cpus", "KEY=VALUE"),
+        ("client-resources-num-cpus=two", "must be a number"),
+        ("client-resources-num-cpus=0", "must be > 0"),
+        ("client-resources-num-gpus=-1", "must be ≥ 0"),
+    ],
+)
+def test_bad_federation_configs_fail_naming_the_key(config, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        client_resources(config)
+
+
+def test_parse_keeps_the_order():
+    assert list(parse_federation_config("b=1 a=2")) == ["b", "a"]
