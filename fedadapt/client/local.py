@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -276,7 +277,26 @@ def train_round(
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
     metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
+    node = ray_node()
+    if node is not None:
+        metrics[wire.RAY_NODE] = node
     return RoundResult(state, metrics, local)
+
+
+def ray_node() -> int | None:
+    """Return the first 48 bits of the Ray node id this process runs on, or None.
+
+    A simulated client runs in a Ray actor; which node of a cluster it ran
+    on goes to clients.jsonl (``ray_node``), so a multi-node run can be
+    checked. None outside Ray (deployment, tests); Ray is never imported here.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        return int(ray.get_runtime_context().get_node_id()[:12], 16)
+    except Exception:  # noqa: BLE001 - a record, never a reason to fail a round
+        return None
 
 
 def evaluate_round(

@@ -9,7 +9,9 @@ filled (:func:`fedadapt.strategies.screening.reply_record`): the server's
 
 Each line (:func:`flatten`)::
 
-    round, node, partition, status (used | rejected | failed), reason,
+    round, node, partition, ray_node (a simulated client: the first 12 hex
+    digits of the Ray node id it ran on, else null), status (used |
+    rejected | failed), reason,
     num_examples, train_loss, train_accuracy, train_time_s (client wall
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
     clip_scale, clipped, selected (Krum/multi-Krum/Bulyan kept the update),
@@ -56,6 +58,11 @@ _NAMED = {
 _OPTIMIZER_PREFIX = "opt-"
 
 
+def _ray_node_hex(value: Any) -> str | None:
+    """Return a reply's ``ray-node`` metric as the node id's first 12 hex digits."""
+    return None if value is None else f"{int(value):012x}"
+
+
 def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
     """Return a screened reply record as one clients.jsonl line (a dict)."""
     metrics = dict(record.get("metrics") or {})
@@ -63,6 +70,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         "round": record["round"],
         "node": record.get("node"),
         "partition": metrics.pop(wire.PARTITION_ID, None),
+        "ray_node": _ray_node_hex(metrics.pop(wire.RAY_NODE, None)),
         "status": record["status"],
         "reason": record.get("reason"),
     }

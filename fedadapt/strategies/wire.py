@@ -36,12 +36,15 @@ NUM_PARTITIONS: Final = "num-partitions"
 
 # an entry of a client's train metrics for the per-reply records
 TRAIN_TIME_S: Final = "train-time-s"  #: client wall seconds for the train message
+#: where a simulated client ran: the first 48 bits of its Ray node id, as an
+#: integer (metrics are numbers); clients.jsonl writes it back as 12 hex digits
+RAY_NODE: Final = "ray-node"
 
 #: metrics that describe one reply (who sent it, how long it took): kept in
 #: the per-reply records, left out of the round's aggregated metrics (an
 #: average partition id means nothing; timings would make the aggregate,
 #: which a resumed run reproduces exactly, differ from run to run)
-PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S)
+PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S, RAY_NODE)
 
 
 def without_per_reply(metrics: Mapping[str, V]) -> dict[str, V]:

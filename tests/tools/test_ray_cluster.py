@@ -218,3 +218,102 @@ def test_simulation_runs_on_an_existing_ray_cluster(tmp_path, local_run, ray_hea
     # same seed, same config: the cluster computed the same model
     for ours, theirs in zip(cluster["rounds"], local["rounds"], strict=True):
         assert ours["eval"]["loss"] == pytest.approx(theirs["eval"]["loss"], 1e-5)
+
+
+SECOND_HOST = "127.0.0.3"
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path: Path) -> Iterator[str]:
+    """A head (127.0.0.2) and a second Ray node (127.0.0.3), one CPU each.
+
+    The head is fedadapt's own :class:`PrivateRayCluster`; the second node
+    joins it with ``ray start --address`` under the same process-tree mark,
+    so leaving the fixture stops both nodes and nothing else.
+    """
+    from fedadapt.tools.deploy.process import flower_env, venv_bin
+    from fedadapt.tools.deploy.ray_cluster import PrivateRayCluster
+
+    with PrivateRayCluster(tmp_path / "ray-logs", num_cpus=1) as head:
+        env = head.tree.env(flower_env(tmp_path / "ray-logs"))
+        joined = subprocess.run(
+            [
+                str(venv_bin() / "ray"),
+                "start",
+                f"--address={head.address}",
+                f"--node-ip-address={SECOND_HOST}",
+                "--num-cpus=1",
+                f"--dashboard-agent-listen-port={free_port()}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            start_new_session=True,
+            timeout=180,
+        )
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        yield head.address
+    assert head.tree.pids() == {}
+
+
+def _ray_node_ids(address: str) -> dict[str, str]:
+    """Node IP -> the node id's first 12 hex digits, as Ray lists them."""
+    code = (
+        f"import json, ray; ray.init(address={address!r}, logging_level='ERROR'); "
+        "print(json.dumps({n['NodeManagerAddress']: n['NodeID'][:12] "
+        "for n in ray.nodes() if n['Alive']}))"
+    )
+    done = subprocess.run(
+        [str(VENV_BIN / "python"), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.deploy
+def test_clients_on_two_ray_nodes_compute_the_single_node_model_bit_for_bit(
+    tmp_path, two_node_cluster
+):
+    """Issue #39: a simulation whose clients run on two Ray nodes (one CPU
+    each, so Flower's pool has one actor on each) gives the model of the same
+    run on one machine's private Ray, bit for bit; clients.jsonl says which
+    node each client ran on."""
+    import numpy as np
+
+    one_cpu = ("--federation-config", "client-resources-num-cpus=1")
+    cluster = _simulate(
+        tmp_path, "two-nodes", "--ray-address", two_node_cluster, *one_cpu
+    )
+    single = _simulate(tmp_path, "single", *one_cpu)
+    assert _finish(cluster, tmp_path, "two-nodes")["status"] == "completed"
+    assert _finish(single, tmp_path, "single")["status"] == "completed"
+
+    nodes = _ray_node_ids(two_node_cluster)
+    assert set(nodes) == {HOST, SECOND_HOST}, nodes
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / "out" / "two-nodes" / "clients.jsonl").open()
+    ]
+    used = {line["ray_node"] for line in lines}
+    print(
+        "clients per Ray node:",
+        {
+            ip: [
+                (line["round"], line["partition"])
+                for line in lines
+                if line["ray_node"] == nid
+            ]
+            for ip, nid in nodes.items()
+        },
+    )
+    assert used == set(nodes.values()), (used, nodes)
+
+    ours = np.load(tmp_path / "out" / "two-nodes" / "final_model.npz")
+    theirs = np.load(tmp_path / "out" / "single" / "final_model.npz")
+    assert sorted(ours.files) == sorted(theirs.files)
+    for key in ours.files:
+        assert np.array_equal(ours[key], theirs[key]), key
