@@ -57,13 +57,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from fedadapt._atomic import atomic_open, atomic_write_text
 from fedadapt.config import KEYS, ConfigError, validate_run_config
 from fedadapt.server.tracking import check_tracker
+
+if TYPE_CHECKING:
+    from fedadapt.tools.submission import RunOutcome
 
 SUITE_KEYS = {
     "name",
@@ -483,6 +486,7 @@ def run_suite(
     cancel = threading.Event()
     tracks: dict[str, Submitted] = {}
     finished: set[str] = set()
+    unsettled: dict[str, tuple[str, str]] = {}  # cell: (status, reason)
     bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
     pool = ThreadPoolExecutor(max_workers=max(1, parallel))
 
@@ -514,10 +518,8 @@ def run_suite(
                     bar.set_postfix_str(f"{cell.method} {cell.point_label} done")
                     if not outcome.ok:
                         failed += 1
-                        tqdm.write(
-                            f"FAILED {cell.run_name}: {outcome.status} "
-                            f"{outcome.details} {outcome.problems}"
-                        )
+                        unsettled[cell.run_name] = _settle_reason(outcome, suite)
+                        tqdm.write(failure_line(cell, outcome))
             finally:
                 # on any way out (Ctrl-C, SIGTERM, an error): start no further
                 # cell and end the waits; leaving the block stops the
@@ -534,7 +536,38 @@ def run_suite(
     finally:
         bar.close()
     pool.shutdown(wait=True)
+    # every process of the suite has ended: a failed cell whose ServerApp
+    # still held its folder when Flower reported it (results.json "running")
+    # is marked now, with the error from Flower's log
+    for name, (status, reason) in unsettled.items():
+        settle_run(tracks[name], status, reason, wait=0.0)
     return failed
+
+
+def failure_line(cell: Cell, outcome: RunOutcome) -> str:
+    """Return the console line of a cell that did not complete.
+
+    Names the real error from Flower's log when there is one (not Flower's
+    "An error was encountered. Ending simulation."), else Flower's status
+    details, and where Flower's log of the run was saved.
+    """
+    line = f"FAILED {cell.run_name}: {outcome.status}"
+    if outcome.error:
+        line += f": {outcome.error}"
+    elif outcome.details:
+        line += f" {outcome.details}"
+    if outcome.problems:
+        line += f" {outcome.problems}"
+    if outcome.log is not None:
+        line += f"\n  Flower's log: {outcome.log}"
+    return line
+
+
+def _settle_reason(outcome: RunOutcome, suite: Suite) -> tuple[str, str]:
+    """How results.json of a cell that did not complete ends: (status, reason)."""
+    if outcome.status == "timed-out":
+        return "stopped", f"timed out after {suite.timeout:g}s (the suite's timeout)"
+    return "failed", outcome.error or f"Flower: {outcome.status} {outcome.details}"
 
 
 # --- reporting -----------------------------------------------------------------
