@@ -664,13 +664,17 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
     out = output_root / suite.name
     better = min if METRICS[suite.metric] == "min" else max
     methods: dict[str, Any] = {}
+    failed: list[dict[str, Any]] = []
     for cell in suite.cells(out):
         path = out / cell.run_name / "results.json"
         if not cell_done(path, suite.rounds):
+            failed.append(failed_cell(cell, path.parent, suite.rounds))
             continue
         results = json.loads(path.read_text())
         series = _series(results, suite.metric)
         if not series:
+            entry = failed_cell(cell, path.parent, suite.rounds)
+            failed.append({**entry, "error": f"no {suite.metric} recorded"})
             continue
         point = methods.setdefault(cell.method, {}).setdefault(
             cell.point_label,
@@ -690,6 +694,7 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
         "target": None if suite.target is None else dataclasses.asdict(suite.target),
         "baseline": suite.baseline,
         "methods": {},
+        "failed_cells": failed,
     }
     for method, points in methods.items():
         stats = {
@@ -711,6 +716,52 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
             info["target"] = _target_summary(info, summary["methods"], suite.baseline)
     summary["claims"] = [check_claim(c, summary, suite.metric) for c in suite.claims]
     return summary
+
+
+def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
+    """Describe a cell that did not complete: its status and why.
+
+    ``status`` is results.json's (``failed``, ``stopped``; ``unfinished``
+    for a run still marked ``running``, or ``completed`` with fewer rounds
+    than the suite's) or ``missing`` (no readable results.json); ``error``
+    is results.json's, or for a cell without one the error in the Flower
+    log saved in its folder (``flower.log``).
+    """
+    from fedadapt.server.run_folder import FLOWER_LOG_FILE
+    from fedadapt.tools.flower_log import real_error
+
+    entry: dict[str, Any] = {
+        "cell": cell.run_name,
+        "method": cell.method,
+        "point": cell.point_label,
+        "seed": cell.seed,
+    }
+    try:
+        data = json.loads((run_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict):
+        error = "no results.json (not run yet, or it failed before writing one)"
+        try:
+            error = real_error((run_dir / FLOWER_LOG_FILE).read_text()) or error
+        except OSError:
+            pass
+        return {**entry, "status": "missing", "rounds": 0, "error": error}
+    status = data.get("status", "?")
+    done = len(data.get("rounds", []))
+    error = data.get("error") or ""
+    if status == "running":
+        status = "unfinished"
+        error = error or "results.json still says running: it is running or died"
+    elif status == "completed" and done != rounds:
+        status = "unfinished"
+        error = error or f"completed {done} of {rounds} rounds"
+    return {**entry, "status": status, "rounds": done, "error": error}
+
+
+def _md(text: str) -> str:
+    """``text`` as one markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def _panel_metrics(suite: Suite) -> list[str]:
@@ -791,7 +842,17 @@ def _table(suite: Suite, summary: Mapping[str, Any]) -> list[str]:
             head += [f"speed-up vs {baseline} (rounds)", "speed-up (time)"]
     head.append("seeds")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method, info in summary["methods"].items():
+    failed: dict[str, int] = {}
+    for entry in summary.get("failed_cells", []):
+        failed[entry["method"]] = failed.get(entry["method"], 0) + 1
+    for method in dict.fromkeys([*suite.methods, *summary["methods"]]):
+        info = summary["methods"].get(method)
+        if info is None:
+            if failed.get(method):  # not one cell completed: a row that says so
+                row = [method, "—", "failed", *["—"] * (len(head) - 4)]
+                row.append(f"0 ({failed[method]} failed)")
+                lines.append("| " + " | ".join(row) + " |")
+            continue
         best = info["points"][info["best"]]
         final = _num(best["mean"])
         if best["std"] is not None:
@@ -811,8 +872,35 @@ def _table(suite: Suite, summary: Mapping[str, Any]) -> list[str]:
                         row.append("baseline not reached")
                     else:
                         row.append(_reached(ratios, "×"))
-        row.append(str(best["seeds"]))
+        seeds = str(best["seeds"])
+        if failed.get(method):
+            seeds += f" ({failed[method]} failed)"
+        row.append(seeds)
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _failed_section(summary: Mapping[str, Any], cells: int) -> list[str]:
+    """Return the report's list of the cells that did not complete (or none)."""
+    failed = summary.get("failed_cells", [])
+    if not failed:
+        return []
+    lines = [
+        "",
+        "## Failed cells",
+        "",
+        f"{len(failed)} of {cells} cells did not complete and are left out of the "
+        "numbers above; `fedadapt-exp run` reruns them (Flower's log of a "
+        "failed run: `flower.log` in its folder).",
+        "",
+        "| cell | status | error |",
+        "|---|---|---|",
+    ]
+    for entry in failed:
+        status = entry["status"]
+        if status != "failed":
+            status = f"failed ({status})"
+        lines.append(f"| {entry['cell']} | {status} | {_md(entry['error'])} |")
     return lines
 
 
@@ -870,7 +958,8 @@ def plot_report(suite: Suite, summary: Mapping[str, Any], path: Path) -> None:
         if METRICS.get(metric) == "min" and values and min(values) > 0:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].lines:  # no method completed a cell: nothing to name
+        axes[0].legend(fontsize=7)
     seeds = len(suite.seeds)
     fig.suptitle(
         f"{suite.name}: best grid point per method, "
@@ -914,6 +1003,7 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
             )
         )
     lines += ["", *_table(suite, summary)]
+    lines += _failed_section(summary, len(suite.cells(out)))
     if summary["claims"]:
         lines += ["", "## Claims", ""]
         for claim in summary["claims"]:

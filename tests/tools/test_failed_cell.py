@@ -6,7 +6,7 @@ error is only in the run's log, which the SuperLink keeps while it runs.
 ``fedadapt-exp run`` fetches that log before it stops the SuperLink, prints
 the real error on the cell's FAILED line, saves the log as the cell's
 ``flower.log``, and ends the cell's results.json ``failed`` with that error
-(no lock left held).
+(no lock left held); ``fedadapt-exp report`` lists such cells as failed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fedadapt.tools.experiments import load_suite, main
+from fedadapt.tools.experiments import load_suite, main, write_report
 from fedadapt.tools.flower_log import real_error
 from tests.helpers import ROOT, VENV_BIN, FakeSuperLink
 
@@ -148,7 +148,8 @@ def test_a_failed_cell_shows_the_real_error_and_ends_failed_unlocked(
     its folder (results.json ``running``) when Flower reports the run failed.
     The FAILED line names the real error from Flower's log, the log is saved
     as flower.log, and once the suite has stopped everything results.json
-    says ``failed`` with that error and its lock is free."""
+    says ``failed`` with that error and its lock is free; the report lists
+    the cell as failed with it."""
     from fedadapt.tools import submission
 
     holders: list[subprocess.Popen] = []
@@ -206,6 +207,80 @@ def test_a_failed_cell_shows_the_real_error_and_ends_failed_unlocked(
     data = json.loads((run_dir / "results.json").read_text())
     assert data["status"] == "failed" and data["error"] == RAY_ERROR
     assert _lock_is_free(run_dir)
+
+    assert main(["report", str(path), "--output", str(out)]) == 0
+    report = (out / "broken" / "report.md").read_text()
+    assert "| sgd | — | failed | 0 (1 failed) |" in report
+    assert f"| {run_dir.name} | failed | {RAY_ERROR} |" in report
+
+
+# --- the report ---------------------------------------------------------------
+
+REPORT_SUITE = """
+name: mixed
+description: cells that ended every way
+num-supernodes: 3
+rounds: 2
+seeds: [0, 1]
+metric: eval-loss
+base: {task: digits-mlp}
+methods:
+  sgd: {client-optimizer: sgd}
+  adam: {client-optimizer: adam}
+"""
+
+
+def _results(folder: Path, status: str, rounds: int, **extra: object) -> None:
+    folder.mkdir(parents=True)
+    data = {
+        "run_id": 1,
+        "status": status,
+        "rounds": [
+            {"round": r + 1, "eval": {"loss": 1.0 / (r + 1)}} for r in range(rounds)
+        ],
+        **extra,
+    }
+    (folder / "results.json").write_text(json.dumps(data))
+
+
+def test_the_report_lists_failed_missing_and_unfinished_cells(tmp_path):
+    """results.json written by hand: sgd seed 0 completed, seed 1 failed; adam
+    seed 0 left running, seed 1 never ran (only Flower's log saved)."""
+    path = tmp_path / "suite.yaml"
+    path.write_text(REPORT_SUITE)
+    suite = load_suite(path)
+    out = tmp_path / "out"
+    cells = {
+        (c.method, c.seed): out / "mixed" / c.run_name
+        for c in suite.cells(out / "mixed")
+    }
+    _results(cells["sgd", 0], "completed", 2)
+    _results(cells["sgd", 1], "failed", 1, error="RuntimeError: boom | bang")
+    _results(cells["adam", 0], "running", 1)
+    cells["adam", 1].mkdir(parents=True)
+    (cells["adam", 1] / "flower.log").write_text(RAY_LOG)
+
+    summary = write_report(suite, out)
+    assert list(summary["methods"]) == ["sgd"]  # numbers only from completed cells
+    failed = {(f["method"], f["seed"]): f for f in summary["failed_cells"]}
+    assert set(failed) == {("sgd", 1), ("adam", 0), ("adam", 1)}
+    assert failed["sgd", 1]["status"] == "failed"
+    assert failed["sgd", 1]["error"] == "RuntimeError: boom | bang"
+    assert failed["adam", 0]["status"] == "unfinished"
+    assert failed["adam", 1]["status"] == "missing"
+    assert failed["adam", 1]["error"] == RAY_ERROR  # from its flower.log
+    on_disk = json.loads((out / "mixed" / "report.json").read_text())
+    assert on_disk["failed_cells"] == summary["failed_cells"]
+
+    report = (out / "mixed" / "report.md").read_text()
+    assert "| sgd | default | 0.5 | 1 (1 failed) |" in report
+    assert "| adam | — | failed | 0 (2 failed) |" in report
+    assert "## Failed cells" in report and "3 of 4 cells did not complete" in report
+    assert (
+        f"| {cells['sgd', 1].name} | failed | RuntimeError: boom \\| bang |" in report
+    )
+    assert f"| {cells['adam', 0].name} | failed (unfinished) |" in report
+    assert f"| {cells['adam', 1].name} | failed (missing) | {RAY_ERROR} |" in report
 
 
 # --- through Flower -------------------------------------------------------------
