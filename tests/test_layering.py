@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("app", ("fedadapt.server", "fedadapt.client", "fedadapt.tasks",
              "fedadapt.config", "fedadapt.reference")),
     ("tools.deploy", ("fedadapt.tools.deploy",)),
-    ("tools.submission", ("fedadapt.tools.submission",)),
+    ("tools.submission", ("fedadapt.tools.submission", "fedadapt.tools.flower_log")),
     ("tools", ("fedadapt.tools",)),
 ]  # fmt: skip
 

@@ -12,7 +12,9 @@ and in results.json. So
   checkpoint in that same folder (``resume-from``);
 - a reader that finds ``status: running`` but can take the lock knows the
   owner is gone and marks the run ``failed`` with the reason
-  (:func:`settle_orphan`); the CLI marks a run it stopped ``stopped``.
+  (:func:`settle`); the CLI marks a run it stopped ``stopped``, and one that
+  Flower reports failed ``failed`` with the error from Flower's log
+  (:func:`record_failure`).
 
 See docs/failures.md.
 """
@@ -34,6 +36,8 @@ from fedadapt._atomic import atomic_write_text
 
 LOCK_FILE = ".lock"
 RESULTS_FILE = "results.json"
+#: Flower's log of a run that failed, saved by whoever submitted it (the CLI)
+FLOWER_LOG_FILE = "flower.log"
 #: files of a previous run removed when ``overwrite=true`` replaces it
 REPLACED_FILES = (
     "results.json",
@@ -41,6 +45,7 @@ REPLACED_FILES = (
     "checkpoint.pkl",
     "clients.jsonl",
     "clients.png",
+    FLOWER_LOG_FILE,
 )
 #: statuses of a run that has ended
 FINISHED = ("completed", "failed", "stopped")
@@ -191,6 +196,10 @@ class RunFolder:
                 for name in REPLACED_FILES:
                     with contextlib.suppress(FileNotFoundError):
                         (path / name).unlink()
+            elif not (path / RESULTS_FILE).exists():
+                # Flower's log of an attempt that failed before writing results
+                with contextlib.suppress(FileNotFoundError):
+                    (path / FLOWER_LOG_FILE).unlink()
             return cls(path, fd)
         except BaseException:
             os.close(fd)
@@ -241,6 +250,24 @@ def _mark(path: Path, data: dict[str, Any], status: str, reason: str) -> None:
     atomic_write_text(path / RESULTS_FILE, json.dumps(data, indent=2, default=str))
 
 
+def _take_lock(
+    run_dir: Path, owner: Mapping[str, Any] | None, wait: float
+) -> int | None:
+    """Lock the run folder once ``owner`` is gone (None: any owner let go).
+
+    Retries for ``wait`` s; returns the lock's fd, or None if the owner
+    still holds the folder (or may, see :func:`_may_take_over`).
+    """
+    deadline = time.monotonic() + wait
+    while (owner is not None and not _may_take_over(owner)) or (
+        fd := _lock(run_dir / LOCK_FILE)
+    ) is None:
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+    return fd
+
+
 def settle(
     run_dir: Path, status: str | None = None, reason: str = "", wait: float = 0.0
 ) -> dict[str, Any] | None:
@@ -258,16 +285,52 @@ def settle(
     data = _read_json(results)
     if data is None or data.get("status") != "running" or "owner" not in data:
         return data
-    deadline = time.monotonic() + wait
-    owner = data["owner"]
-    while not _may_take_over(owner) or (fd := _lock(run_dir / LOCK_FILE)) is None:
-        if time.monotonic() >= deadline:
-            return data
-        time.sleep(0.2)
+    if (fd := _take_lock(run_dir, data["owner"], wait)) is None:
+        return data
     try:
         data = _read_json(results)  # the owner may have finished meanwhile
         if data is not None and data.get("status") == "running":
             _mark(run_dir, data, status or "failed", reason or orphan_reason(data))
+        return data
+    finally:
+        os.close(fd)
+
+
+def record_failure(
+    run_dir: Path, run_id: int, error: str, wait: float = 0.0, **fields: Any
+) -> dict[str, Any] | None:
+    """Mark run ``run_id`` ``failed`` with ``error``, Flower's account of why.
+
+    For the CLI once Flower reports the run failed: ``error`` (the last line
+    of the traceback in Flower's log) replaces the ``error`` its ServerApp
+    wrote on failing, and a run left ``running`` is marked ``failed`` as
+    :func:`settle` does once its owner has let go (waiting up to ``wait``
+    s). ``fields`` are added (e.g. ``flower_log``). A results.json of another
+    run, or one that says ``completed`` or ``stopped``, is left as it is.
+    Returns the results (None if unreadable).
+    """
+    results = run_dir / RESULTS_FILE
+    data = _read_json(results)
+    if data is None or data.get("run_id") != run_id:
+        return data
+    status = data.get("status")
+    if status == "running" and "owner" in data:
+        owner: Mapping[str, Any] | None = data["owner"]
+    elif status == "failed":
+        owner = None  # ended by its ServerApp: only a new claim may hold the lock
+    else:
+        return data
+    if (fd := _take_lock(run_dir, owner, wait)) is None:
+        return data
+    try:
+        data = _read_json(results)  # re-read under the lock
+        if (
+            data is not None
+            and data.get("run_id") == run_id
+            and data.get("status") in ("running", "failed")
+        ):
+            data.update(fields)
+            _mark(run_dir, data, "failed", error)
         return data
     finally:
         os.close(fd)

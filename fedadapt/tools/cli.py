@@ -101,6 +101,10 @@ def report(outcome: RunOutcome) -> int:
     )
     if outcome.status != "finished:completed":
         print(f"fedadapt: {outcome.details}", file=sys.stderr)
+        if outcome.error and outcome.error not in outcome.details:
+            print(f"fedadapt: error: {outcome.error}", file=sys.stderr)
+        if outcome.log is not None:
+            print(f"fedadapt: Flower's log: {outcome.log}", file=sys.stderr)
         return 1
     if outcome.results is not None:
         print(f"fedadapt: results: {outcome.results}")
@@ -127,7 +131,9 @@ def _supervised(
     Then, with every process ended, a run that did not complete is settled
     in its results.json: a timeout or Ctrl-C/SIGTERM marks it ``stopped``,
     our own error or a run Flower failed marks it ``failed``, each with the
-    reason (a ServerApp that still holds the folder is left alone).
+    reason (for a failed run the error in Flower's log, see
+    :func:`submit_run`; a ServerApp that still holds the folder is left
+    alone).
     """
     track = Submitted()
     try:
@@ -145,7 +151,8 @@ def _supervised(
     if outcome.status == "timed-out":
         _settle(track, "stopped", f"timed out after {timeout:g}s (--timeout)")
     elif outcome.status != "finished:completed":
-        _settle(track, "failed", f"Flower: {outcome.status} {outcome.details}")
+        reason = outcome.error or f"Flower: {outcome.status} {outcome.details}"
+        _settle(track, "failed", reason)
     return outcome
 
 

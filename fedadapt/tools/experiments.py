@@ -58,13 +58,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from fedadapt._atomic import atomic_open, atomic_write_text
 from fedadapt.config import KEYS, ConfigError, validate_run_config
 from fedadapt.server.tracking import check_tracker
+
+if TYPE_CHECKING:
+    from fedadapt.tools.submission import RunOutcome
 
 SUITE_KEYS = {
     "name",
@@ -524,6 +527,7 @@ def run_suite(
     cancel = threading.Event()
     tracks: dict[str, Submitted] = {}
     finished: set[str] = set()
+    unsettled: dict[str, tuple[str, str]] = {}  # cell: (status, reason)
     bar = tqdm(total=len(todo), desc=suite.name, unit="cell", file=sys.stdout)
     free: queue.SimpleQueue[SimulationSuperLink] = queue.SimpleQueue()
     pool = ThreadPoolExecutor(max_workers=slots)
@@ -585,10 +589,8 @@ def run_suite(
                     bar.set_postfix_str(f"{cell.method} {cell.point_label} done")
                     if not outcome.ok:
                         failed += 1
-                        tqdm.write(
-                            f"FAILED {cell.run_name}: {outcome.status} "
-                            f"{outcome.details} {outcome.problems}"
-                        )
+                        unsettled[cell.run_name] = _settle_reason(outcome, suite)
+                        tqdm.write(failure_line(cell, outcome))
             finally:
                 # on any way out (Ctrl-C, SIGTERM, an error): start no further
                 # cell and end the waits
@@ -604,7 +606,38 @@ def run_suite(
     finally:
         bar.close()
     pool.shutdown(wait=True)
+    # every process of the suite has ended: a failed cell whose ServerApp
+    # still held its folder when Flower reported it (results.json "running")
+    # is marked now, with the error from Flower's log
+    for name, (status, reason) in unsettled.items():
+        settle_run(tracks[name], status, reason, wait=0.0)
     return failed
+
+
+def failure_line(cell: Cell, outcome: RunOutcome) -> str:
+    """Return the console line of a cell that did not complete.
+
+    Names the real error from Flower's log when there is one (not Flower's
+    "An error was encountered. Ending simulation."), else Flower's status
+    details, and where Flower's log of the run was saved.
+    """
+    line = f"FAILED {cell.run_name}: {outcome.status}"
+    if outcome.error:
+        line += f": {outcome.error}"
+    elif outcome.details:
+        line += f" {outcome.details}"
+    if outcome.problems:
+        line += f" {outcome.problems}"
+    if outcome.log is not None:
+        line += f"\n  Flower's log: {outcome.log}"
+    return line
+
+
+def _settle_reason(outcome: RunOutcome, suite: Suite) -> tuple[str, str]:
+    """How results.json of a cell that did not complete ends: (status, reason)."""
+    if outcome.status == "timed-out":
+        return "stopped", f"timed out after {suite.timeout:g}s (the suite's timeout)"
+    return "failed", outcome.error or f"Flower: {outcome.status} {outcome.details}"
 
 
 # --- reporting -----------------------------------------------------------------
@@ -701,13 +734,17 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
     out = output_root / suite.name
     better = min if METRICS[suite.metric] == "min" else max
     methods: dict[str, Any] = {}
+    failed: list[dict[str, Any]] = []
     for cell in suite.cells(out):
         path = out / cell.run_name / "results.json"
         if not cell_done(path, suite.rounds):
+            failed.append(failed_cell(cell, path.parent, suite.rounds))
             continue
         results = json.loads(path.read_text())
         series = _series(results, suite.metric)
         if not series:
+            entry = failed_cell(cell, path.parent, suite.rounds)
+            failed.append({**entry, "error": f"no {suite.metric} recorded"})
             continue
         point = methods.setdefault(cell.method, {}).setdefault(
             cell.point_label,
@@ -727,6 +764,7 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
         "target": None if suite.target is None else dataclasses.asdict(suite.target),
         "baseline": suite.baseline,
         "methods": {},
+        "failed_cells": failed,
     }
     for method, points in methods.items():
         stats = {
@@ -748,6 +786,52 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
             info["target"] = _target_summary(info, summary["methods"], suite.baseline)
     summary["claims"] = [check_claim(c, summary, suite.metric) for c in suite.claims]
     return summary
+
+
+def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
+    """Describe a cell that did not complete: its status and why.
+
+    ``status`` is results.json's (``failed``, ``stopped``; ``unfinished``
+    for a run still marked ``running``, or ``completed`` with fewer rounds
+    than the suite's) or ``missing`` (no readable results.json); ``error``
+    is results.json's, or for a cell without one the error in the Flower
+    log saved in its folder (``flower.log``).
+    """
+    from fedadapt.server.run_folder import FLOWER_LOG_FILE
+    from fedadapt.tools.flower_log import real_error
+
+    entry: dict[str, Any] = {
+        "cell": cell.run_name,
+        "method": cell.method,
+        "point": cell.point_label,
+        "seed": cell.seed,
+    }
+    try:
+        data = json.loads((run_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict):
+        error = "no results.json (not run yet, or it failed before writing one)"
+        try:
+            error = real_error((run_dir / FLOWER_LOG_FILE).read_text()) or error
+        except OSError:
+            pass
+        return {**entry, "status": "missing", "rounds": 0, "error": error}
+    status = data.get("status", "?")
+    done = len(data.get("rounds", []))
+    error = data.get("error") or ""
+    if status == "running":
+        status = "unfinished"
+        error = error or "results.json still says running: it is running or died"
+    elif status == "completed" and done != rounds:
+        status = "unfinished"
+        error = error or f"completed {done} of {rounds} rounds"
+    return {**entry, "status": status, "rounds": done, "error": error}
+
+
+def _md(text: str) -> str:
+    """``text`` as one markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def _panel_metrics(suite: Suite) -> list[str]:
@@ -828,7 +912,17 @@ def _table(suite: Suite, summary: Mapping[str, Any]) -> list[str]:
             head += [f"speed-up vs {baseline} (rounds)", "speed-up (time)"]
     head.append("seeds")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method, info in summary["methods"].items():
+    failed: dict[str, int] = {}
+    for entry in summary.get("failed_cells", []):
+        failed[entry["method"]] = failed.get(entry["method"], 0) + 1
+    for method in dict.fromkeys([*suite.methods, *summary["methods"]]):
+        info = summary["methods"].get(method)
+        if info is None:
+            if failed.get(method):  # not one cell completed: a row that says so
+                row = [method, "—", "failed", *["—"] * (len(head) - 4)]
+                row.append(f"0 ({failed[method]} failed)")
+                lines.append("| " + " | ".join(row) + " |")
+            continue
         best = info["points"][info["best"]]
         final = _num(best["mean"])
         if best["std"] is not None:
@@ -848,8 +942,35 @@ def _table(suite: Suite, summary: Mapping[str, Any]) -> list[str]:
                         row.append("baseline not reached")
                     else:
                         row.append(_reached(ratios, "×"))
-        row.append(str(best["seeds"]))
+        seeds = str(best["seeds"])
+        if failed.get(method):
+            seeds += f" ({failed[method]} failed)"
+        row.append(seeds)
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _failed_section(summary: Mapping[str, Any], cells: int) -> list[str]:
+    """Return the report's list of the cells that did not complete (or none)."""
+    failed = summary.get("failed_cells", [])
+    if not failed:
+        return []
+    lines = [
+        "",
+        "## Failed cells",
+        "",
+        f"{len(failed)} of {cells} cells did not complete and are left out of the "
+        "numbers above; `fedadapt-exp run` reruns them (Flower's log of a "
+        "failed run: `flower.log` in its folder).",
+        "",
+        "| cell | status | error |",
+        "|---|---|---|",
+    ]
+    for entry in failed:
+        status = entry["status"]
+        if status != "failed":
+            status = f"failed ({status})"
+        lines.append(f"| {entry['cell']} | {status} | {_md(entry['error'])} |")
     return lines
 
 
@@ -907,7 +1028,8 @@ def plot_report(suite: Suite, summary: Mapping[str, Any], path: Path) -> None:
         if METRICS.get(metric) == "min" and values and min(values) > 0:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].lines:  # no method completed a cell: nothing to name
+        axes[0].legend(fontsize=7)
     seeds = len(suite.seeds)
     fig.suptitle(
         f"{suite.name}: best grid point per method, "
@@ -951,6 +1073,7 @@ def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
             )
         )
     lines += ["", *_table(suite, summary)]
+    lines += _failed_section(summary, len(suite.cells(out)))
     if summary["claims"]:
         lines += ["", "## Claims", ""]
         for claim in summary["claims"]:

@@ -5,6 +5,11 @@ run to a SuperLink (a :class:`SimulationSuperLink` started here, a local
 deployment or someone else's, a :class:`SuperLinkConnection`), follows its
 results.json and Flower's status, and returns how it really ended. Used by
 ``fedadapt simulate|deploy``, ``fedadapt-exp`` and the deployment benchmark.
+
+A run that did not complete has its Flower log fetched while the SuperLink
+still runs (``flwr log <run-id> <connection> --show``): saved next to the run
+(``<run>/flower.log``), its real error (:func:`~fedadapt.tools.flower_log.real_error`)
+reported in :class:`RunOutcome` and, for a failed run, in results.json.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedadapt.server.run_folder import settle
+from fedadapt._atomic import atomic_write_text
+from fedadapt.server.run_folder import (
+    FLOWER_LOG_FILE,
+    RESULTS_FILE,
+    record_failure,
+    settle,
+)
 from fedadapt.tools.deploy.process import (
     Daemon,
     ProcessTree,
@@ -33,6 +44,7 @@ from fedadapt.tools.deploy.process import (
     venv_bin,
     write_connection,
 )
+from fedadapt.tools.flower_log import real_error
 
 __all__ = [
     "RunOutcome",
@@ -40,7 +52,9 @@ __all__ = [
     "Submitted",
     "SuperLinkConnection",
     "SuperLinkTarget",
+    "fetch_failure_log",
     "free_port",
+    "run_log",
     "settle_run",
     "submit_run",
 ]
@@ -61,6 +75,12 @@ STATUS_POLL_S = 10.0
 #: says it ended badly (a ServerApp killed with -9 is never reported by
 #: Flower): then the run is stopped and reported failed.
 ENDED_GRACE_S = 10.0
+#: Seconds ``flwr log --show`` may take to return a run's log.
+LOG_TIMEOUT_S = 60.0
+#: Seconds the ServerApp of a run Flower reports failed gets to let go of its
+#: folder before its results.json is left to :func:`settle_run` (its caller
+#: settles it once every process it started has ended).
+FAILED_SETTLE_WAIT_S = 5.0
 
 
 class SimulationSuperLink:
@@ -168,6 +188,68 @@ def _stop_run(run_id: int, connection: str, env: dict[str, str]) -> None:
         print(f"fedadapt: flwr stop {run_id}: {error}", file=sys.stderr)
 
 
+def run_log(
+    run_id: int, env: dict[str, str], connection: str = CONNECTION
+) -> str | None:
+    """Return Flower's log of the run (ServerApp, ClientApps); None if unavailable.
+
+    Only while the SuperLink that ran it is up: it keeps the logs in memory.
+    """
+    try:
+        return flwr(
+            ["log", str(run_id), connection, "--show"],
+            env,
+            retries=1,
+            timeout=LOG_TIMEOUT_S,
+        )
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        print(f"fedadapt: flwr log {run_id}: {error}", file=sys.stderr)
+        return None
+
+
+def _log_path(
+    run_id: int, results: Path | None, results_root: Path, run_name: str
+) -> Path:
+    """Where Flower's log of a run goes: ``flower.log`` in its run folder.
+
+    The folder of its results.json, else ``<output-dir>/<run-name>`` unless
+    another run's results are there (a folder in use); else
+    ``<output-dir>/flower-<run-id>.log``.
+    """
+    if results is not None:
+        return results.parent / FLOWER_LOG_FILE
+    folder = results_root / run_name
+    if run_name and not (folder / RESULTS_FILE).exists():
+        return folder / FLOWER_LOG_FILE
+    return results_root / f"flower-{run_id}.log"
+
+
+def fetch_failure_log(
+    run_id: int,
+    env: dict[str, str],
+    connection: str,
+    results: Path | None,
+    results_root: Path,
+    run_name: str = "",
+) -> tuple[str, Path | None]:
+    """Fetch and save Flower's log of a run that did not complete.
+
+    Returns (the real error, one line, "" if none found; the saved log, None
+    if Flower gave none or it could not be written).
+    """
+    text = run_log(run_id, env, connection)
+    if text is None:
+        return "", None
+    path = _log_path(run_id, results, results_root, run_name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    except OSError as error:
+        print(f"fedadapt: cannot save Flower's log to {path}: {error}", file=sys.stderr)
+        return real_error(text), None
+    return real_error(text), path
+
+
 def find_results(
     output_dir: Path, run_id: int, modified_after: float = 0.0
 ) -> Path | None:
@@ -269,6 +351,10 @@ class RunOutcome:
     wall_time_s: float
     results: Path | None
     problems: list[str]
+    #: the real error from Flower's log (a run that did not complete)
+    error: str = ""
+    #: where Flower's log of a run that did not complete was saved
+    log: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -306,6 +392,12 @@ def submit_run(
     While it waits, a results.json left ``running`` by a ServerApp that died
     (kill -9, lost machine) is marked ``failed`` (:func:`settle`), and such a
     run is stopped and reported failed if Flower keeps calling it running.
+
+    A run that does not complete has Flower's log fetched and saved
+    (:func:`fetch_failure_log`, ``RunOutcome.log``) and its real error
+    reported (``RunOutcome.error``); a failed run's results.json gets that
+    error, ``failed`` and ``flower_log`` (:func:`record_failure`; one still
+    held by a live ServerApp is left to :func:`settle_run`).
     """
     from fedadapt.config import validate_run_config
 
@@ -374,6 +466,14 @@ def submit_run(
             streamer.terminate()
             streamer.wait(timeout=10)
     path = path or find_results(results_root, run_id)
+    error, log = "", None
+    if status["status"] != "finished:completed":
+        error, log = fetch_failure_log(
+            run_id, env, conn, path, results_root, cfg["run-name"]
+        )
+    if status["status"] == "finished:failed" and path is not None and error:
+        fields = {"flower_log": log.name} if log and log.parent == path.parent else {}
+        record_failure(path.parent, run_id, error, FAILED_SETTLE_WAIT_S, **fields)
     problems = []
     if status["status"] == "finished:completed":
         if path is None:
@@ -389,4 +489,6 @@ def submit_run(
         time.monotonic() - started,
         path,
         problems,
+        error,
+        log,
     )
