@@ -262,7 +262,8 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("seed", 0, "Seed of model initialisation, partition, local shuffling and "
         "client sampling.", minimum=0),
     Key("seeded-sampling", True, "Sample clients with an RNG seeded by `seed` over "
-        "the nodes ordered by partition-id (each node is asked once at start), so "
+        "the nodes ordered by partition-id (asked at start until every node "
+        "answered; the run fails if one has not within round-timeout), so "
         "reruns train the same clients; false = Flower's unseeded sampling."),
     Key("device", "auto", "Client training device: auto (CUDA if visible), cpu, cuda.",
         choices=("auto", "cpu", "cuda")),
@@ -284,7 +285,8 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("node-wait-timeout", 120.0, "Deployment: seconds the ServerApp waits at "
         "start for clients-per-round nodes (at least one) to connect; a simulation "
         "knows its size and does not wait.", minimum=0.0),
-    Key("round-timeout", 3600.0, "Seconds to wait for the replies of one round.",
+    Key("round-timeout", 3600.0, "Seconds to wait for the replies of one round "
+        "(and, with seeded-sampling, for every node's partition-id at start).",
         minimum=0.0, exclusive_minimum=True),
 )  # fmt: skip
 

@@ -36,7 +36,6 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from fedadapt.config import KEYS, ConfigError, validate_run_config
-from fedadapt.server.policy import QUERY_TIMEOUT_S
 from fedadapt.server.results import RunRecorder
 from fedadapt.server.run import (
     RoundHook,
@@ -103,7 +102,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         cfg,
         api="legacy",
         sampling_seed=cfg["seed"] if cfg["seeded-sampling"] else None,
-        query_timeout=min(QUERY_TIMEOUT_S, cfg["round-timeout"]),
+        query_timeout=cfg["round-timeout"],  # the partition-id query, in all
         initial_parameters=ndarrays_to_parameters(list(state.values())),
         array_names=keys,
         evaluate_fn=evaluate_fn,

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from logging import INFO, WARNING
-from typing import Any, TypeVar, Unpack, cast
+from typing import Any, Unpack, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import (
@@ -41,12 +41,11 @@ from flwr.server.criterion import Criterion
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedadapt.strategies import RuleStrategy, wire
+from fedadapt.server.partition_query import Answer, NoAnswer, query_partition_ids
+from fedadapt.strategies import RuleStrategy
 from fedadapt.strategies._message_api import FedAvgKwargs
 from fedadapt.strategies.core import ServerRule
 from fedadapt.strategies.legacy import LegacyFedAvgKwargs, LegacyRuleStrategy
-
-K = TypeVar("K", bound=Hashable)
 
 
 @contextmanager
@@ -65,36 +64,6 @@ def seeded_draw(seed: int, phase: str, global_round: int) -> Iterator[None]:
         yield
     finally:
         random.setstate(saved)
-
-
-def partition_ids(answers: Mapping[K, Mapping[str, Any] | None]) -> dict[K, int]:
-    """Keep the nodes that answered with an integer ``partition-id``.
-
-    ``answers`` maps a node (id or cid) to what it reported, None for no
-    answer or an error. The others are logged, never trusted: they still
-    train, but are sampled after the nodes with a partition-id, not
-    reproducibly. Two nodes with one partition-id are logged too.
-    """
-    keys: dict[K, int] = {}
-    for node, answer in answers.items():
-        pid = None if answer is None else answer.get(wire.PARTITION_ID)
-        if isinstance(pid, int) and not isinstance(pid, bool):
-            keys[node] = pid
-    if len(keys) < len(answers):
-        log(
-            WARNING,
-            "fedadapt: %d of %d nodes did not report their "
-            "partition-id; they are sampled after the others, not reproducibly",
-            len(answers) - len(keys),
-            len(answers),
-        )
-    if len(set(keys.values())) < len(keys):
-        log(
-            WARNING,
-            "fedadapt: several nodes report the same "
-            "partition-id; check each SuperNode's --node-config",
-        )
-    return keys
 
 
 class _NodeSnapshot:
@@ -360,10 +329,6 @@ class RunStrategy(RuleStrategy):
 
 # --- the legacy API ---------------------------------------------------------------
 
-#: Seconds the partition-id query waits for answers (capped by round-timeout):
-#: a node that hangs must not hold the run for an hour.
-QUERY_TIMEOUT_S = 60.0
-
 
 class _SeededPool(ClientManager):
     """A view of Flower's client manager whose :meth:`sample` is reproducible.
@@ -449,8 +414,11 @@ class LegacyRunStrategy(LegacyRuleStrategy):
         The update rule.
     sampling_seed : int | None (default: None)
         The seed of the draws; None: Flower's unseeded sampling.
-    query_timeout : float (default: QUERY_TIMEOUT_S)
-        Seconds to wait for the clients' partition-ids.
+    query_timeout : float (default: 3600.0)
+        Seconds all attempts of the partition-id query may take together
+        (the legacy app passes ``round-timeout``): a client that has not
+        answered is asked again until then, and then the run fails
+        (:mod:`fedadapt.server.partition_query`), never samples without it.
     average_last_two : bool (default: False)
         As :class:`~fedadapt.strategies.legacy.LegacyRuleStrategy`.
     **kwargs
@@ -462,7 +430,7 @@ class LegacyRunStrategy(LegacyRuleStrategy):
         rule: ServerRule,
         *,
         sampling_seed: int | None = None,
-        query_timeout: float = QUERY_TIMEOUT_S,
+        query_timeout: float = 3600.0,
         average_last_two: bool = False,
         **kwargs: Unpack[LegacyFedAvgKwargs],
     ) -> None:
@@ -478,23 +446,33 @@ class LegacyRunStrategy(LegacyRuleStrategy):
         return (0, pid) if pid is not None else (1, client.cid)
 
     def learn_partitions(self, clients: list[ClientProxy], server_round: int) -> None:
-        """Ask the clients not asked before their partition-id, all at once."""
-        new = [c for c in clients if c.cid not in self._asked]
+        """Ask the clients not asked before their partition-id, all at once.
+
+        Clients that have not answered are asked again until they do, or
+        :class:`~fedadapt.errors.PartitionQueryError` ends the run after
+        ``query_timeout`` s (:func:`~fedadapt.server.partition_query.collect_answers`).
+        A legacy proxy reports no error code, so a ``get_properties`` that
+        raises counts as no answer (asked again), whatever the cause.
+        """
+        new = {c.cid: c for c in clients if c.cid not in self._asked}
         if not new:
             return
 
-        def ask(client: ClientProxy) -> Mapping[str, Any] | None:
+        def ask_one(client: ClientProxy, wait: float) -> Answer:
             try:
                 ins = GetPropertiesIns(config={})
-                res = client.get_properties(ins, self.query_timeout, server_round)
-            except Exception:  # noqa: BLE001 - a client that cannot answer still trains
-                return None
-            return res.properties
+                return client.get_properties(ins, wait, server_round).properties
+            except Exception as error:  # noqa: BLE001 - asked again
+                return NoAnswer(f"{type(error).__name__}: {error}")
 
-        with ThreadPoolExecutor(max_workers=min(32, len(new))) as pool:
-            answers = dict(zip([c.cid for c in new], pool.map(ask, new), strict=True))
-        self._asked.update(answers)
-        self.partitions.update(partition_ids(answers))
+        def ask(cids: list[str], wait: float) -> dict[str, Answer]:
+            with ThreadPoolExecutor(max_workers=min(32, len(cids))) as pool:
+                replies = pool.map(lambda cid: ask_one(new[cid], wait), cids)
+                return dict(zip(cids, replies, strict=True))
+
+        keys = query_partition_ids(lambda: list(new), ask, self.query_timeout)
+        self._asked.update(new)
+        self.partitions.update(keys)
 
     def _pool(self, manager: ClientManager, phase: str, rnd: int) -> ClientManager:
         return (

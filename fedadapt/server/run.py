@@ -14,6 +14,7 @@ from flwr.common.logger import log
 
 from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
+from fedadapt.errors import PartitionQueryError
 from fedadapt.registry import lookup
 from fedadapt.server.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from fedadapt.server.results import RunRecorder, claim_run_folder
@@ -37,6 +38,7 @@ USER_ERRORS = (
     DatasetMissingError,
     DatasetCorruptError,
     FederationFailedError,
+    PartitionQueryError,
     RunFolderError,
 )
 

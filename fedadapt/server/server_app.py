@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from flwr.app import (
@@ -22,13 +21,19 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
-from fedadapt.server.policy import QUERY_TIMEOUT_S, partition_ids
+from fedadapt.server.partition_query import (
+    Answer,
+    NoAnswer,
+    Refused,
+    query_partition_ids,
+)
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
@@ -100,24 +105,81 @@ def wait_for_nodes(
         time.sleep(NODE_POLL_S)
 
 
-def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
-    """Ask every connected node its ``partition-id`` (one ``query`` message each).
+#: Error codes of a query reply that say the node has not answered yet (its
+#: message or reply expired, the node is unavailable): it is asked again.
+#: Other errors are its ClientApp failing on the query.
+UNANSWERED_CODES = frozenset(
+    {
+        ErrorCode.MESSAGE_UNAVAILABLE,
+        ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+        ErrorCode.NODE_UNAVAILABLE,
+    }
+)
 
-    Returns node id -> partition-id for the nodes that answered with an
-    integer ``partition-id`` (:func:`~fedadapt.server.policy.partition_ids`;
-    a node that cannot answer still trains, in no reproducible order).
+
+class GridQuery:
+    """The Message API's ``ask`` for :mod:`fedadapt.server.partition_query`.
+
+    Each node gets one ``query`` message, pulled for across attempts, so a
+    late answer still counts however long the node took (an attempt only
+    bounds one wait). A node is sent a new message only when its reply says
+    the message was not delivered (:data:`UNANSWERED_CODES`).
     """
-    node_ids = list(grid.get_node_ids())
-    messages = [
-        Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
-        for node in node_ids
-    ]
-    answers: dict[int, Mapping[str, Any] | None] = dict.fromkeys(node_ids)
-    for reply in grid.send_and_receive(messages, timeout=timeout):
-        if not reply.has_error() and len(reply.content.metric_records) == 1:
-            record = next(iter(reply.content.metric_records.values()))
-            answers[reply.metadata.src_node_id] = dict(record)
-    return partition_ids(answers)
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.sent: dict[str, int] = {}  # message id -> node, reply outstanding
+
+    def __call__(self, nodes: list[int], wait: float) -> dict[int, Answer]:
+        """Query ``nodes`` (those without a message out); collect for ``wait`` s."""
+        waiting = set(self.sent.values())
+        messages = [
+            Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+            for node in nodes
+            if node not in waiting
+        ]
+        pushed = set(self.grid.push_messages(messages))  # a node left out: asked again
+        self.sent.update(
+            (m.metadata.message_id, m.metadata.dst_node_id)
+            for m in messages
+            if m.metadata.message_id in pushed
+        )
+        answers: dict[int, Answer] = {}
+        deadline = time.monotonic() + wait
+        while True:
+            for reply in self.grid.pull_messages(list(self.sent)) if self.sent else ():
+                node = self.sent.pop(reply.metadata.reply_to_message_id, None)
+                if node is not None:
+                    answers[node] = _answer(reply)
+            done = all(node in answers for node in nodes)
+            if done or time.monotonic() >= deadline:
+                return answers
+            time.sleep(min(NODE_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def _answer(reply: Message) -> Answer:
+    """Return what one query reply says: the node's properties, or why not."""
+    if reply.has_error():
+        reason = f"error {reply.error.code}: {reply.error.reason}"
+        if reply.error.code in UNANSWERED_CODES:
+            return NoAnswer(reason)
+        return Refused(reason)
+    records = list(reply.content.metric_records.values())
+    return dict(records[0]) if len(records) == 1 else {}
+
+
+def node_partitions(grid: Grid, timeout: float) -> dict[int, int]:
+    """Ask every connected node its ``partition-id``; return node id -> id.
+
+    Nodes that have not answered are asked again until every connected node
+    has, within ``timeout`` s in all (the run's ``round-timeout``): a slow
+    node never changes the sample, the run fails naming it instead
+    (:func:`~fedadapt.server.partition_query.query_partition_ids`, which also
+    says what an invalid or missing partition-id does).
+    """
+    return query_partition_ids(
+        lambda: list(grid.get_node_ids()), GridQuery(grid), timeout
+    )
 
 
 def _numpy(arrays: ArrayRecord) -> dict[str, Any]:
@@ -182,9 +244,8 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     )
     wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
     if cfg["seeded-sampling"] and any(0 < k < num_nodes for k in wanted):
-        # a real sample: order the nodes by partition-id
-        timeout = min(QUERY_TIMEOUT_S, cfg["round-timeout"])
-        strategy.node_keys = node_partitions(grid, timeout)
+        # a real sample: order the nodes by partition-id (all of them, or fail)
+        strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
     state = initial_state(task, cfg)
     if resume is not None:
         state = resume["arrays"]
