@@ -345,7 +345,11 @@ def test_legacy_unanswered_query_fails_naming_the_clients_and_the_key():
 # --- a real Flower simulation with slow ClientApps ---------------------------------
 
 
+# two Ray simulations, ~2 min on 2 cores: with make test-deploy (CI runs it),
+# to keep the default suite within CI's 20 minutes; the unit tests above run
+# the same late answers against the shared query loop of both APIs
 @pytest.mark.e2e
+@pytest.mark.deploy
 def test_simulation_with_slow_client_start_trains_the_prompt_partitions(
     tmp_path, monkeypatch
 ):

@@ -189,7 +189,11 @@ def test_aggregate_does_not_depend_on_reply_arrival_order():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize(
+    # legacy: with make test-deploy (CI's 20-minute budget for the default suite)
+    "api",
+    ["message", pytest.param("legacy", marks=pytest.mark.deploy)],
+)
 def test_simulation_reruns_train_the_same_partitions(tmp_path, api):
     """Two Flower simulations with the same seed (fresh random node ids each)
     sample the same partitions and end with the same model; results.json

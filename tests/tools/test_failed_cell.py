@@ -23,7 +23,7 @@ import pytest
 
 from fedadapt.tools.experiments import load_suite, main, write_report
 from fedadapt.tools.flower_log import real_error
-from tests.helpers import ROOT, VENV_BIN, FakeSuperLink
+from tests.helpers import ROOT, VENV_BIN, FakeSuperLink, fake_ray
 
 #: the real error of a simulation whose Ray cluster did not start
 RAY_ERROR = (
@@ -178,6 +178,7 @@ def test_a_failed_cell_shows_the_real_error_and_ends_failed_unlocked(
             return RAY_LOG
         raise AssertionError(args)
 
+    fake_ray(monkeypatch)
     monkeypatch.setattr(submission, "SimulationSuperLink", SuperLink)
     monkeypatch.setattr(submission, "flwr", fake_flwr)
     monkeypatch.setattr(submission, "FAILED_SETTLE_WAIT_S", 0.2)
