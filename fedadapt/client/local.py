@@ -355,7 +355,7 @@ def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
         raise ValueError(
             f"node config lacks {missing}; start the SuperNode with "
             '--node-config "partition-id=<i> num-partitions=<n>" (a partition '
-            'of the task\'s data) or --node-config "data-path=<path>" (its own)'
+            "of the task's data) or --node-config 'data-path=\"<path>\"' (its own)"
         ) from None
     if not 0 <= pid < num:
         raise ValueError(f"partition-id {pid} is outside [0, num-partitions={num})")

@@ -1,7 +1,8 @@
 """A node's own data on disk: read it, check it against the task, write demos.
 
 In a real deployment each site holds its own files and the server none. A
-SuperNode started with ``--node-config "data-path=<path>"`` trains and
+SuperNode started with ``--node-config 'data-path="<path>"'`` (a TOML string:
+:func:`fedadapt.tools.deploy.local.data_path_node_config`) trains and
 evaluates on that data instead of rebuilding a partition of the task's
 public dataset from ``partition-id`` (:func:`load_node_data`). Three on-disk
 formats are read, recognised from the path:

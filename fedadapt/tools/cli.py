@@ -22,6 +22,7 @@ results.json (docs/failures.md).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -239,6 +240,7 @@ def make_node_data(args: argparse.Namespace) -> int:
     from fedadapt.config import validate_run_config
     from fedadapt.tasks import TASKS
     from fedadapt.tasks.node_data import write_node_datasets
+    from fedadapt.tools.deploy.local import data_path_node_config
 
     overrides = parse_config_args([args.run_config] if args.run_config else None)
     overrides["task"] = args.task
@@ -261,7 +263,8 @@ def make_node_data(args: argparse.Namespace) -> int:
         force=args.force,
     )
     for path in paths:
-        print(f'{path}  (--node-config "data-path={path}")')
+        option = shlex.quote(data_path_node_config(path))
+        print(f"{path}  (--node-config {option})")
     return 0
 
 

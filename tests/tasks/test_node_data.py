@@ -344,7 +344,16 @@ def test_make_node_data_command(tmp_path, capsys):
             "--format", "npz", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert f"data-path={out}/node-1/data.npz" in printed
+    # #42: the printed option is what flower-supernode takes: one shell word
+    # whose value Flower's own parser (TOML) reads back as the path
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    hint = printed.splitlines()[1].split("(", 1)[1].rsplit(")", 1)[0]
+    flag, value = shlex.split(hint)
+    assert flag == "--node-config"
+    assert parse_config_args([value]) == {"data-path": f"{out}/node-1/data.npz"}
     assert main(args) == 2  # exists: refused without --force
     assert "--force" in capsys.readouterr().err
     assert main([*args, "--force"]) == 0

@@ -4,7 +4,7 @@
 optionally TLS and SuperNode authentication) and ``flower-supernode``
 processes on loopback, each SuperNode with its partition through
 ``--node-config "partition-id=<i> num-partitions=<N>"`` or, given
-``data_paths``, with its own data through ``--node-config "data-path=<path>"``
+``data_paths``, with its own data through ``--node-config 'data-path="<path>"'``
 (``fedadapt.tasks.node_data``; the server then needs no data), waits until the
 SuperLink lists every node online, and stops all of them on exit (also on
 Ctrl-C and on failure). Runs are submitted with ``fedadapt.tools.submission.submit_run``
@@ -39,6 +39,17 @@ from fedadapt.tools.deploy.process import (
 )
 
 CONNECTION = "fedadapt-deploy"
+
+
+def data_path_node_config(path: str | Path) -> str:
+    """Return the node config ``data-path="<path>"`` for ``flower-supernode``.
+
+    Node-config values are TOML: a path must be a quoted string
+    (``data-path=/data`` is refused). JSON's string escapes are TOML basic
+    string escapes, so ``json.dumps`` quotes any path. Pass it as one shell
+    word: ``--node-config 'data-path="/tmp/nodes/node-0"'`` (``shlex.quote``).
+    """
+    return f"data-path={json.dumps(str(path))}"
 
 
 class LocalDeployment:
@@ -192,7 +203,7 @@ class LocalDeployment:
         if self.data_paths is None:
             node_config = f"partition-id={index} num-partitions={self.num_supernodes}"
         else:  # a TOML value: the path must be a quoted string
-            node_config = f"data-path={json.dumps(str(self.data_paths[index]))}"
+            node_config = data_path_node_config(self.data_paths[index])
         command = [
             str(venv_bin() / "flower-supernode"),
             f"--superlink={self.address}",
