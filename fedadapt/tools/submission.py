@@ -39,9 +39,9 @@ from fedadapt.tools.deploy.process import (
     flwr,
     free_port,
     http_ok,
+    program,
     raise_if_left,
     signals_deferred,
-    venv_bin,
     write_connection,
 )
 from fedadapt.tools.flower_log import real_error
@@ -105,7 +105,7 @@ class SimulationSuperLink:
         self.daemon = Daemon(
             "SuperLink",
             [
-                str(venv_bin() / "flower-superlink"),
+                program("flower-superlink"),
                 "--simulation",
                 "--insecure",
                 "--isolation=subprocess",
@@ -425,7 +425,7 @@ def submit_run(
     if stream:
         print(f"fedadapt: run {run_id} started on {superlink.address}", flush=True)
         streamer = subprocess.Popen(
-            [str(venv_bin() / "flwr"), "log", str(run_id), conn, "--stream"], env=env
+            [program("flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
     path, ask_flower_at, ended_at = None, 0.0, None
     try:

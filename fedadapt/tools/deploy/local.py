@@ -31,10 +31,10 @@ from fedadapt.tools.deploy.process import (
     free_port,
     http_ok,
     online_supernodes,
+    program,
     raise_if_left,
     signals_deferred,
     stop_all,
-    venv_bin,
     write_connection,
 )
 
@@ -181,7 +181,7 @@ class LocalDeployment:
     def _superlink(self) -> Daemon:
         home = self.workdir / "superlink"
         command = [
-            str(venv_bin() / "flower-superlink"),
+            program("flower-superlink"),
             *self._security_flags(),
             "--host=127.0.0.1",
             f"--port={self.port}",
@@ -205,7 +205,7 @@ class LocalDeployment:
         else:  # a TOML value: the path must be a quoted string
             node_config = data_path_node_config(self.data_paths[index])
         command = [
-            str(venv_bin() / "flower-supernode"),
+            program("flower-supernode"),
             f"--superlink={self.address}",
             f"--port={free_port()}",
             f"--node-config={node_config}",

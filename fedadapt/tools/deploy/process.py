@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -47,6 +48,26 @@ def free_port() -> int:
 def venv_bin() -> Path:
     """Folder of this interpreter's scripts (flwr, flower-superlink, …)."""
     return Path(sys.executable).parent
+
+
+def program(name: str) -> str:
+    """Return the path of Flower's or Ray's program ``name`` (venv, else PATH).
+
+    A venv has them beside ``sys.executable``; an install with ``pip install
+    --target`` or behind a launcher wrapper has them elsewhere on ``PATH``.
+    Raises FileNotFoundError naming the program when neither has it.
+    """
+    beside = venv_bin() / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(
+            f"{name} not found beside {sys.executable} nor on PATH; install "
+            "flwr (and ray for simulations) in this environment or put their "
+            "programs on PATH"
+        )
+    return found
 
 
 def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
@@ -110,7 +131,7 @@ def flwr(args: Sequence[str], env: dict[str, str], retries: int = 3, **kw: Any) 
     """
     for attempt in range(retries + 1):
         done = subprocess.run(
-            [str(venv_bin() / "flwr"), *args],
+            [program("flwr"), *args],
             env=env,
             capture_output=True,
             text=True,

@@ -33,9 +33,9 @@ from fedadapt.tools.deploy.process import (
     ProcessTree,
     flower_env,
     free_port,
+    program,
     raise_if_left,
     signals_deferred,
-    venv_bin,
 )
 
 #: Ray rewrites 127.0.0.1 and ``localhost`` to the machine's interface
@@ -182,7 +182,7 @@ class PrivateRayCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="fa-ray-", dir="/tmp"))
         self.port = free_port()
         command = [
-            str(venv_bin() / "ray"),
+            program("ray"),
             "start",
             "--head",
             f"--node-ip-address={RAY_HOST}",

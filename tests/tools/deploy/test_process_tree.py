@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fedadapt.tools.deploy.process import ProcessesLeftError, ProcessTree, raise_if_left
 
 ESCAPE = """
@@ -89,3 +91,30 @@ def test_what_cannot_be_stopped_is_named():
     else:
         raise AssertionError("no error")
     raise_if_left({})  # nothing left: nothing raised
+
+
+def test_flowers_programs_are_found_on_path_when_not_beside_python(
+    tmp_path, monkeypatch
+):
+    """#42: an install with ``pip install --target`` or a launcher wrapper has
+    no flower-superlink beside ``sys.executable``; PATH has it."""
+    import stat
+    import sys
+
+    from fedadapt.tools.deploy import process
+
+    bare, tools = tmp_path / "bare-python", tmp_path / "tools"
+    bare.mkdir()
+    tools.mkdir()
+    script = tools / "flower-superlink"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sys, "executable", str(bare / "python"))
+    monkeypatch.setenv("PATH", str(tools))
+    assert process.program("flower-superlink") == str(script)
+    with pytest.raises(FileNotFoundError, match="flower-supernode not found"):
+        process.program("flower-supernode")
+    # in a venv, its own copy wins over PATH
+    (bare / "flower-superlink").write_text("#!/bin/sh\n")
+    (bare / "flower-superlink").chmod(0o755)
+    assert process.program("flower-superlink") == str(bare / "flower-superlink")
