@@ -215,6 +215,26 @@ def main(grid: Grid, context: Context) -> None:
         folder.release()  # also when the run fails before results.json
 
 
+def ended_by(error: BaseException) -> tuple[str, str]:
+    """Return results.json's (status, error) for a run that raised ``error``.
+
+    A signal is not a failure of the run: Ctrl-C (``KeyboardInterrupt``) or
+    SIGTERM/SIGQUIT (Flower's ServerApp process exits with ``SystemExit``)
+    reach the ServerApp when the SuperLink, or the command that started the
+    deployment, stops it; the run ends ``stopped``, the signal named, as
+    ``fedadapt simulate`` and ``deploy`` mark it (#42). Anything else:
+    ``failed`` with the exception.
+    """
+    if isinstance(error, KeyboardInterrupt):
+        return "stopped", "the ServerApp was interrupted (SIGINT)"
+    if isinstance(error, SystemExit):
+        return (
+            "stopped",
+            f"the ServerApp was stopped by a signal (exit code {error.code})",
+        )
+    return "failed", repr(error)
+
+
 def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -> None:
     """Run :func:`main`'s rounds in its claimed ``folder``."""
     task = TASKS.get(cfg["task"])
@@ -285,7 +305,7 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         if failure is None:
             save_final_model(recorder.run_dir, _numpy(result.arrays))
     except BaseException as error:
-        recorder.finish("failed", error=repr(error))
+        recorder.finish(*ended_by(error))
         raise
     if failure is not None:  # not one reply used: nothing was trained
         recorder.finish("failed", error=failure)

@@ -294,3 +294,20 @@ def test_an_owner_on_another_machine_is_never_declared_dead(tmp_path, cfg):
     results.write_text(json.dumps(data))
     settled = settle(tmp_path / "far")
     assert settled["status"] == "failed" and "pid 1 on a-container" in settled["error"]
+
+
+@pytest.mark.parametrize(
+    "error, status, words",
+    [
+        (KeyboardInterrupt(), "stopped", "SIGINT"),
+        (SystemExit(143), "stopped", "exit code 143"),
+        (ValueError("bad"), "failed", "ValueError('bad')"),
+    ],
+)
+def test_a_signal_ends_the_run_stopped_not_failed(error, status, words):
+    """#42: a deployment stopped by SIGTERM/Ctrl-C said ``failed`` with
+    ``KeyboardInterrupt()``; a signal is a stop, named, an exception a failure."""
+    from fedadapt.server.server_app import ended_by
+
+    got_status, reason = ended_by(error)
+    assert got_status == status and words in reason
