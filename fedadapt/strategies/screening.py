@@ -17,6 +17,7 @@ Flower adapters unpack messages into :class:`TrainReply` /
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -44,14 +45,35 @@ def _tail(text: str) -> str:
     return text if len(text) <= ERROR_TEXT_CHARS else "…" + text[-ERROR_TEXT_CHARS:]
 
 
+#: How Flower 1.41/1.42 words a ClientApp's exception in an error reply:
+#: ``str(type(ex)) + ":<'" + str(ex) + "'>"`` (run_clientapp.py, vce_api.py)
+_FLOWER_EXCEPTION = re.compile(r"<class '([^']*)'>:<'(.*)'>", re.DOTALL)
+
+
+def unwrap_flower_error(reason: str) -> str:
+    """Return ``"<Type>: <message>"`` for Flower's ``<class '…'>:<'…'>`` wording.
+
+    Any other text is returned as it is.
+    """
+    match = _FLOWER_EXCEPTION.fullmatch(reason.strip())
+    return f"{match[1].rsplit('.', 1)[-1]}: {match[2]}" if match else reason
+
+
 def failed_reply(node: int | str | None, error: str) -> str:
     """Return a failed reply as screened: ``"node <id>: <end of its error>"``.
 
     Flower reports a node that dropped out (or whose ClientApp raised) as a
-    reply carrying an error; its node id and reason go to results.json.
+    reply carrying an error; its node id and reason go to results.json, in
+    one line: Flower's wrapping of an exception is undone
+    (:func:`unwrap_flower_error`), and an error that names its node already
+    (a node's data error: ``node 4711 data-path …``) is given as it is.
     """
     who = "node ?" if node is None else f"node {node}"
-    return f"{who}: {_tail(error) or 'no reason given'}"
+    text = unwrap_flower_error(error)
+    match = _FLOWER_EXCEPTION.fullmatch(error.strip())
+    if match and match[2].startswith(f"{who} "):
+        return _tail(match[2])
+    return f"{who}: {_tail(text) or 'no reason given'}"
 
 
 @dataclass

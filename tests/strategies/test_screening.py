@@ -170,3 +170,32 @@ def test_reply_whose_header_contradicts_its_metadata_is_rejected():
     assert report["used"] == 1 and report["rejected"] == 1
     assert "do not match its metadata" in report["rejections"][0]
     np.testing.assert_array_equal(arrays["w"].numpy(), np.ones((2, 3)))
+
+
+def _flower_reason(ex: BaseException) -> str:
+    """The reason Flower 1.42 puts in a ClientApp's error reply (its own
+    wording, run_clientapp.py: type, then message)."""
+    return str(type(ex)) + ":<'" + str(ex) + "'>"
+
+
+def test_a_nodes_data_error_is_one_line_naming_the_node_once():
+    """#42: results.json showed ``<class '…NodeDataError'>:<'node 4711
+    data-path …'>`` after ``node 4711:``; docs/deployment.md promises the
+    node's own line."""
+    from fedadapt.strategies.screening import failed_reply
+
+    class NodeDataError(ValueError):  # the shape of fedadapt's (tasks layer)
+        pass
+
+    error = NodeDataError("node 4711 data-path /srv/x.npz: no such file or folder")
+    assert (
+        failed_reply(4711, _flower_reason(error))
+        == "node 4711 data-path /srv/x.npz: no such file or folder"
+    )
+    # another exception: the node, then its type and message
+    assert (
+        failed_reply(7, _flower_reason(ZeroDivisionError("division by zero")))
+        == "node 7: ZeroDivisionError: division by zero"
+    )
+    # a reason in any other wording is kept as it is
+    assert failed_reply(7, "Message TTL expired") == "node 7: Message TTL expired"
