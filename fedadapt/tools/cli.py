@@ -291,7 +291,13 @@ def _run_options(parser: argparse.ArgumentParser, nodes: int) -> None:
         "--run-config", default="", help='overrides, e.g. "num-server-rounds=5 seed=1"'
     )
     parser.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="stop the run after this many seconds; it ends 'stopped' "
+        "(default: %(default)g)",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not stream run logs")
 
 
