@@ -200,10 +200,36 @@ _APP_KEYS: tuple[Key, ...] = (
         "tasks: 10).", minimum=0.0),
 )  # fmt: skip
 _RUN_KEYS: tuple[Key, ...] = (
-    Key("secure-aggregation", False, "Secure-aggregation mode: fedexp/feddua use "
-        "the clients' reported update-sq-norm as given and reject (counted) replies "
-        "without one. false = the server computes each norm from the arrays, uses "
-        "its own and counts mismatches."),
+    Key("secure-aggregation", "off", "off: the server sees each update, computes "
+        "each norm itself and counts mismatching reports. secagg+ (or true): "
+        "Flower's SecAgg+ masks each client's update and ‖Δ_i‖², the server "
+        "steps on their sums only (legacy ServerApp and NumPyClient; "
+        "secagg-* keys; docs/secure-aggregation.md). trust-reported-norms (what "
+        "true meant before issue #41; nothing is masked): fedexp/feddua use the "
+        "clients' reported update-sq-norm as given and reject (counted) replies "
+        "without one. Per-client defences are off in both.",
+        choices=("off", "secagg+", "trust-reported-norms")),
+    Key("secagg-clipping-range", 8.0, "SecAgg+: c, each client's scaled update "
+        "coordinates and ‖Δ_i‖² must lie in ±c (a client beyond it fails the "
+        "round, never a silently clipped sum).", minimum=0.0,
+        exclusive_minimum=True),
+    Key("secagg-quantization-range", 4194304, "SecAgg+: Q, values are quantised "
+        "to integers in [0, Q] (step 2c/Q; the error of each coordinate of the "
+        "sums is below clients · 2c/Q / Σ weights, 2c/Q when uniform).",
+        minimum=1, maximum=2**31 - 1),
+    Key("secagg-modulus-range", 4294967296, "SecAgg+: M, a power of two; the "
+        "masked sum is exact for up to (M − 1) // Q clients per round.",
+        minimum=2, maximum=2**62),
+    Key("secagg-max-weight", 1000.0, "SecAgg+ with num-examples weighting: "
+        "Flower's max_weight, at least every client's num-examples (uniform "
+        "weighting sends weight 1 and uses 1).", minimum=0.0,
+        exclusive_minimum=True),
+    Key("secagg-num-shares", 1.0, "SecAgg+: secret shares per client as a "
+        "fraction of the round's clients (Flower's num_shares).", minimum=0.0,
+        maximum=1.0, exclusive_minimum=True),
+    Key("secagg-reconstruction-threshold", 0.5, "SecAgg+: fraction of the "
+        "shares needed to unmask (Flower's reconstruction_threshold; at least 2).",
+        minimum=0.0, maximum=1.0, exclusive_minimum=True),
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
         "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
         minimum=0.0),
@@ -342,6 +368,12 @@ _RENAMED = {
     "average-last-two": ("average_last_two",),
     "weighting": ("weighting",),
 }
+#: bool values keys took before they became strings → their new value
+#: (``secure-aggregation = true`` meant trusting reported norms before issue
+#: #41; it now selects real SecAgg+, "trust-reported-norms" is the old mode)
+_BOOL_VALUES: dict[str, dict[bool, str]] = {
+    "secure-aggregation": {False: "off", True: "secagg+"},
+}
 #: client optimizers whose second moments only the fed-lamb strategy handles
 SECOND_MOMENT_OPTIMIZERS = ("fed-lamb", "fed-ams")
 
@@ -362,6 +394,8 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(unknown[0], _unknown_key_message(unknown[0]))
     config: RunConfig = defaults()
     for name, value in run_config.items():
+        if isinstance(value, bool) and name in _BOOL_VALUES:
+            value = _BOOL_VALUES[name][value]
         config[name] = KEYS[name].check(value)
     _check_strategy_keys(config)
     _check_local_update_optimizer(config)
@@ -377,7 +411,8 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "strategy fed-lamb and need each other; got strategy="
             f"{config['strategy']!r}, client-optimizer={config['client-optimizer']!r}",
         )
-    if config["secure-aggregation"] and config["max-update-norm"] > 0:
+    _check_secure_aggregation(config)
+    if config["secure-aggregation"] != "off" and config["max-update-norm"] > 0:
         raise ConfigError(
             "max-update-norm",
             "clipping needs the server's own norms; with secure-aggregation clip "
@@ -393,7 +428,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "stop-metric", "stop-target and stop-patience need the metric to watch"
         )
     _check_stop_metric_is_reported(config)
-    if config["secure-aggregation"] and config["aggregation"] != "mean":
+    if config["secure-aggregation"] != "off" and config["aggregation"] != "mean":
         raise ConfigError(
             "aggregation",
             f"{config['aggregation']} needs the individual updates; with "
@@ -406,6 +441,31 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "federated evaluation needs a local test split (client-test-fraction > 0)",
         )
     return config
+
+
+def _check_secure_aggregation(config: RunConfig) -> None:
+    """Refuse SecAgg+ settings that cannot give an exact sum, or cannot run."""
+    if config["secure-aggregation"] != "secagg+":
+        return
+    q, m = config["secagg-quantization-range"], config["secagg-modulus-range"]
+    if m & (m - 1) or m <= q:
+        raise ConfigError(
+            "secagg-modulus-range",
+            f"must be a power of two above secagg-quantization-range ({q}), got {m}",
+        )
+    per_round = config["clients-per-round"]
+    if per_round and per_round * q >= m:
+        raise ConfigError(
+            "secagg-quantization-range",
+            f"{per_round} clients × Q = {q} reach M = {m}: the masked sum would "
+            "wrap; lower it or raise secagg-modulus-range",
+        )
+    if config["local-update"] != "none" or config["strategy"] == "fed-lamb":
+        raise ConfigError(
+            "secure-aggregation",
+            "secagg+ masks the update and its norm only; local updates and "
+            "Fed-LAMB's second moments have no SecAgg+ encoding yet",
+        )
 
 
 def _unknown_key_message(key: str) -> str:

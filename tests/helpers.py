@@ -188,7 +188,7 @@ def run_legacy_in_process(overrides: dict, num_supernodes: int = 3) -> None:
 
     run_simulation(
         server_app=legacy_app.make_app(server_fn),
-        client_app=ClientApp(client_fn=client_fn),
+        client_app=ClientApp(client_fn=client_fn, mods=numpy_client.MODS),
         num_supernodes=num_supernodes,
         backend_config=BACKEND_CONFIG,
     )

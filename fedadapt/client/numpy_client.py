@@ -9,6 +9,10 @@ v̂ and v among them) follow, both ways, their names a
 JSON list under ``local-update-arrays`` in the fit config (server → client)
 and in the fit metrics (client → server); its client state is kept in the
 node's ``context.state``, as the Message-API ClientApp keeps it.
+
+Under SecAgg+ (the fit config carries :mod:`fedadapt.strategies.secagg`'s
+settings) the reply is [Δ_i…, ‖Δ_i‖²] for Flower's ``secaggplus_mod`` to
+mask, not the model (:meth:`FedAdaptClient._secure_reply`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from flwr.client import Client, NumPyClient
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
-from flwr.common import Context, NDArrays, RecordDict, Scalar
+from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.common import Context, Message, NDArrays, RecordDict, Scalar
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedadapt.client.local import (
     config_number,
@@ -31,6 +38,7 @@ from fedadapt.client.local import (
 from fedadapt.config import validate_run_config
 from fedadapt.strategies import wire
 from fedadapt.strategies.local_update import legacy_names
+from fedadapt.strategies.secagg import SecAggPlusSettings, encode_update
 from fedadapt.tasks import TASKS
 
 
@@ -100,11 +108,35 @@ class FedAdaptClient(NumPyClient):
         )
         arrays = [result.state[k].numpy() for k in self.keys]
         metrics: dict[str, Scalar] = dict(result.metrics)
+        if SecAggPlusSettings.from_fit_config(config) is not None:
+            return self._secure_reply(parameters, arrays, metrics, config)
         if result.local_arrays is not None:
             arrays += list(result.local_arrays.values())
             metrics[wire.LOCAL_ARRAYS] = json.dumps(list(result.local_arrays))
         num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
         return arrays, num_examples, metrics
+
+    def _secure_reply(
+        self,
+        sent: NDArrays,
+        arrays: NDArrays,
+        metrics: dict[str, Scalar],
+        config: dict[str, Scalar],
+    ) -> tuple[NDArrays, int, dict[str, Scalar]]:
+        """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, ‖Δ_i‖²].
+
+        The norm leaves the clear metrics (only arrays are masked); the
+        weight is 1 under uniform weighting; the count of coordinates
+        SecAgg+ would clip goes in the clear metrics
+        (:func:`fedadapt.strategies.secagg.encode_update`).
+        """
+        sq_norm = float(metrics.pop(wire.UPDATE_SQ_NORM))
+        num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
+        update, weight, clipped = encode_update(
+            sent, arrays, sq_norm, num_examples, config
+        )
+        metrics[wire.SECAGG_CLIPPED] = clipped
+        return update, weight, metrics
 
     def evaluate(
         self, parameters: NDArrays, config: dict[str, Scalar]
@@ -132,4 +164,22 @@ def client_fn(context: Context) -> Client:
     ).to_client()
 
 
-app = ClientApp(client_fn=client_fn)
+def secure_aggregation_mod(
+    msg: Message, context: Context, call_next: ClientAppCallable
+) -> Message:
+    """Flower's ``secaggplus_mod`` for the SecAgg+ workflow's messages only.
+
+    A train message of ``SecAggPlusWorkflow`` carries its ConfigRecord
+    (Flower's ``RECORD_KEY_CONFIGS``); every other message (plain rounds,
+    evaluation, queries) goes straight to the client, so one ClientApp
+    serves both modes.
+    """
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+#: the ClientApp's mods (tests that build their own ClientApp use them too)
+MODS: list[Mod] = [secure_aggregation_mod]
+
+app = ClientApp(client_fn=client_fn, mods=MODS)

@@ -7,8 +7,10 @@ app components at ``fedadapt.server.legacy_app:app`` and
 curves.png (metrics of the model the strategy returns: with
 ``average-last-two`` the average of the last two iterates, which is also
 the legacy server's final parameters, written to final_model.npz when the
-run completes). Checkpoints and resume are Message-API only: this app writes
-none (results.json records ``checkpoint-every`` = 0) and refuses a
+run completes). With run-config ``secure-aggregation = "secagg+"`` the
+rounds run under Flower's SecAgg+ (:func:`run_secure`,
+:mod:`fedadapt.strategies.secagg`). Checkpoints and resume are Message-API
+only: this app writes none (results.json records ``checkpoint-every`` = 0) and refuses a
 ``checkpoint-every`` or ``resume-from`` other than the default.
 """
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import flwr.compat.common.recorddict_compat as compat
 from flwr.common import (
     Context,
     NDArrays,
+    Parameters,
     Scalar,
     ndarrays_to_parameters,
     parameters_to_ndarrays,
@@ -33,7 +37,11 @@ from flwr.server import (
     SimpleClientManager,
 )
 from flwr.server.client_manager import ClientManager
+from flwr.server.compat import LegacyContext, start_grid
 from flwr.server.strategy import Strategy
+from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
+from flwr.serverapp import Grid
 
 from fedadapt.config import KEYS, ConfigError, validate_run_config
 from fedadapt.server.results import RunRecorder
@@ -160,21 +168,71 @@ class RecordingServer(Server):
         A run in which no round used a train reply is marked failed instead.
         """
         result = super().fit(num_rounds, timeout)
+        self.finish_run(self.parameters)
+        return result
+
+    def finish_run(self, parameters: Parameters) -> None:
+        """Write final_model.npz (``parameters``), mark results.json completed.
+
+        A run in which no round used a train reply is marked failed instead
+        (and raises :class:`FederationFailedError`).
+        """
         failure = self.strategy.unusable_run_failure()  # type: ignore[attr-defined]
         if failure is not None:  # not one reply used: nothing was trained
             self.recorder.finish("failed", error=failure)
             raise FederationFailedError(failure)
-        arrays = parameters_to_ndarrays(self.parameters)[: len(self.array_names)]
+        arrays = parameters_to_ndarrays(parameters)[: len(self.array_names)]
         save_final_model(
             self.recorder.run_dir, dict(zip(self.array_names, arrays, strict=True))
         )
         record_end(self.recorder, self.strategy)
         self.recorder.finish("completed")
-        return result
+
+
+def run_secure(
+    grid: Grid, context: Context, server: RecordingServer, config: ServerConfig
+) -> None:
+    """Run the rounds with Flower's SecAgg+ workflow, then finish as Server.fit.
+
+    Flower's ``DefaultWorkflow`` (fit, central evaluation, federated
+    evaluation per round, as the legacy ``Server``) with
+    ``SecAggPlusWorkflow`` as its fit step: four exchanges per round, after
+    which the strategy's ``aggregate_fit`` gets only the masked sum
+    (:mod:`fedadapt.strategies.secagg`). The strategy's settings fix the
+    quantisation and the key sharing.
+    """
+    settings = server.strategy.secagg  # type: ignore[attr-defined]
+    legacy = LegacyContext(
+        context,
+        config=config,
+        strategy=server.strategy,
+        client_manager=server.client_manager(),
+    )
+    workflow = DefaultWorkflow(
+        fit_workflow=SecAggPlusWorkflow(
+            num_shares=settings.num_shares,
+            reconstruction_threshold=settings.reconstruction_threshold,
+            max_weight=settings.max_weight,
+            clipping_range=settings.clipping_range,
+            quantization_range=settings.quantization_range,
+            modulus_range=settings.modulus_range,
+            timeout=config.round_timeout,
+        )
+    )
+    workflow(grid, legacy)
+    server.finish_run(
+        compat.arrayrecord_to_parameters(
+            legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True
+        )
+    )
 
 
 def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
+
+    Its main runs the components as Flower's compatibility mode does
+    (``start_grid``), or, when the strategy runs under SecAgg+, through
+    :func:`run_secure`.
 
     Flower's legacy loop gives no hook on failure, so a lifespan checks after
     the run: results.json still ``running`` (:class:`RecordingServer` never
@@ -182,7 +240,17 @@ def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
     the run is marked ``failed`` as the Message-API ServerApp does, with the
     strategy's ``failure`` (after ``max-failed-rounds``) as the error.
     """
-    app = ServerApp(server_fn=server_fn)
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        components = server_fn(context)
+        server, config = components.server, components.config
+        assert isinstance(server, RecordingServer) and config is not None
+        if getattr(server.strategy, "secagg", None) is None:
+            start_grid(grid=grid, server=server, config=config)
+        else:
+            run_secure(grid, context, server, config)
 
     @app.lifespan()
     def _mark_unfinished(context: Context) -> Iterator[None]:

@@ -19,6 +19,7 @@ from fedadapt.config import ConfigError
 from fedadapt.server.policy import LegacyRunStrategy, RunStrategy
 from fedadapt.strategies import ALGORITHMS
 from fedadapt.strategies.core import ServerRule
+from fedadapt.strategies.secagg import SecAggPlusSettings
 
 StrategySpec = tuple[ServerRule, dict[str, Any]]
 
@@ -52,13 +53,12 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
 
 def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Return the screening options every strategy takes (see ``RuleHost``)."""
+    secure = cfg["secure-aggregation"] != "off"
     return {
         "secure_aggregation": cfg["secure-aggregation"],
         "max_update_norm": cfg["max-update-norm"],
         # secure aggregation reveals only sums: the relative bound is off there
-        "max_update_norm_ratio": 0.0
-        if cfg["secure-aggregation"]
-        else cfg["max-update-norm-ratio"],
+        "max_update_norm_ratio": 0.0 if secure else cfg["max-update-norm-ratio"],
         "norm_bound_mode": cfg["norm-bound-mode"],
         "max_weight_ratio": cfg["max-weight-ratio"],
         "step_guard": cfg["step-guard"],
@@ -121,10 +121,38 @@ def build_strategy(
     """
     rule, options = build_rule(cfg)
     kwargs = {**options, **trust_kwargs(cfg), **stop_kwargs(cfg), **extra}
+    if cfg["secure-aggregation"] == "secagg+":
+        if api != "legacy":
+            raise ConfigError(
+                "secure-aggregation",
+                "secagg+ (also what true means since issue #41) runs on the legacy "
+                "ServerApp only (fedadapt.server.legacy_app:app with "
+                "fedadapt.client.numpy_client:app; Flower has no SecAgg+ for "
+                "Message-API strategies); the former meaning of true is "
+                'secure-aggregation = "trust-reported-norms"',
+            )
+        kwargs["secagg"] = secagg_settings(cfg, rule)
     if api == "legacy":
         return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"
     return RunStrategy(rule, **sampling_kwargs(cfg, num_nodes), **kwargs)
+
+
+def secagg_settings(cfg: Mapping[str, Any], rule: ServerRule) -> SecAggPlusSettings:
+    """Return the SecAgg+ settings of the run config (``secagg-*`` keys).
+
+    Under uniform weighting every client sends weight 1 and ``max_weight``
+    is 1, so no weight is rounded and the error bound is 2c/Q.
+    """
+    uniform = rule.weighting == "uniform"
+    return SecAggPlusSettings(
+        clipping_range=cfg["secagg-clipping-range"],
+        quantization_range=cfg["secagg-quantization-range"],
+        modulus_range=cfg["secagg-modulus-range"],
+        max_weight=1.0 if uniform else cfg["secagg-max-weight"],
+        num_shares=cfg["secagg-num-shares"],
+        reconstruction_threshold=cfg["secagg-reconstruction-threshold"],
+    )
 
 
 def build_rule(cfg: Mapping[str, Any]) -> StrategySpec:

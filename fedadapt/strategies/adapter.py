@@ -55,6 +55,7 @@ from fedadapt.strategies.screening import (
     canonical_order,
     screen,
 )
+from fedadapt.strategies.secagg import secure_aggregation_mode
 
 if TYPE_CHECKING:
     from fedadapt.strategies.local_update import LocalUpdate
@@ -85,7 +86,7 @@ AGGREGATOR_STATE = "aggregator"
 class ScreeningKwargs(TypedDict, total=False):
     """fedadapt's options, accepted by every strategy (see :class:`RuleHost`)."""
 
-    secure_aggregation: bool
+    secure_aggregation: bool | str
     max_update_norm: float
     max_update_norm_ratio: float | None
     norm_bound_mode: str
@@ -111,8 +112,13 @@ class RuleHost:
     average_last_two : bool (default: False)
         Evaluate (w_t + w_{t+1})/2 instead of w_{t+1}; training continues
         from w_{t+1} (FedExP, arXiv:2301.09604; FedDuA §5.1 does the same).
-    secure_aggregation : bool (default: False)
-        Secure-aggregation mode: use the clients' reported ``update-sq-norm``
+    secure_aggregation : bool | str (default: False)
+        ``"off"`` (False), ``"trust-reported-norms"`` (True) or
+        ``"secagg+"`` (:mod:`fedadapt.strategies.secagg`: real SecAgg+,
+        legacy API only; the server sees only sums and steps on them; every
+        per-client defence below is off, as in the trusting mode).
+        ``"trust-reported-norms"``: nothing is masked; use the clients'
+        reported ``update-sq-norm``
         as given (a secure aggregator reveals only sums, so the server cannot
         check them). A rule that needs the norms (FedExP, FedDuA) then
         rejects, with a warning and a count, every train reply without one:
@@ -222,13 +228,15 @@ class RuleHost:
     #: the server half of the algorithm's client-side part (None: plain
     #: clients); set by the adapters' ``local_update`` argument
     local_update: LocalUpdate | None = None
+    #: whether the adapter can run under SecAgg+ (the legacy one)
+    supports_secagg = False
 
     def __init__(
         self,
         rule: ServerRule,
         *args: Any,
         average_last_two: bool = False,
-        secure_aggregation: bool = False,
+        secure_aggregation: bool | str = False,
         max_update_norm: float = 0.0,
         max_update_norm_ratio: float | None = None,
         norm_bound_mode: str = "clip",
@@ -253,12 +261,21 @@ class RuleHost:
         if check_scalar("max_failed_rounds", max_failed_rounds, low=0) % 1:
             raise ValueError(f"Invalid max_failed_rounds: {max_failed_rounds} (an int)")
         self.max_failed_rounds = int(max_failed_rounds)
-        if secure_aggregation and self.max_update_norm > 0:
+        mode = secure_aggregation_mode(secure_aggregation)
+        if mode != "off" and self.max_update_norm > 0:
             raise ValueError(
                 "max_update_norm needs the server's own norms; under "
                 "secure_aggregation clip on the clients"
             )
-        self.secure_aggregation = bool(secure_aggregation)
+        if mode == "secagg+" and not self.supports_secagg:
+            raise ValueError(
+                "secure_aggregation='secagg+' exists only for Flower's legacy API "
+                "(SecAggPlusWorkflow): use fedadapt.strategies.legacy"
+            )
+        #: "off", "trust-reported-norms" or "secagg+"
+        self.secure_aggregation_mode = mode
+        #: whether the server may see only sums (every per-client defence off)
+        self.secure_aggregation = mode != "off"
         self.max_update_norm_ratio = self._norm_ratio(max_update_norm_ratio)
         self.norm_bound_mode = check_choice(
             "norm_bound_mode", norm_bound_mode, NORM_BOUND_MODES
@@ -368,6 +385,65 @@ class RuleHost:
             return None, []
         entry["diagnostics"] = diagnostics
         return new, valid
+
+    def run_sums(
+        self,
+        server_round: int,
+        candidates: Sequence[TrainReply | str],
+        reference: Arrays | None,
+        stats: RoundStatistics | None,
+        problem: str | None,
+    ) -> tuple[Arrays | None, dict[str, Any]]:
+        """Apply the rule to a secure aggregator's sums; record the round.
+
+        ``candidates`` are the clients in the sum (their clear metrics
+        only) and the failed ones; ``stats`` the sums Δ̄ and A
+        (:func:`~fedadapt.strategies.secagg.decode_sums`), or None with the
+        ``problem`` that rejects the whole aggregate: no client can be
+        singled out, so every one is counted rejected. The same reports and
+        failed-round count as :meth:`run_rule`. Returns the new arrays (None:
+        the model is kept) and the rule's diagnostics.
+        """
+        label = f"Round {server_round}"
+        entry = self.round_reports.setdefault(server_round, {})
+        report = ScreenReport()
+        if not self._rounds_screened:
+            log(
+                WARNING,
+                "%s: %s: the server sees only the sums Δ̄ and A, so per-client "
+                "screening, norm bounds, the weight cap, the step guard and "
+                "robust aggregation are off",
+                label,
+                self.secure_aggregation_mode,
+            )
+        for candidate in candidates:
+            report.received += 1
+            if isinstance(candidate, str):
+                report.failed += 1
+                report.errors.append(candidate)
+                report.note(candidate, "failed")
+            elif problem is not None:
+                report.count_rejection(candidate, problem, label)
+                report.note(candidate, "rejected", problem)
+            else:
+                report.used += 1
+                report.note(candidate, "used")
+        new: Arrays | None = None
+        diagnostics: dict[str, Any] = {}
+        if problem is None and stats is not None and reference is not None:
+            if report.used:
+                new, raw = apply_statistics(self.rule, reference, stats)
+                diagnostics = {
+                    k: (v if math.isfinite(v) else None) for k, v in raw.items()
+                }
+        elif problem is not None:
+            log(ERROR, "%s: secure aggregate rejected: %s", label, problem)
+        entry["train_replies"] = report.as_dict()
+        entry["clients"] = [{"round": server_round, **r} for r in report.replies]
+        self._count_failed_round(label, report, failed=new is None)
+        if new is not None:
+            entry["diagnostics"] = diagnostics
+        return new, diagnostics
 
     def _count_failed_round(
         self, label: str, report: ScreenReport, failed: bool

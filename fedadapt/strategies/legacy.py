@@ -29,6 +29,7 @@ pass without any work (Flower logs "no clients selected").
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -61,7 +62,7 @@ from fedadapt.strategies.adapter import (
     ScreeningKwargs,
     evaluation_average,
 )
-from fedadapt.strategies.core import Arrays, ServerRule
+from fedadapt.strategies.core import Arrays, RoundStatistics, ServerRule
 from fedadapt.strategies.declaration import Algorithm
 from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM
 from fedadapt.strategies.feddua import FEDDUA
@@ -76,6 +77,11 @@ from fedadapt.strategies.local_update import (
     screen_replies,
 )
 from fedadapt.strategies.screening import TrainReply, failed_reply
+from fedadapt.strategies.secagg import (
+    SecAggPlusSettings,
+    aggregate_problem,
+    decode_sums,
+)
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
 WEIGHT_KEY = wire.NUM_EXAMPLES
@@ -94,7 +100,8 @@ class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
 
     array_names: Sequence[str] | None
     local_update: LocalUpdate | None
-    secure_aggregation: bool
+    secagg: SecAggPlusSettings | None
+    secure_aggregation: bool | str
     max_update_norm: float
     max_failed_rounds: int
 
@@ -147,6 +154,13 @@ def _local_arrays(
     return dict(zip(names, local, strict=True)), None
 
 
+def _same(parameters: Parameters, other: Parameters | None) -> bool:
+    """Whether ``parameters`` are ``other`` (or its copy: a workflow's round trip)."""
+    return other is not None and (
+        parameters is other or parameters.tensors == other.tensors
+    )
+
+
 def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
     """List ``arrays`` in the key order of ``order``."""
     return [arrays[k] for k in order]
@@ -154,6 +168,9 @@ def _listed(arrays: Arrays, order: Arrays) -> NDArrays:
 
 class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     """Flower's legacy FedAvg with its aggregation replaced by a fedadapt rule.
+
+    Under SecAgg+ (``secagg``) it receives only the clients' weighted mean
+    of Δ_i and ‖Δ_i‖² and steps on those sums (:meth:`aggregate_fit`).
 
     Parameters
     ----------
@@ -177,6 +194,14 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         in the parameter list, their names a JSON list under
         ``local-update-arrays`` in the fit config; a client's reply appends
         its local-update arrays the same way (names in its fit metrics).
+    secagg : SecAggPlusSettings | None (default: None)
+        Run under Flower's SecAgg+ (``SecAggPlusWorkflow``; the app's
+        ``secure-aggregation = "secagg+"``): implies
+        ``secure_aggregation="secagg+"``. Clients get the settings in their
+        fit config and return Δ_i and ‖Δ_i‖² to be masked
+        (:mod:`fedadapt.strategies.secagg`); ``aggregate_fit`` receives
+        only their weighted mean and steps on it. Not with a
+        ``local_update``.
     stop_metric, stop_mode, stop_target, stop_patience, stop_min_delta
         See :class:`~fedadapt.strategies._control.RunControl` (the stop rule);
         the metric is looked up in ``evaluate_fn``'s metrics (``"loss"``
@@ -195,7 +220,20 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     ) -> None:
         names = kwargs.pop("array_names", None)
         local_update = kwargs.pop("local_update", None)
+        secagg = kwargs.pop("secagg", None)
+        if secagg is not None:
+            kwargs["secure_aggregation"] = "secagg+"
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        if self.secure_aggregation_mode == "secagg+":
+            secagg = secagg or SecAggPlusSettings()
+            if local_update is not None:
+                raise ValueError(
+                    f"local_update {type(local_update).__name__} exchanges "
+                    "per-client arrays besides the update; it has no SecAgg+ "
+                    "encoding yet (secure_aggregation='secagg+')"
+                )
+        #: SecAgg+'s settings (None: not under SecAgg+)
+        self.secagg: SecAggPlusSettings | None = secagg
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
@@ -204,6 +242,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self._output: Arrays | None = None  # what _last_output holds
         self._traffic: RoundTraffic | None = None  # the fit instructions' bytes
         self._stopped_after: int | None = None
+
+    supports_secagg = True
 
     def __repr__(self) -> str:
         """Flower's strategy name line: the rule with its hyperparameters."""
@@ -250,6 +290,12 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 (proxy, FitIns(ins.parameters, {**ins.config, **scalars}))
                 for proxy, ins in pairs
             ]
+        if self.secagg is not None:
+            settings = self.secagg.fit_config(self.rule.weighting == "uniform")
+            pairs = [
+                (proxy, FitIns(ins.parameters, {**ins.config, **settings}))
+                for proxy, ins in pairs
+            ]
         if extra:
             packed = ndarrays_to_parameters(model + extra)
             pairs = [(proxy, FitIns(packed, ins.config)) for proxy, ins in pairs]
@@ -263,7 +309,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     def _training_model(self, parameters: Parameters) -> tuple[Parameters, NDArrays]:
         """Return the model clients train from when the global one is ``parameters``."""
         model: NDArrays | None = None
-        if parameters is self._last_output and self._iterate is not None:
+        if _same(parameters, self._last_output) and self._iterate is not None:
             model = list(self._iterate.values())
         elif self._resume_model is not None:
             given = parameters_to_ndarrays(parameters)
@@ -284,9 +330,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         """Screen results, apply the rule; ``(None, {})`` keeps the model.
 
         Returns w_{t+1}, or with ``average_last_two`` (w_t + w_{t+1})/2,
-        the model Flower evaluates and ends with (w_{t+1} is kept).
+        the model Flower evaluates and ends with (w_{t+1} is kept). Under
+        SecAgg+ every result carries the same mean [Δ̄…, A]
+        (:meth:`_aggregate_secure`).
         """
         self.completed_round = server_round
+        if self.secagg is not None:
+            return self._aggregate_secure(server_round, results, failures)
         candidates: list[TrainReply | str] = [_failure(f) for f in failures]
         size = len(self._sent or {})
         traffic, self._traffic = self._traffic or RoundTraffic(), None
@@ -315,9 +365,81 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         )
         if new is None or self._sent is None:
             return None, {}
-        entry = self.round_reports[server_round]
-        diagnostics = entry["diagnostics"]
+        diagnostics = self.round_reports[server_round]["diagnostics"]
         diagnostics.update(aggregate_replies(self.local_update, valid, WEIGHT_KEY))
+        return self._output_of(server_round, new, diagnostics, valid)
+
+    def _aggregate_secure(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Step on SecAgg+'s mean [Δ̄…, A]; no individual update exists here.
+
+        Rejects the aggregate (the model is kept, the round counts as
+        failed) when a client's arrays would have been clipped, when n·Q
+        could wrap the masked sum (:func:`~fedadapt.strategies.secagg.
+        aggregate_problem`) or when the sums are impossible for honest
+        clients (:func:`~fedadapt.strategies.secagg.decode_sums`).
+        """
+        assert self.secagg is not None
+        candidates: list[TrainReply | str] = [_failure(f) for f in failures]
+        valid: list[TrainReply] = []
+        traffic, self._traffic = self._traffic or RoundTraffic(), None
+        for proxy, res in results:
+            reply = {**res.metrics, WEIGHT_KEY: res.num_examples}
+            traffic.add_received(proxy.cid, [], scalar_bytes(reply))
+            valid.append(TrainReply(proxy.cid, reply, (proxy, res)))
+        candidates += valid
+        report = self.round_reports.setdefault(server_round, {})
+        report["communication"] = traffic.as_dict()
+        problem = aggregate_problem(
+            self.secagg,
+            {str(c.node): c.metrics.get(wire.SECAGG_CLIPPED) for c in valid},
+        )
+        if problem is None and failures and not self.accept_failures:
+            problem = "clients failed and accept_failures is False"
+        stats = None
+        bound = math.inf
+        if problem is None and valid and self._sent is not None:
+            first = valid[0].source[1].parameters
+            if any(not _same(c.source[1].parameters, first) for c in valid):
+                problem = "the results carry different arrays: not a SecAgg+ mean"
+            else:
+                bound = self.secagg.error_bound([r.num_examples for _, r in results])
+                adaptive = (
+                    self.rule.adaptive_keys(self._sent)
+                    if self.rule.needs_sq_norms
+                    else []
+                )
+                stats, problem = decode_sums(
+                    self._sent,
+                    parameters_to_ndarrays(first),
+                    adaptive,
+                    len(valid),
+                    bound,
+                )
+                if stats is not None and not self.rule.needs_sq_norms:
+                    stats = RoundStatistics(stats.mean_update, None, len(valid))
+        new, diagnostics = self.run_sums(
+            server_round, candidates, self._sent, stats, problem
+        )
+        if new is None or self._sent is None:
+            return None, {}
+        diagnostics["secagg-error-bound"] = bound
+        return self._output_of(server_round, new, diagnostics, valid)
+
+    def _output_of(
+        self,
+        server_round: int,
+        new: Arrays,
+        diagnostics: dict[str, Any],
+        valid: Sequence[TrainReply],
+    ) -> tuple[Parameters, dict[str, Scalar]]:
+        """Return the round's model and metrics; keep w_{t+1} (both paths)."""
+        assert self._sent is not None
+        entry = self.round_reports[server_round]
         metrics: dict[str, Scalar] = {}
         if self.fit_metrics_aggregation_fn is not None:
             metrics = wire.without_per_reply(

@@ -24,10 +24,17 @@ LOCAL_ARRAYS: Final = "local-update-arrays"  #: a local update's arrays, both wa
 LR: Final = "lr"  #: client learning rate η_l of the round
 SERVER_ROUND: Final = "server-round"  #: 1-based round number
 LOCAL_UPDATE: Final = "local-update"  #: name of the client half to apply
+# SecAgg+ (fedadapt.strategies.secagg): what a client needs to encode its update
+SECAGG_CLIPPING_RANGE: Final = "secagg-clipping-range"  #: c
+SECAGG_QUANTIZATION_RANGE: Final = "secagg-quantization-range"  #: Q
+SECAGG_MAX_WEIGHT: Final = "secagg-max-weight"  #: Flower's max_weight
+SECAGG_UNIFORM: Final = "secagg-uniform"  #: 1: send weight 1 (uniform ω)
 
 # entries of a client's metrics
 NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
 UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable arrays
+#: SecAgg+: coordinates the client's scaled arrays have beyond ±c (0: none)
+SECAGG_CLIPPED: Final = "secagg-clipped"
 LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state reset
 
 # a node's answer to the server's query message (seeded sampling)

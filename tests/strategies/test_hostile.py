@@ -503,8 +503,11 @@ def test_run_config_keys_reach_both_apis():
         assert strategy.step_guard is False
         assert strategy.aggregation == "trimmed_mean"
         assert strategy.trim_fraction == 0.1
-    secure = validate_run_config({"strategy": "feddua", "secure-aggregation": True})
+    trusting = {"strategy": "feddua", "secure-aggregation": "trust-reported-norms"}
+    secure = validate_run_config(trusting)
     assert build_strategy(secure, num_nodes=5).max_update_norm_ratio == 0.0
+    secagg = validate_run_config({"strategy": "feddua", "secure-aggregation": True})
+    assert build_strategy(secagg, api="legacy").max_update_norm_ratio == 0.0
     assert (
         build_strategy(validate_run_config({}), num_nodes=5).max_update_norm_ratio
         == 2.0
