@@ -203,26 +203,25 @@ def test_run_config_refuses_what_secagg_cannot_sum(overrides, key):
 
 # --- simulations: what the server sees, and the trajectories ----------------------
 
+# Every rule receives the same decoded sums (decode_sums → apply_statistics,
+# unit-tested above for all of them through FedExP's closed form); the e2e
+# runs, ~100 s each on 2 cores, cover one rule of each family: FedExP in the
+# default suite, FedAdam and FedDuA with make test-deploy (CI runs it).
+_FEDDUA_NOISE = pytest.mark.xfail(
+    strict=False,
+    reason="#41 open: with ε = 1e-9, G⁻¹ turns the quantisation noise "
+    "of coordinates that did not move into steps as large as any "
+    "(final models 0.0079 apart, plain travel 0.006; round 1's sums "
+    "are within the bound)",
+)
 STRATEGIES = [
     ("fedexp", {}),
-    ("fedexpm", {}),
-    *(
-        pytest.param(
-            "feddua",
-            {"feddua.variant": variant},
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="#41 open: with ε = 1e-9, G⁻¹ turns the quantisation noise "
-                "of coordinates that did not move into steps as large as any "
-                "(final models 0.0079 apart, plain travel 0.006; round 1's sums "
-                "are within the bound)",
-            ),
-        )
-        for variant in ("adagrad", "adam")
+    pytest.param("fedadam", {}, marks=pytest.mark.deploy),
+    pytest.param(
+        "feddua",
+        {"feddua.variant": "adagrad"},
+        marks=[pytest.mark.deploy, _FEDDUA_NOISE],
     ),
-    ("fedadam", {}),
-    ("fedadagrad", {}),
-    ("fedyogi", {}),
 ]
 
 
