@@ -277,6 +277,7 @@ def train_round(
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
     metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
+    metrics[wire.TRAIN_DEVICE] = (device.index or 0) if device.type == "cuda" else -1
     node = ray_node()
     if node is not None:
         metrics[wire.RAY_NODE] = node

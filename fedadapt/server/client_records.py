@@ -10,7 +10,8 @@ filled (:func:`fedadapt.strategies.screening.reply_record`): the server's
 Each line (:func:`flatten`)::
 
     round, node, partition, ray_node (a simulated client: the first 12 hex
-    digits of the Ray node id it ran on, else null), status (used |
+    digits of the Ray node id it ran on, else null), device (where the
+    client trained: "cpu" or "cuda:k"), status (used |
     rejected | failed), reason,
     num_examples, train_loss, train_accuracy, train_time_s (client wall
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
@@ -63,6 +64,13 @@ def _ray_node_hex(value: Any) -> str | None:
     return None if value is None else f"{int(value):012x}"
 
 
+def _device_name(value: Any) -> str | None:
+    """Return a reply's ``train-device`` metric as ``"cpu"`` or ``"cuda:k"``."""
+    if value is None:
+        return None
+    return "cpu" if int(value) < 0 else f"cuda:{int(value)}"
+
+
 def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
     """Return a screened reply record as one clients.jsonl line (a dict)."""
     metrics = dict(record.get("metrics") or {})
@@ -71,6 +79,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         "node": record.get("node"),
         "partition": metrics.pop(wire.PARTITION_ID, None),
         "ray_node": _ray_node_hex(metrics.pop(wire.RAY_NODE, None)),
+        "device": _device_name(metrics.pop(wire.TRAIN_DEVICE, None)),
         "status": record["status"],
         "reason": record.get("reason"),
     }

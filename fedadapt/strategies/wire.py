@@ -46,12 +46,15 @@ TRAIN_TIME_S: Final = "train-time-s"  #: client wall seconds for the train messa
 #: where a simulated client ran: the first 48 bits of its Ray node id, as an
 #: integer (metrics are numbers); clients.jsonl writes it back as 12 hex digits
 RAY_NODE: Final = "ray-node"
+#: the device a client trained on: -1 = CPU, k = CUDA device k (of those the
+#: ClientApp's process sees); clients.jsonl writes it back as "cpu" / "cuda:k"
+TRAIN_DEVICE: Final = "train-device"
 
 #: metrics that describe one reply (who sent it, how long it took): kept in
 #: the per-reply records, left out of the round's aggregated metrics (an
 #: average partition id means nothing; timings would make the aggregate,
 #: which a resumed run reproduces exactly, differ from run to run)
-PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S, RAY_NODE)
+PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S, RAY_NODE, TRAIN_DEVICE)
 
 
 def without_per_reply(metrics: Mapping[str, V]) -> dict[str, V]:

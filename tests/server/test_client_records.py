@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -203,6 +204,9 @@ def test_every_reply_is_one_line_with_the_servers_norm(tmp_path):
         )
         assert r["num_examples"] > 0 and r["train_loss"] > 0
         assert 0 <= r["train_accuracy"] <= 1 and r["train_time_s"] > 0
+        # where it trained: this run's device, and a Ray actor's node
+        assert r["device"] == "cpu"
+        assert re.fullmatch(r"[0-9a-f]{12}", r["ray_node"]), r["ray_node"]
         assert r["optimizer"]["steps"] == 3  # Δ-SGD's step-size statistics
         assert r["optimizer"]["eta-min"] <= r["optimizer"]["eta-max"]
         assert r["clipped"] is False
