@@ -24,6 +24,14 @@ LOCAL_ARRAYS: Final = "local-update-arrays"  #: a local update's arrays, both wa
 LR: Final = "lr"  #: client learning rate η_l of the round
 SERVER_ROUND: Final = "server-round"  #: 1-based round number
 LOCAL_UPDATE: Final = "local-update"  #: name of the client half to apply
+#: true: evaluate the received model on the local test split before training
+#: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`
+#: (federated evaluation folded into the train exchange)
+EVALUATE_FIRST: Final = "evaluate-first"
+
+# a train reply's second MetricRecord when the config asked EVALUATE_FIRST:
+# the received model's evaluation, kept apart from the train metrics
+EVALUATE_METRICS: Final = "evaluate-metrics"
 
 # entries of a client's metrics
 NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
