@@ -183,9 +183,18 @@ def _key(value: object) -> dict:
     return {"federated-eval-exchange": value}
 
 
-@pytest.mark.parametrize("value", ["yes", True, "with_train"])
-def test_a_bad_exchange_value_is_an_error_naming_the_key(value):
-    with pytest.raises(ConfigError, match="federated-eval-exchange"):
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("yes", "Valid values: auto, with-train, separate"),
+        ("with_train", "Valid values: auto, with-train, separate"),
+        (True, "expected a string"),
+    ],
+)
+def test_a_bad_exchange_value_is_an_error_naming_the_key(value, says):
+    for good in ("auto", "with-train", "separate"):
+        assert validate_run_config(_key(good))["federated-eval-exchange"] == good
+    with pytest.raises(ConfigError, match=f"'federated-eval-exchange'.*{says}"):
         validate_run_config(_key(value))
 
 
