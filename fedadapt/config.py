@@ -164,7 +164,19 @@ _APP_KEYS: tuple[Key, ...] = (
         "every connected node (Flower's fraction-train = 1). A number larger than "
         "the federation fails at start.", minimum=0),
     Key("clients-per-eval", 0, "Clients sampled for federated evaluation on their "
-        "local test split each round (0 = off).", minimum=0),
+        "local test split each round (0 = off); with federated-eval-exchange "
+        "with-train the round's training clients evaluate instead, and this "
+        "many score the final model.", minimum=0),
+    Key("federated-eval-exchange", "auto", "How federated evaluation "
+        "(clients-per-eval > 0) reaches the clients. with-train: each train "
+        "message asks its client to evaluate the received model before training "
+        "and reply with both, one exchange a round (round t's federated_eval "
+        "scores round t−1's model, its model-round; one evaluate exchange after "
+        "the last round scores the final model: final_federated_eval). separate: "
+        "an evaluate exchange after each round's training, two a round. auto: "
+        "with-train in deployment, separate in simulation. Message-API ServerApp "
+        "only (the legacy one: separate); not with average-last-two (auto: "
+        "separate).", choices=("auto", "with-train", "separate")),
     Key("evaluate-every", 1, "Central evaluation of the global model on the task's "
         "test set every N rounds (0 = off: the server loads no data).", minimum=0),
     Key("central-data-path", "", "Central evaluation on this server-side dataset "

@@ -11,7 +11,10 @@ task fails the node's replies with one line naming the node and the path. When t
 config names a local update (``local-update``,
 :mod:`fedadapt.client.local_update`; Fed-LAMB's v̂ and v among them), its
 arrays arrive and leave as the ArrayRecord ``local-update-arrays`` and its
-client state is kept in the node's ``context.state``. A ``query`` message is
+client state is kept in the node's ``context.state``. A train config with
+``evaluate-first`` (run-config ``federated-eval-exchange``) has the node
+evaluate the received model first, as an ``evaluate`` message would, and
+send the scores with the trained model. A ``query`` message is
 answered with the node's ``partition-id`` and ``num-partitions`` (the
 ServerApp's seeded sampling orders nodes by them).
 """
@@ -97,16 +100,27 @@ def _state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train on the local partition; reply with weights and metrics."""
+    """Train on the local partition; reply with weights and metrics.
+
+    When the train config sets ``evaluate-first`` (federated evaluation
+    folded into the train exchange, run-config
+    ``federated-eval-exchange``), the received model is first evaluated
+    exactly as :func:`evaluate` does, and the scores travel as a second
+    MetricRecord, ``evaluate-metrics``, beside the train metrics.
+    """
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
     records = msg.content.array_records
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
+    received = _state_dict(records[wire.ARRAYS])
+    scores = None
+    if config.get(wire.EVALUATE_FIRST, False):
+        scores = _evaluate(cfg, pid, num, received, context)
     result = train_round(
         cfg,
         pid,
         num,
-        _state_dict(records[wire.ARRAYS]),
+        received,
         lr=config_number(config.get(wire.LR, cfg["client-lr"])),
         server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
         config=config,
@@ -121,6 +135,8 @@ def train(msg: Message, context: Context) -> Message:
             wire.METRICS: MetricRecord(dict(result.metrics)),
         }
     )
+    if scores is not None:
+        content[wire.EVALUATE_METRICS] = scores
     if result.local_arrays is not None:
         content[wire.LOCAL_ARRAYS] = _record(result.local_arrays)
     return Message(content=content, reply_to=msg)
@@ -132,6 +148,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg = validate_run_config(context.run_config)
     pid, num = partition_of(context.node_config)
     state = _state_dict(msg.content.array_records[wire.ARRAYS])
+    metrics = _evaluate(cfg, pid, num, state, context)
+    return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)
+
+
+def _evaluate(
+    cfg: Mapping[str, Any],
+    pid: int,
+    num: int,
+    state: Mapping[str, torch.Tensor],
+    context: Context,
+) -> MetricRecord:
+    """Return this node's evaluation of ``state``: evaluate and folded train."""
     scores = evaluate_round(
         cfg,
         pid,
@@ -140,8 +168,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         data_path=data_path_of(context.node_config),
         node_id=context.node_id,
     )
-    metrics = MetricRecord(dict(scores))
-    return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)
+    return MetricRecord(dict(scores))
 
 
 @app.query()

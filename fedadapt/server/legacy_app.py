@@ -123,6 +123,7 @@ def server_fn(context: Context) -> ServerAppComponents:
     federated = recorder.data["evaluation"]["federated"]
     if federated["source"] != "off":  # Flower's legacy loop evaluates after the hook
         federated["recorded"] = "no: the legacy API's rounds record central only"
+    recorder.record_federated_exchange("separate")  # no folding in this API
     record_local_update(recorder, strategy)
     hook = RoundHook(cfg, task, strategy, recorder, evaluate=evaluate)
     _RUNS[context.run_id] = (recorder, strategy)

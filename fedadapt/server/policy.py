@@ -176,6 +176,14 @@ class RunStrategy(RuleStrategy):
             server_round + self.round_offset, self._in_node_order(replies)
         )
 
+    def _aggregate_final(
+        self, server_round: int, replies: Iterable[Message], entry: dict[str, Any]
+    ) -> MetricRecord | None:
+        """Aggregate the final evaluation of the global round, in node-key order."""
+        return super()._aggregate_final(
+            server_round + self.round_offset, self._in_node_order(replies), entry
+        )
+
     def start(
         self,
         grid: Grid,

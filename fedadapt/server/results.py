@@ -70,7 +70,8 @@ def evaluation_sources(cfg: Mapping[str, Any]) -> dict[str, Any]:
     its ``path``). ``federated`` (each round's ``federated_eval``): ``off``
     (``clients-per-eval=0``) or ``node-held-out``, each sampled node's
     held-out split (its own ``data-path``'s test split, else
-    ``client-test-fraction`` of its data).
+    ``client-test-fraction`` of its data); the Message-API ServerApp adds
+    its ``exchange`` (:meth:`RunRecorder.record_federated_exchange`).
     """
     if not cfg.get("evaluate-every", 1):
         central: dict[str, Any] = {"source": "off"}
@@ -86,6 +87,16 @@ def evaluation_sources(cfg: Mapping[str, Any]) -> dict[str, Any]:
         else {"source": "off"}
     )
     return {"central": central, "federated": federated}
+
+
+def model_round(entry: Mapping[str, Any]) -> int:
+    """Return the round of the model a round entry's ``federated_eval`` scores.
+
+    ``model-round`` (round t − 1 when evaluation rode on round t's train
+    exchange); older results.json files lack it: the entry's own round.
+    """
+    scores = entry.get("federated_eval") or {}
+    return int(scores.get("model-round", entry["round"]))
 
 
 #: stands for the rounds list while the rest of results.json is serialised
@@ -141,6 +152,35 @@ class RunRecorder:
         )
         self.write()
         self._track("log_config", dict(cfg))
+
+    def record_federated_exchange(self, exchange: str) -> None:
+        """Record how federated evaluation reached the clients (when it is on).
+
+        ``evaluation.federated.exchange``: ``with-train`` (folded into the
+        train messages: round t's ``federated_eval`` scores round t − 1's
+        model, ``final_federated_eval`` the final one) or ``separate`` (an
+        evaluate exchange a round, scoring that round's model).
+        """
+        federated = self.data["evaluation"]["federated"]
+        if federated["source"] != "off":
+            federated["exchange"] = exchange
+
+    def record_final_evaluation(self, report: Mapping[str, Any]) -> None:
+        """Record the final model's federated evaluation (a with-train run).
+
+        ``final_federated_eval`` (metrics and ``model-round``, the last
+        round) and ``final_evaluate_replies`` (reply counts) of the one
+        evaluate exchange after the last round; tracked as
+        ``final_federated_eval/*`` at that round.
+        """
+        scores = report.get("federated_eval")
+        self.data["final_federated_eval"] = scores
+        self.data["final_evaluate_replies"] = report.get("evaluate_replies")
+        self.write()
+        if scores:
+            step = int(scores["model-round"])
+            group = "final_federated_eval"
+            self._track("log_round", step, round_metrics({group: scores}, (group,)))
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
         """Record the central evaluation of the initial model (round 0)."""
@@ -315,7 +355,11 @@ def format_round(entry: Mapping[str, Any], num_rounds: int) -> str:
 
 
 def plot_curves(data: Mapping[str, Any], path: Path) -> None:
-    """Plot loss and accuracy per round (train from clients, test central)."""
+    """Plot loss and accuracy per round (train from clients, test central).
+
+    Federated evaluation is plotted at the round of the model it scored
+    (``model-round``), with the final model's (``final_federated_eval``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,13 +368,16 @@ def plot_curves(data: Mapping[str, Any], path: Path) -> None:
 
     def series(phase: str, key: str) -> tuple[list[int], list[float]]:
         points = [
-            (r["round"], r[phase][key])
+            (model_round(r) if phase == "federated_eval" else r["round"], r[phase][key])
             for r in data["rounds"]
             if r.get(phase) and key in r[phase]
         ]
         if phase == "eval" and data.get("initial") and data["initial"]["eval"]:
             if key in data["initial"]["eval"]:
                 points.insert(0, (0, data["initial"]["eval"][key]))
+        final = data.get("final_federated_eval")
+        if phase == "federated_eval" and final and key in final:
+            points.append((final["model-round"], final[key]))
         return [p[0] for p in points], [p[1] for p in points]
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))

@@ -204,6 +204,12 @@ def main(grid: Grid, context: Context) -> None:
     with the strategy's state, so a resume continues the same training.
     A stop rule (``stop-*``) may end the run early: results.json then says
     why (``stop_reason``; the last checkpoint is that of its schedule).
+
+    Federated evaluation (``clients-per-eval`` > 0) rides on the train
+    exchange in deployment (``federated-eval-exchange=auto``): round t's
+    ``federated_eval`` then scores round t − 1's model (its
+    ``model-round``), and one evaluate exchange after the last round scores
+    the final model (``final_federated_eval``).
     """
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
@@ -261,6 +267,7 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         sampling_seed=cfg["seed"] if cfg["seeded-sampling"] else None,
         node_grace_s=NODE_GRACE_S,  # node loss: go on with the others
         round_offset=first_round,
+        deployment=not simulation,  # federated-eval-exchange=auto: with-train
     )
     wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
     if cfg["seeded-sampling"] and any(0 < k < num_nodes for k in wanted):
@@ -276,6 +283,9 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         folder, cfg, context.run_id, previous=resume["results"] if resume else None
     )
     log(logging.INFO, "fedadapt: writing results to %s", recorder.run_dir)
+    recorder.record_federated_exchange(
+        "with-train" if strategy.folds_evaluation else "separate"
+    )
     record_local_update(recorder, strategy)
     hook = RoundHook(
         cfg,
@@ -302,6 +312,8 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
             evaluate_fn=on_round_end,
         )
         failure = strategy.unusable_run_failure()
+        if strategy.final_evaluation is not None:  # folded: the final model's
+            recorder.record_final_evaluation(strategy.final_evaluation)
         if failure is None:
             save_final_model(recorder.run_dir, _numpy(result.arrays))
     except BaseException as error:

@@ -104,10 +104,44 @@ def legacy_sampling_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: run-config key choosing how federated evaluation reaches the clients
+EXCHANGE_KEY = "federated-eval-exchange"
+
+
+def evaluate_with_train(
+    cfg: Mapping[str, Any], deployment: bool, average_last_two: bool = False
+) -> bool:
+    """Whether federated evaluation rides on the train exchange (one a round).
+
+    Run-config ``federated-eval-exchange``: ``with-train`` yes, ``separate``
+    no, ``auto`` in deployment only (a message costs seconds there: a new
+    ClientApp process and the grid's polling, docs/benchmarks.md).
+    Never without federated evaluation (``clients-per-eval=0``). The
+    clients of a method with ``average-last-two`` train from another model
+    than the one reported, so folding cannot score it: ``auto`` stays
+    separate, ``with-train`` raises ConfigError naming the key.
+    """
+    mode = cfg[EXCHANGE_KEY]
+    if cfg["clients-per-eval"] == 0 or mode == "separate":
+        return False
+    if average_last_two:
+        if mode == "with-train":
+            raise ConfigError(
+                EXCHANGE_KEY,
+                f"with-train scores the model the clients train from, which "
+                f"{cfg['strategy']} with average-last-two does not report (it "
+                "reports the average of the last two); use separate or auto",
+            )
+        return False
+    return mode == "with-train" or deployment
+
+
 def build_strategy(
     cfg: Mapping[str, Any],
     num_nodes: int | None = None,
     api: str = "message",
+    *,
+    deployment: bool = False,
     **extra: Any,
 ) -> Any:
     """Return the strategy of run-config ``strategy`` for ``api``.
@@ -117,7 +151,10 @@ def build_strategy(
     ``evaluate_fn``, ``on_fit_config_fn``; the policies of :class:`RunStrategy`
     or :class:`LegacyRunStrategy`). Run-config ``local-update`` picks the
     server half of the clients' local update (``None`` for ``none``); the
-    algorithm may add its own (Fed-LAMB's second moments).
+    algorithm may add its own (Fed-LAMB's second moments). ``deployment``
+    (not a simulation) decides ``federated-eval-exchange=auto``
+    (:func:`evaluate_with_train`; the legacy API always evaluates in a
+    separate exchange and refuses ``with-train``).
     """
     rule, options = build_rule(cfg)
     kwargs = {**options, **trust_kwargs(cfg), **stop_kwargs(cfg), **extra}
@@ -133,8 +170,17 @@ def build_strategy(
             )
         kwargs["secagg"] = secagg_settings(cfg, rule)
     if api == "legacy":
+        if cfg[EXCHANGE_KEY] == "with-train" and cfg["clients-per-eval"] > 0:
+            raise ConfigError(
+                EXCHANGE_KEY,
+                "the legacy-API ServerApp evaluates in a separate exchange; use "
+                "separate or auto, or the Message-API ServerApp",
+            )
         return LegacyRunStrategy(rule, **legacy_sampling_kwargs(cfg), **kwargs)
     assert num_nodes is not None, "the Message API needs the number of nodes"
+    kwargs["evaluate_with_train"] = evaluate_with_train(
+        cfg, deployment, bool(options.get("average_last_two"))
+    )
     return RunStrategy(rule, **sampling_kwargs(cfg, num_nodes), **kwargs)
 
 

@@ -32,7 +32,7 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,7 +106,9 @@ def open_tracker(cfg: Mapping[str, Any], run_dir: Path) -> Tracker | None:
     return tracker
 
 
-def round_metrics(entry: Mapping[str, Any]) -> dict[str, float]:
+def round_metrics(
+    entry: Mapping[str, Any], groups: Sequence[str] = ROUND_GROUPS
+) -> dict[str, float]:
     """Flatten one results.json round entry into ``group/key`` scalars.
 
     Central evaluation ``eval/*``, federated evaluation ``federated_eval/*``,
@@ -115,10 +117,11 @@ def round_metrics(entry: Mapping[str, Any]) -> dict[str, float]:
     strategy diagnostic ``strategy/*`` (η_t, ‖Δ̄‖², moment norms, ...),
     traffic ``communication/*`` and ``time/round_s``. Only each group's
     numbers are taken: lists (rejections, sampled ids) and per-node tables
-    (``communication.sent``) stay in results.json.
+    (``communication.sent``) stay in results.json. ``groups``: the
+    entry's fields to take (a final evaluation's own).
     """
     scalars: dict[str, float] = {}
-    for group in ROUND_GROUPS:
+    for group in groups:
         for key, value in (entry.get(group) or {}).items():
             if isinstance(value, bool | int | float):  # bools count as 0/1
                 scalars[f"{group}/{key}"] = float(value)

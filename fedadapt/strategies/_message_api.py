@@ -16,13 +16,14 @@ import io
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO
-from typing import Unpack
+from typing import Any, Unpack
 
 from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
     Message,
+    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -72,10 +73,13 @@ class FedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
     ``configrecord_key``, ``train_metrics_aggr_fn``,
     ``evaluate_metrics_aggr_fn``. And ``local_update``: the server half of
     the algorithm's client-side part (see
-    :class:`~fedadapt.strategies.local_update.LocalUpdate`).
+    :class:`~fedadapt.strategies.local_update.LocalUpdate`). And
+    ``evaluate_with_train``: federated evaluation folded into the train
+    exchange (see :class:`RuleStrategy`).
     """
 
     local_update: LocalUpdate | None
+    evaluate_with_train: bool
     fraction_train: float
     fraction_evaluate: float
     min_train_nodes: int
@@ -170,6 +174,32 @@ def _unpack_train(
     )
 
 
+def _take_evaluation(
+    message: Message, recipients: dict[str, int] | None = None
+) -> EvaluateReply | str:
+    """Detach a train reply's folded evaluation (``evaluate-metrics``).
+
+    The record is removed from the reply, so the train metrics are
+    unpacked and aggregated without it. It comes back as an evaluate
+    reply whose ``source`` is a message holding only it, as a separate
+    evaluate exchange's reply would: Flower's metric aggregation reads
+    both alike. A failed train reply is a failed evaluation too.
+    """
+    if message.has_error():
+        failed = _unpack_evaluate(message, recipients)
+        assert isinstance(failed, str)
+        return failed
+    node = message.metadata.src_node_id
+    record = message.content.metric_records.get(wire.EVALUATE_METRICS)
+    if record is None:
+        problem = f"no '{wire.EVALUATE_METRICS}' in a train reply that asked for it"
+        return EvaluateReply(node, {}, message, problem)
+    del message.content[wire.EVALUATE_METRICS]
+    content = RecordDict({wire.METRICS: record})
+    source = Message(content, dst_node_id=node, message_type=MessageType.EVALUATE)
+    return EvaluateReply(node, dict(record), source)
+
+
 def _metrics_content(reply: TrainReply) -> RecordDict:
     """Return a used reply's content for Flower's metric aggregation.
 
@@ -202,6 +232,22 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         :class:`~fedadapt.strategies.fedprox.FedProx`; its scalars join the
         train config, its arrays travel as the ArrayRecord
         ``local-update-arrays`` (see :mod:`fedadapt.strategies.local_update`).
+    evaluate_with_train : bool (default: False)
+        Fold federated evaluation into the train exchange: one exchange a
+        round instead of two. Each train message asks its client to
+        evaluate the received model first (``evaluate-first``), and the
+        reply carries the scores as the MetricRecord ``evaluate-metrics``,
+        aggregated as a separate evaluation's replies are. Round t's train
+        message carries the model of round t − 1, so its federated
+        evaluation scores that model: ``Result.evaluate_metrics_clientapp``
+        is keyed by the round of the model scored (0: the initial model)
+        and ``round_reports[t]["federated_eval"]["model-round"]`` says
+        which. After the last round one evaluate exchange scores the final
+        model (:attr:`final_evaluation`). Only with federated evaluation
+        on (``fraction_evaluate > 0``), whose sample is then the round's
+        training sample (the final exchange samples as Flower does); not
+        with ``average_last_two``, whose clients train from another model
+        than the one reported.
     weighted_by_key : str (default: "num-examples")
         The metric that holds each reply's weight. It weights the model
         update only under ``weighting="num_examples"`` (the rule's); a
@@ -221,6 +267,11 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         See :class:`~fedadapt.strategies._control.RunControl`.
     latest_arrays : ArrayRecord | None
         The global model this strategy returned last (the one evaluated).
+    final_evaluation : dict | None
+        With ``evaluate_with_train``, the final model's federated evaluation
+        after :meth:`start`: ``federated_eval`` (the metrics and
+        ``model-round``) and ``evaluate_replies`` (the reply counts); None
+        before, or without it.
     training_arrays : ArrayRecord | None
         The model the next round trains from (w_{t+1}; the same as
         ``latest_arrays`` without ``average_last_two``).
@@ -237,8 +288,17 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         **kwargs: Unpack[FedAvgKwargs],
     ) -> None:
         local_update = kwargs.pop("local_update", None)
+        evaluate_with_train = kwargs.pop("evaluate_with_train", False)
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
+        if evaluate_with_train and average_last_two:
+            raise ValueError(
+                "evaluate_with_train needs the clients to train from the model "
+                "reported; with average_last_two they train from another"
+            )
         self.local_update = local_update
+        self.evaluate_with_train = evaluate_with_train
+        self.final_evaluation: dict[str, Any] | None = None
+        self._folded: MetricRecord | None = None  # this round's folded evaluation
         self._sent: Arrays | None = None
         self._traffic: RoundTraffic | None = None  # the train messages' bytes
         self._asked: dict[str, list[Message]] = {"train": [], "evaluate": []}
@@ -298,7 +358,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         ``average_last_two`` the average of the last two iterates) the
         clients get the iterate w_{t+1} instead. A ``local_update``'s
         scalars join the train config and its arrays (Fed-LAMB's v̂) travel
-        with the model as the ArrayRecord ``local-update-arrays``.
+        with the model as the ArrayRecord ``local-update-arrays``. With
+        :attr:`folds_evaluation` the config asks for ``evaluate-first``.
         """
         self.check_trainable(arrays)
         arrays = self._training_record(arrays)
@@ -310,6 +371,8 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
                 self.local_update, server_round, self._sent, num_nodes
             )
             config = ConfigRecord({**config, **scalars})
+        if self.folds_evaluation:
+            config = ConfigRecord({**config, wire.EVALUATE_FIRST: True})
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._asked["train"] = messages  # the grid gives them ids when it sends
         if local:
@@ -341,7 +404,10 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
 
         Returns the model to evaluate and report: w_{t+1}, or with
         ``average_last_two`` (w_t + w_{t+1})/2 (w_{t+1} is kept for the next
-        round's training).
+        round's training). With :attr:`folds_evaluation` the replies' folded
+        evaluations (of the model sent, round t − 1's) are aggregated first,
+        as :meth:`aggregate_evaluate` does, into
+        ``round_reports[t]["federated_eval"]`` (``model-round`` t − 1).
         """
         self.completed_round = server_round
         asked = _recipients(self._asked["train"])
@@ -353,6 +419,12 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
                 traffic.add_received(message.metadata.src_node_id, data, metric_bytes)
         report = self.round_reports.setdefault(server_round, {})
         report["communication"] = traffic.as_dict()
+        self._folded = None
+        if self.folds_evaluation:  # scores of the model sent: round t − 1's
+            evaluations = [_take_evaluation(m, asked) for m in replies]
+            self._folded = self._aggregate_evaluation(
+                server_round, evaluations, server_round - 1, report
+            )
         candidates = [_unpack_train(m, asked) for m in replies]
         screen_replies(self.local_update, candidates)
         new, valid = self.run_rule(
@@ -392,20 +464,51 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Screen evaluation replies, then aggregate their metrics as Flower does."""
+        """Screen evaluation replies, then aggregate their metrics as Flower does.
+
+        They score the model of ``server_round`` (``model-round`` in
+        ``round_reports[server_round]["federated_eval"]``).
+        """
+        entry = self.round_reports.setdefault(server_round, {})
+        return self._evaluate_replies(server_round, replies, entry)
+
+    def _evaluate_replies(
+        self, server_round: int, replies: Iterable[Message], entry: dict[str, Any]
+    ) -> MetricRecord | None:
+        """Unpack an evaluate exchange's replies, then :meth:`_aggregate_evaluation`."""
         asked = _recipients(self._asked["evaluate"])
         candidates = [_unpack_evaluate(m, asked) for m in replies]
-        valid, report = screen(
-            candidates, None, self.weighted_by_key, f"Round {server_round} evaluate"
-        )
-        entry = self.round_reports.setdefault(server_round, {})
+        return self._aggregate_evaluation(server_round, candidates, server_round, entry)
+
+    def _aggregate_evaluation(
+        self,
+        server_round: int,
+        candidates: list[EvaluateReply | str],
+        model_round: int,
+        entry: dict[str, Any],
+    ) -> MetricRecord | None:
+        """Screen evaluations of ``model_round``'s model and aggregate them.
+
+        One path for evaluate replies and folded ones: the screen's counts
+        go to ``entry["evaluate_replies"]``, Flower's weighted average with
+        ``model-round`` to ``entry["federated_eval"]``.
+        """
+        label = f"Round {server_round} evaluate"
+        valid, report = screen(candidates, None, self.weighted_by_key, label)
         entry["evaluate_replies"] = report.as_dict()
         if not valid:
             return None
-        metrics = super().aggregate_evaluate(server_round, [c.source for c in valid])
+        metrics = flwr_strategy.FedAvg.aggregate_evaluate(
+            self, server_round, [c.source for c in valid]
+        )
         if metrics is not None:
-            entry["federated_eval"] = dict(metrics)
+            entry["federated_eval"] = {**metrics, "model-round": model_round}
         return metrics
+
+    @property
+    def folds_evaluation(self) -> bool:
+        """Whether federated evaluation rides on the train exchange (see class)."""
+        return self.evaluate_with_train and self.fraction_evaluate > 0.0
 
     # --- the round loop ----------------------------------------------------------
 
@@ -438,6 +541,11 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
 
         The run also ends after a round where the stop rule (``stop_metric``
         & co.) fires; :attr:`stop_reason` says why (None: all rounds ran).
+        With ``evaluate_with_train`` each round makes one exchange (its
+        federated evaluation, of the previous round's model, rides on the
+        train messages; the stop rule sees it in that round) and one
+        evaluate exchange after the last round scores the final model
+        (:attr:`final_evaluation`).
         ``Result.arrays`` is the model whose metrics were reported last
         (with ``average_last_two`` the average of the last two iterates).
         """
@@ -461,6 +569,7 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result(arrays=initial_arrays)
         self.stop_reason = self.stop_message = None
+        self.final_evaluation = None
         t_start = time.time()
         if evaluate_fn:
             res = evaluate_fn(start_round - 1, initial_arrays)
@@ -468,7 +577,9 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             if res is not None:
                 result.evaluate_metrics_serverapp[start_round - 1] = res
         arrays = initial_arrays
+        last_round = start_round - 1
         for current_round in range(start_round, num_rounds + 1):
+            last_round = current_round
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             arrays = self._one_round(
@@ -480,12 +591,14 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
                 (train_config, evaluate_config),
                 evaluate_fn,
             )
-            for source, records in (
-                (CENTRAL, result.evaluate_metrics_serverapp),
-                (FEDERATED, result.evaluate_metrics_clientapp),
-                (TRAIN, result.train_metrics_clientapp),
+            # folded: this round's federated evaluation scored the last model
+            scored = current_round - 1 if self.folds_evaluation else current_round
+            for source, records, key in (
+                (CENTRAL, result.evaluate_metrics_serverapp, current_round),
+                (FEDERATED, result.evaluate_metrics_clientapp, scored),
+                (TRAIN, result.train_metrics_clientapp, current_round),
             ):
-                self._observe(current_round, source, records.get(current_round))
+                self._observe(current_round, source, records.get(key))
             rounds_left = current_round < num_rounds
             stop = self._decide_stop(current_round, rounds_left)
             if should_stop is not None and should_stop(current_round, result):
@@ -498,6 +611,10 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             if stop:
                 log(INFO, "Stopping early after round %s", current_round)
                 break
+        if self.folds_evaluation and last_round >= start_round:
+            self._final_evaluation(
+                last_round, arrays, result, grid, timeout, evaluate_config
+            )
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         log(INFO, "")
@@ -532,14 +649,27 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         if agg_train_metrics is not None:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_train_metrics)
             result.train_metrics_clientapp[current_round] = agg_train_metrics
-        evaluate_replies = grid.send_and_receive(
-            messages=self.configure_evaluate(current_round, arrays, configs[1], grid),
-            timeout=timeout,
-        )
-        agg_evaluate_metrics = self.aggregate_evaluate(current_round, evaluate_replies)
-        if agg_evaluate_metrics is not None:
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_evaluate_metrics)
-            result.evaluate_metrics_clientapp[current_round] = agg_evaluate_metrics
+        if self.folds_evaluation:  # came with the train replies: the sent model's
+            folded, self._folded = self._folded, None
+            if folded is not None:
+                model_round = current_round - 1
+                log(INFO, "\t└──> Round %s's model: %s", model_round, folded)
+                result.evaluate_metrics_clientapp[current_round - 1] = folded
+        else:
+            messages = list(
+                self.configure_evaluate(current_round, arrays, configs[1], grid)
+            )
+            evaluate_replies = (  # none to send (evaluation off): no exchange
+                grid.send_and_receive(messages=messages, timeout=timeout)
+                if messages
+                else []
+            )
+            agg_evaluate_metrics = self.aggregate_evaluate(
+                current_round, evaluate_replies
+            )
+            if agg_evaluate_metrics is not None:
+                log(INFO, "\t└──> Aggregated MetricRecord: %s", agg_evaluate_metrics)
+                result.evaluate_metrics_clientapp[current_round] = agg_evaluate_metrics
         if evaluate_fn:
             log(INFO, "Global evaluation")
             res = evaluate_fn(current_round, arrays)
@@ -547,6 +677,40 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
             if res is not None:
                 result.evaluate_metrics_serverapp[current_round] = res
         return arrays
+
+    def _final_evaluation(
+        self,
+        last_round: int,
+        arrays: ArrayRecord,
+        result: Result,
+        grid: Grid,
+        timeout: float,
+        config: ConfigRecord,
+    ) -> None:
+        """Score the final model in one evaluate exchange (folded runs).
+
+        Sampled and aggregated as a separate evaluation of ``last_round``
+        would be; the reports go to :attr:`final_evaluation`, not to the
+        round's entry (recorded already, with the previous model's scores).
+        """
+        log(INFO, "")
+        log(INFO, "[FINAL EVALUATION] of round %s's model", last_round)
+        replies = grid.send_and_receive(
+            messages=self.configure_evaluate(last_round, arrays, config, grid),
+            timeout=timeout,
+        )
+        entry: dict[str, Any] = {}
+        metrics = self._aggregate_final(last_round, replies, entry)
+        self.final_evaluation = entry
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.evaluate_metrics_clientapp[last_round] = metrics
+
+    def _aggregate_final(
+        self, server_round: int, replies: Iterable[Message], entry: dict[str, Any]
+    ) -> MetricRecord | None:
+        """:meth:`aggregate_evaluate` of the final exchange, reported into ``entry``."""
+        return self._evaluate_replies(server_round, replies, entry)
 
     # --- state -----------------------------------------------------------------
 

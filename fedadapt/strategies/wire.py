@@ -29,6 +29,14 @@ SECAGG_CLIPPING_RANGE: Final = "secagg-clipping-range"  #: c
 SECAGG_QUANTIZATION_RANGE: Final = "secagg-quantization-range"  #: Q
 SECAGG_MAX_WEIGHT: Final = "secagg-max-weight"  #: Flower's max_weight
 SECAGG_UNIFORM: Final = "secagg-uniform"  #: 1: send weight 1 (uniform ω)
+#: true: evaluate the received model on the local test split before training
+#: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`
+#: (federated evaluation folded into the train exchange)
+EVALUATE_FIRST: Final = "evaluate-first"
+
+# a train reply's second MetricRecord when the config asked EVALUATE_FIRST:
+# the received model's evaluation, kept apart from the train metrics
+EVALUATE_METRICS: Final = "evaluate-metrics"
 
 # entries of a client's metrics
 NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)

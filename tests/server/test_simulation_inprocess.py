@@ -13,6 +13,11 @@ pytestmark = pytest.mark.e2e
 
 
 def test_three_clients_three_rounds_learn(tmp_path):
+    """Also federated evaluation folded into the train exchange (#40, the
+    deployment default) through Flower's own messages: each round's replies
+    carry the scores of the model they received (``model-round``, the
+    previous round's), and one evaluate exchange of ``clients-per-eval``
+    nodes scores the final model."""
     run_in_process(
         {
             "output-dir": str(tmp_path),
@@ -20,6 +25,7 @@ def test_three_clients_three_rounds_learn(tmp_path):
             "num-server-rounds": 3,
             "clients-per-round": 3,
             "clients-per-eval": 2,
+            "federated-eval-exchange": "with-train",
         }
     )
     data = json.loads((tmp_path / "inproc" / "results.json").read_text())
@@ -31,8 +37,14 @@ def test_three_clients_three_rounds_learn(tmp_path):
             "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": [],
             "norm_mismatches": 0, "clipped": 0, "errors": [],
         }  # fmt: skip
-        assert r["evaluate_replies"]["used"] == 2
+        assert r["evaluate_replies"]["used"] == 3  # the training clients
         assert r["federated_eval"]["eval-loss"] > 0
+        assert "eval-loss" not in r["train"]  # kept out of the train average
+    assert data["evaluation"]["federated"]["exchange"] == "with-train"
+    assert [r["federated_eval"]["model-round"] for r in rounds] == [0, 1, 2]
+    final = data["final_federated_eval"]
+    assert final["model-round"] == 3 and data["final_evaluate_replies"]["used"] == 2
+    assert final["eval-loss"] < rounds[0]["federated_eval"]["eval-loss"]
     test_losses = [data["initial"]["eval"]["loss"]] + [
         r["eval"]["loss"] for r in rounds
     ]
