@@ -23,7 +23,11 @@ Phases (seconds, in the child process unless said otherwise):
                   local epochs, the reply (data already loaded)
 ``total``         the parent's wall time of the whole process
 
-and whether ``torch._dynamo`` was imported by the end.
+The node's first message (which writes what later ones read) is printed
+apart, one sample.
+
+whether ``torch._dynamo`` was imported by the end, and how many modules
+(and which top-level packages) the message itself imported (data + train).
 
 Run: ``python benchmarks/clientapp_startup.py --repo . --repo ../old``.
 """
@@ -38,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 OPTIMIZERS = ("sgd", "delta-sgd")
 PHASES = ("python", "flwr", "torch", "client_app", "data", "train", "total")
@@ -60,6 +65,7 @@ TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
 run_config = {"task": "digits-mlp", "client-optimizer": sys.argv[1]}
 node_config = {"partition-id": 0, "num-partitions": 3}
 cfg = validate_run_config(run_config)
+before = set(sys.modules)
 s = t(); data = client_data(cfg, 0, 3); out["data"] = t() - s
 torch.manual_seed(0)
 state = TASKS.get("digits-mlp").build_model().state_dict()
@@ -71,12 +77,15 @@ msg = Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
 context = Context(1, 1, node_config, RecordDict(), run_config)
 s = t(); reply = client_app.train(msg, context); out["train"] = t() - s
 out["dynamo"] = "torch._dynamo" in sys.modules
+loaded = set(sys.modules) - before
+out["modules"] = len(loaded)
+out["packages"] = sorted({m.split(".")[0] for m in loaded if not m.startswith("_")})
 out["samples"] = len(data.train)
 print("RESULT " + json.dumps(out))
 """
 
 
-def one_process(repo: Path, optimizer: str, cache: Path) -> dict[str, float]:
+def one_process(repo: Path, optimizer: str, cache: Path) -> dict[str, Any]:
     """Handle one train message in a fresh process; return its phases."""
     env = dict(os.environ, PYTHONPATH=str(repo), FEDADAPT_CACHE_DIR=str(cache))
     started = time.perf_counter()
@@ -97,10 +106,11 @@ def one_process(repo: Path, optimizer: str, cache: Path) -> dict[str, float]:
     return {**result, "python": total - inside, "total": total}
 
 
-def best_of(runs: list[dict[str, float]]) -> dict[str, float]:
+def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per phase the smallest time over the runs (flags from the first run)."""
     best = {p: min(r[p] for r in runs) for p in PHASES}
-    return {**best, "dynamo": runs[0]["dynamo"], "samples": runs[0]["samples"]}
+    flags = ("dynamo", "samples", "modules", "packages")
+    return {**best, **{k: runs[0][k] for k in flags}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,33 +125,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repos = [r.resolve() for r in (args.repo or [Path(".")])]
     optimizers = args.optimizer or list(OPTIMIZERS)
-    figures: dict[str, dict[str, dict[str, float]]] = {}
+    figures: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="clientapp-startup-") as tmp:
+        firsts = {}
         for index, repo in enumerate(repos):
             cache = Path(tmp) / f"cache-{index}"
-            for optimizer in optimizers:
-                one_process(repo, optimizer, cache)  # the node's first message
+            for optimizer in optimizers:  # the node's first message (one sample)
+                firsts[index, optimizer] = one_process(repo, optimizer, cache)
         # interleaved, so load drifts touch every checkout alike
-        runs: dict[tuple[int, str], list[dict[str, float]]] = {}
+        runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for _ in range(args.repeats):
             for index, repo in enumerate(repos):
                 for optimizer in optimizers:
                     cache = Path(tmp) / f"cache-{index}"
-                    got = one_process(repo, optimizer, cache)
-                    runs.setdefault((index, optimizer), []).append(got)
+                    sample = one_process(repo, optimizer, cache)
+                    runs.setdefault((index, optimizer), []).append(sample)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"best of {args.repeats}, seconds")  # fmt: skip
     header = f"{'checkout':<28} {'optimizer':<10} " + " ".join(
         f"{p:>10}" for p in PHASES
     )
-    print(header + "   dynamo")
+    print(header + "   dynamo  modules")
     for (index, optimizer), got in runs.items():
         best = best_of(got)
-        figures.setdefault(str(repos[index]), {})[optimizer] = best
+        first = {p: firsts[index, optimizer][p] for p in ("data", "train", "total")}
+        figures.setdefault(str(repos[index]), {})[optimizer] = {
+            **best, "first-message": first}  # fmt: skip
         cells = " ".join(f"{best[p]:10.3f}" for p in PHASES)
         name = str(repos[index])[-28:]
-        print(f"{name:<28} {optimizer:<10} {cells}   {best['dynamo']}")
+        print(f"{name:<28} {optimizer:<10} {cells}   {best['dynamo']!s:<6}  "
+              f"{best['modules']} {' '.join(best['packages'])[:60]}")  # fmt: skip
+    print("the node's first message (one sample): data, train, total")
+    for (index, optimizer), first in firsts.items():
+        cells = " ".join(f"{first[p]:10.3f}" for p in ("data", "train", "total"))
+        print(f"{str(repos[index])[-28:]:<28} {optimizer:<10} {cells}")
     if len(repos) > 1:
         base = figures[str(repos[-1])]
         print(f"ratio last checkout / each (>1: faster than {repos[-1].name})")
