@@ -1,11 +1,12 @@
 """Atomic file writes: a reader sees the old file or the new one, never a part.
 
 Every file a run rewrites (results.json, curves.png, checkpoints, the Flower
-connection file, the partition cache) goes through :func:`atomic_open`:
-the content is written to a temporary file with a unique name in the same
-folder (``tempfile.mkstemp``, so concurrent writers never share one), flushed
-and fsync'ed, then renamed over the target with ``os.replace``. A failed write
-leaves the previous file untouched and removes its temporary file.
+connection file, the partition cache, nodes' ready data files) goes through
+:func:`atomic_open`: the content is written to a temporary file with a
+unique name in the same folder (``tempfile.mkstemp``, so concurrent writers
+never share one), flushed and fsync'ed, then renamed over the target with
+``os.replace``. A failed write leaves the previous file untouched and removes
+its temporary file.
 """
 
 from __future__ import annotations

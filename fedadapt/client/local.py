@@ -38,6 +38,7 @@ from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, ClientData, evaluate_model, pick_device
 from fedadapt.tasks.node_data import DATA_PATH, NodeDataError, load_node_data
+from fedadapt.tasks.ready_data import ready_client_data, tree_signature
 
 #: Clients whose data a process keeps (index lists into the task's cached
 #: split, not copies): a simulation actor serves many nodes in turn.
@@ -118,25 +119,54 @@ def round_lr(
     return rate / 10**passed
 
 
+def one_message_process() -> bool:
+    """Whether this process likely serves one message only (not a Ray actor).
+
+    In deployment Flower starts a ClientApp process per message, so a node's
+    data is worth writing as ready files (:mod:`fedadapt.tasks.ready_data`);
+    a simulation's Ray actor keeps it in memory for all its messages and
+    writes nothing (a sweep would otherwise copy the dataset per setting).
+    Ray is never imported here.
+    """
+    ray = sys.modules.get("ray")
+    return ray is None or not ray.is_initialized()
+
+
 def partition_data(cfg: Mapping[str, Any], partition_id: int, num: int) -> ClientData:
     """Client ``partition_id``'s data, computed once per process and run config.
 
     A simulation actor answers many messages for the same nodes; the split
     is a pure function of the run config and the partition, so the cache is
     keyed by the whole run config (a run with other settings gets its own
-    entry) and the partition.
+    entry) and the partition. In a process that serves one message
+    (:func:`one_message_process`: deployment) the data comes from the
+    node's ready files, keyed by the same and by the files under
+    ``data-dir`` (:func:`~fedadapt.tasks.ready_data.ready_client_data`); the
+    first message writes them.
     """
     try:
         key = json.dumps(dict(cfg), sort_keys=True)
     except (TypeError, ValueError):  # not a plain run config: load it uncached
         return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
-    return _client_data(key, partition_id, num)
+    return _client_data(key, partition_id, num, one_message_process())
 
 
 @lru_cache(maxsize=CLIENT_DATA_CACHE)
-def _client_data(cfg_json: str, partition_id: int, num: int) -> ClientData:
+def _client_data(
+    cfg_json: str, partition_id: int, num: int, ready: bool = False
+) -> ClientData:
     cfg = json.loads(cfg_json)
-    return TASKS.get(cfg["task"]).load_client(cfg, partition_id, num)
+    task = TASKS.get(cfg["task"])
+    if not ready:
+        return task.load_client(cfg, partition_id, num)
+    files = tree_signature(cfg["data-dir"]) if "data-dir" in cfg else []
+    what = {"run-config": cfg, "partition-id": partition_id,
+            "num-partitions": num, "data-dir": files}  # fmt: skip
+    return ready_client_data(
+        f"{task.name}-{partition_id}-of-{num}",
+        what,
+        lambda: task.load_client(cfg, partition_id, num),
+    )
 
 
 def _model(cfg: Mapping[str, Any], state: Mapping[str, Any]) -> torch.nn.Module:
@@ -163,7 +193,7 @@ def client_data(
     if data_path is None:
         return partition_data(cfg, partition_id, num_partitions)
     try:
-        return load_node_data(data_path, cfg)
+        return load_node_data(data_path, cfg, ready=one_message_process())
     except NodeDataError as error:
         raise NodeDataError(error.path, error.problem, node_id) from None
 

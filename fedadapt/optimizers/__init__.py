@@ -6,6 +6,10 @@ Each registry entry is a factory ``(model, lr, run_config) -> Optimizer``;
 that Δ-SGD (arXiv:2306.11201, Algorithm 1 line 6: η and θ restart at η0, θ0)
 and Fed-LAMB / Fed-AMS (arXiv:2110.00532, Algorithm 1: m restarts at 0)
 prescribe.
+
+torch's SGD, Adam and Adagrad are built as :mod:`fedadapt.optimizers._eager`'s
+subclasses, which compute the same values without importing
+``torch._dynamo`` (seconds per deployment ClientApp process, #40).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedadapt.optimizers._eager import SGD, Adagrad, Adam
 from fedadapt.optimizers.deltasgd import DeltaSGD, StepInfo, preserve_buffers
 from fedadapt.optimizers.fedlamb import FedAMS, FedLAMB
 from fedadapt.optimizers.sps import SPS
@@ -54,13 +59,13 @@ def _configured_delta_sgd(
 @OPTIMIZERS.register("sgd")
 def _sgd(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """Plain SGD, the local solver of FedAvg (McMahan et al., arXiv:1602.05629)."""
-    return torch.optim.SGD(model.parameters(), lr=lr)
+    return SGD(model.parameters(), lr=lr)
 
 
 @OPTIMIZERS.register("sgdm")
 def _sgdm(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, restarted every round (arXiv:2306.11201 baseline)."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 @OPTIMIZERS.register("delta-sgd")
@@ -111,7 +116,7 @@ def _fed_ams(
 @OPTIMIZERS.register("adam")
 def _adam(model: nn.Module, lr: float, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
     """torch.optim.Adam restarted every round (a baseline of arXiv:2306.11201)."""
-    return torch.optim.Adam(model.parameters(), lr=lr, betas=_client_betas(cfg))
+    return Adam(model.parameters(), lr=lr, betas=_client_betas(cfg))
 
 
 @OPTIMIZERS.register("adagrad")
@@ -123,7 +128,7 @@ def _adagrad(
     Defaults of torch (and of the Δ-SGD code): no lr decay, initial
     accumulator 0, ε = 1e-10.
     """
-    return torch.optim.Adagrad(model.parameters(), lr=lr)
+    return Adagrad(model.parameters(), lr=lr)
 
 
 @OPTIMIZERS.register("sps")

@@ -36,9 +36,10 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from fedadapt._validation import check_choice, check_scalar
+from fedadapt.optimizers._eager import EagerOptimizer
 from fedadapt.optimizers._foreach import _check_foreach, _default_foreach
 
 __all__ = [
@@ -690,7 +691,7 @@ class _Plan:
         self.spare_holds_x = False  # buffers.spare holds x_k (extra pass ran)
 
 
-class DeltaSGD(Optimizer):
+class DeltaSGD(EagerOptimizer):
     r"""Δ-SGD client optimizer (arXiv:2306.11201, Algorithm 1 with δ).
 
     Per step ``k`` of a round (Algorithm 1 lines 8-10, with the amplifier γ

@@ -55,9 +55,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from fedadapt._validation import check_decay_rate, check_scalar
+from fedadapt.optimizers._eager import EagerOptimizer
 from fedadapt.optimizers._foreach import _check_foreach, _default_foreach
 
 __all__ = ["FedAMS", "FedLAMB", "fed_lamb"]
@@ -339,7 +340,7 @@ def _foreach_fed_lamb(
         torch._foreach_add_(p_, update, alpha=-lr)
 
 
-class _LocalAMSGrad(Optimizer):
+class _LocalAMSGrad(EagerOptimizer):
     """Shared optimizer class of Fed-LAMB and Fed-AMS (one kernel, one flag)."""
 
     _trust_ratio: bool = False

@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
+
+from fedadapt.optimizers._eager import EagerOptimizer
 
 Closure = Callable[[], torch.Tensor]
 
 
-class SPS(Optimizer):
+class SPS(EagerOptimizer):
     r"""SGD with the stochastic Polyak step size.
 
     Per step ``k`` on the mini-batch loss ``f_B`` (arXiv:2002.10542 eq. (4),

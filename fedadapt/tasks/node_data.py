@@ -35,7 +35,8 @@ every load.
 The task fixes the model, so every sample is checked at load (input
 shape, dtype, label range and class count); anything that does not fit
 raises :class:`NodeDataError` naming the path and the problem in one line.
-Loaded data is cached per process (:func:`load_node_data`).
+Loaded data is cached per process and, for deployments' one-message
+processes, as ready files (:func:`load_node_data`).
 
 :func:`write_node_datasets` writes N node datasets from a task's data with
 a run config's partitioner (``fedadapt make-node-data``), atomically.
@@ -65,6 +66,7 @@ from fedadapt.tasks.partition import (
     PARTITIONS,
     train_test_split_indices,
 )
+from fedadapt.tasks.ready_data import ready_client_data, tree_signature
 
 #: the node-config key that points a SuperNode at its own data (Flower's
 #: convention for deployments, as ``flwr-datasets create`` documents it)
@@ -366,8 +368,7 @@ def _tensors(arrays: Arrays) -> TensorDataset:
     return TensorDataset(torch.from_numpy(arrays.x), torch.from_numpy(arrays.y))
 
 
-@lru_cache(maxsize=4)
-def _load(path: str, task_name: str, test_fraction: float, seed: int) -> ClientData:
+def _read(path: str, task_name: str, test_fraction: float, seed: int) -> ClientData:
     from fedadapt.tasks import TASKS
 
     splits = read_node_arrays(path, TASKS.get(task_name))
@@ -380,14 +381,34 @@ def _load(path: str, task_name: str, test_fraction: float, seed: int) -> ClientD
     return ClientData(Subset(train, kept.tolist()), Subset(train, held.tolist()))
 
 
-def load_node_data(path: str | Path, cfg: Mapping[str, Any]) -> ClientData:
+@lru_cache(maxsize=4)
+def _load(
+    path: str, task_name: str, test_fraction: float, seed: int, ready: bool
+) -> ClientData:
+    if not ready:
+        return _read(path, task_name, test_fraction, seed)
+    what = {"data-path": path, "files": tree_signature(path), "task": task_name,
+            "client-test-fraction": test_fraction, "seed": seed}  # fmt: skip
+    return ready_client_data(
+        f"{task_name}-data-path",
+        what,
+        lambda: _read(path, task_name, test_fraction, seed),
+    )
+
+
+def load_node_data(
+    path: str | Path, cfg: Mapping[str, Any], ready: bool = False
+) -> ClientData:
     """Return a node's (train, held-out) data from ``path`` for run config ``cfg``.
 
     Cached per process (keyed by path, task, ``client-test-fraction`` and
     ``seed``): a node reads its files once, not once per message, where its
     ClientApp process lives on (simulation: one Ray actor serves many
-    messages); in deployment Flower starts one ClientApp process per
-    message, which reads them again.
+    messages). In deployment Flower starts one ClientApp process per
+    message: with ``ready`` the first one writes the checked, split arrays
+    as ready files (:mod:`fedadapt.tasks.ready_data`, keyed by the files'
+    names, sizes and times too) and later ones map them instead of reading
+    and checking the files again.
     A failed load is not cached: fixed files are read on the next message.
     """
     return _load(
@@ -395,6 +416,7 @@ def load_node_data(path: str | Path, cfg: Mapping[str, Any]) -> ClientData:
         cfg["task"],
         float(cfg["client-test-fraction"]),
         int(cfg["seed"]),
+        ready,
     )
 
 
