@@ -112,8 +112,8 @@ RESULTS: dict[str, Results] = {
     "feddyn-digits-smoke": Results(
         _FEDDYN,
         (),
-        "Measured (CPU, minutes): a smoke check that FedDyn trains in the app "
-        "beside FedAvg and SCAFFOLD under partial participation; no paper claim.",
+        "Measured (CPU, minutes): FedDyn 0.948, SCAFFOLD 0.944, FedAvg 0.919 "
+        "(3 of 5 clients per round, one seed); a smoke check, no paper claim.",
     ),
 }
 
