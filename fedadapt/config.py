@@ -357,6 +357,10 @@ LOCAL_UPDATE_KEYS: tuple[Key, ...] = tuple(
     for update in (LOCAL_UPDATES.get(n) for n in LOCAL_UPDATES.names())
     for param in update.params
 )
+# the keys above are built once: a later registration would be silently
+# unselectable (and missing from pyproject's table), so it raises instead
+ALGORITHMS.freeze("fedadapt.config has built the run-config keys")
+LOCAL_UPDATES.freeze("fedadapt.config has built the run-config keys")
 RUN_CONFIG: tuple[Key, ...] = (
     *_APP_KEYS,
     *STRATEGY_KEYS,
@@ -472,11 +476,13 @@ def _check_secure_aggregation(config: RunConfig) -> None:
             f"{per_round} clients × Q = {q} reach M = {m}: the masked sum would "
             "wrap; lower it or raise secagg-modulus-range",
         )
-    if config["local-update"] != "none" or config["strategy"] == "fed-lamb":
+    own = ALGORITHMS.get(config["strategy"]).local_update
+    if config["local-update"] != "none" or own is not None:
         raise ConfigError(
             "secure-aggregation",
-            "secagg+ masks the update and its norm only; local updates and "
-            "Fed-LAMB's second moments have no SecAgg+ encoding yet",
+            "secagg+ masks the update and its norm only; local updates (and "
+            "the client parts of fed-lamb and feddyn) have no SecAgg+ encoding "
+            "yet",
         )
 
 
@@ -578,6 +584,10 @@ def _check_stop_metric_is_reported(config: RunConfig) -> None:
 
 _TABLE_BEGIN, _TABLE_END = "# BEGIN run-config", "# END run-config"
 _MD_BEGIN, _MD_END = "<!-- BEGIN run-config -->", "<!-- END run-config -->"
+#: README's strategies table and docs/algorithms.md's papers table
+#: (:mod:`fedadapt.reference`, from the declarations)
+_STRATEGIES = ("<!-- BEGIN strategies -->", "<!-- END strategies -->")
+_PAPERS = ("<!-- BEGIN papers -->", "<!-- END papers -->")
 
 
 def _toml_value(value: Scalar) -> str:
@@ -645,23 +655,29 @@ def render_task_confs() -> dict[str, str]:
 def sync_files(root: Path, write: bool) -> list[str]:
     """Regenerate (or, with ``write=False``, check) the generated files.
 
-    pyproject.toml's run-config table, README.md's configuration table,
+    pyproject.toml's run-config table, README.md's configuration and
+    strategies tables, docs/algorithms.md's papers table,
     ``conf/tasks/*.toml`` and ``docs/strategies-reference.md``
     (:mod:`fedadapt.reference`). Returns the files that were (or would be)
     changed.
     """
     from fedadapt import reference
 
-    targets = {
-        "pyproject.toml": (_TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
-        "README.md": (_MD_BEGIN, _MD_END, render_markdown_table()),
-    }
+    targets = [
+        ("pyproject.toml", _TABLE_BEGIN, _TABLE_END, render_pyproject_table()),
+        ("README.md", _MD_BEGIN, _MD_END, render_markdown_table()),
+        ("README.md", *_STRATEGIES, reference.render_strategies_table()),
+        ("docs/algorithms.md", *_PAPERS, reference.render_papers_table()),
+    ]
+    texts: dict[str, str] = {}
+    for name, begin, end, body in targets:
+        if name not in texts:
+            texts[name] = (root / name).read_text(encoding="utf-8")
+        texts[name] = _replace_between(texts[name], begin, end, body)
     changed = []
-    for name, (begin, end, body) in targets.items():
+    for name, new in texts.items():
         path = root / name
-        old = path.read_text(encoding="utf-8")
-        new = _replace_between(old, begin, end, body)
-        if new != old:
+        if new != path.read_text(encoding="utf-8"):
             changed.append(name)
             if write:
                 path.write_text(new, encoding="utf-8")

@@ -241,3 +241,74 @@ def render() -> str:
         lines += _table(own_parameters(cls), _sources(cls), [_init(cls)])
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# --- the algorithm tables of README.md and docs/algorithms.md ----------------------
+
+
+def _place(module: str) -> str:
+    """``fedadapt.strategies.feddyn`` → `` `strategies.feddyn` ``."""
+    return f"`{module.removeprefix('fedadapt.')}`"
+
+
+def _require_paper(owner: str, paper: Any) -> Any:
+    if paper is None:
+        raise ValueError(f"{owner} declares no paper (docs/extending.md)")
+    return paper
+
+
+def render_strategies_table() -> str:
+    """Return README's strategies table: one row per declared algorithm."""
+    from fedadapt.strategies import ALGORITHMS
+
+    rows = [
+        "| `strategy=` | class | paper | server step |",
+        "|---|---|---|---|",
+    ]
+    for name in ALGORITHMS.names():
+        algorithm = ALGORITHMS.get(name)
+        paper = _require_paper(algorithm.title, algorithm.paper)
+        rows.append(
+            f"| `{name}` | `{algorithm.title}` | {paper.short} | "
+            f"{algorithm.server_step} |"
+        )
+    return "\n".join(rows)
+
+
+def render_papers_table() -> str:
+    """Return docs/algorithms.md's papers table, one row per paper.
+
+    Rows come from the algorithms (:data:`~fedadapt.strategies.ALGORITHMS`),
+    the ``local-update=`` choices and the client optimizers
+    (:data:`fedadapt.optimizers.PAPERS`); what shares a paper shares a row.
+    """
+    from fedadapt.optimizers import PAPERS
+    from fedadapt.strategies import ALGORITHMS
+    from fedadapt.strategies.local_update import LOCAL_UPDATES
+
+    rows: dict[str, tuple[list[str], list[str]]] = {}
+
+    def add(paper: Any, name: str, modules: list[str | None]) -> None:
+        names, places = rows.setdefault(paper.full, ([], []))
+        names.append(name)
+        places += [_place(m) for m in modules if m and _place(m) not in places]
+
+    for name in ALGORITHMS.names():
+        algorithm = ALGORITHMS.get(name)
+        own = algorithm.local_update
+        add(
+            _require_paper(algorithm.title, algorithm.paper),
+            algorithm.title,
+            [algorithm.rule.__module__, None if own is None else own.client_module],
+        )
+    for name in LOCAL_UPDATES.names():
+        update = LOCAL_UPDATES.get(name)
+        if name != "none":
+            paper = _require_paper(update.__name__, update.paper)
+            add(paper, update.__name__, [update.__module__, update.client_module])
+    for title, module, paper in PAPERS:
+        add(paper, title, [module])
+    lines = ["| algorithm | paper | where in fedadapt |", "|---|---|---|"]
+    for full, (names, places) in rows.items():
+        lines.append(f"| {', '.join(names)} | {full} | {', '.join(places)} |")
+    return "\n".join(lines)

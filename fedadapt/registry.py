@@ -32,11 +32,25 @@ class Registry(Generic[T]):
     def __init__(self, key: str) -> None:
         self.key = key
         self._items: dict[str, T] = {}
+        self._frozen: str | None = None
+
+    def freeze(self, why: str) -> None:
+        """Refuse later registrations, saying ``why`` (what was built from it)."""
+        self._frozen = why
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Register the decorated object under ``name``."""
+        """Register the decorated object under ``name``.
+
+        Raises RuntimeError once the registry is frozen (:meth:`freeze`).
+        """
 
         def decorator(obj: T) -> T:
+            if self._frozen is not None:
+                raise RuntimeError(
+                    f"{self.key} {name!r} registered too late: {self._frozen}; "
+                    "register it in a module imported before (see "
+                    "docs/extending.md)"
+                )
             if name in self._items:
                 raise ValueError(f"{self.key} {name!r} is already registered")
             self._items[name] = obj

@@ -24,12 +24,10 @@ def cfg():
 @pytest.fixture
 def task_identity():
     """Messages built outside a run need a run identity (Flower sets it in one)."""
-    from flwr.supercore.task_identity import TaskIdentity
+    from fedadapt.testing import task_identity as identity
 
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with identity():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "fedadapt.errors", "fedadapt.registry")),
     ("library", ("fedadapt.strategies", "fedadapt.optimizers", "fedadapt.attacks")),
     ("app", ("fedadapt.server", "fedadapt.client", "fedadapt.tasks",
-             "fedadapt.config", "fedadapt.reference")),
+             "fedadapt.config", "fedadapt.reference", "fedadapt.testing")),
     ("tools.deploy", ("fedadapt.tools.deploy",)),
     ("tools.submission", ("fedadapt.tools.submission", "fedadapt.tools.flower_log")),
     ("tools", ("fedadapt.tools",)),

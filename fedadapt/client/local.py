@@ -20,13 +20,6 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from fedadapt.client import (  # noqa: F401 (they register their client halves)
-    fedlamb,
-    fedprox,
-    mime,
-    moon,
-    scaffold,
-)
 from fedadapt.client.local_update import (
     LocalStart,
     client_update,

@@ -31,6 +31,7 @@ be read back, or that :meth:`ClientUpdate.check_state` refuses, is reset
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from logging import WARNING
@@ -54,6 +55,7 @@ __all__ = [
     "ClientUpdates",
     "LocalEnd",
     "LocalStart",
+    "client_half",
     "client_update",
     "load_client_state",
     "log_state_reset",
@@ -223,8 +225,26 @@ def client_update(config: Mapping[str, Any]) -> ClientUpdate | None:
         return None
     if not isinstance(name, str):
         raise TypeError(f"'{wire.LOCAL_UPDATE}' in the train config must be a name")
-    updates = [CLIENT_UPDATES.get(n)() for n in name.split(SEPARATOR)]
+    updates = [client_half(n)() for n in name.split(SEPARATOR)]
     return updates[0] if len(updates) == 1 else ClientUpdates(updates)
+
+
+def client_half(name: str) -> type[ClientUpdate]:
+    """Return the client half registered as ``name``, importing it if needed.
+
+    A name not registered yet is looked up among the known server halves
+    (:func:`fedadapt.strategies.server_halves`); the module their
+    :attr:`~fedadapt.strategies.local_update.LocalUpdate.client_module`
+    names is imported, which registers the client half. So a new built-in
+    algorithm needs no import list on the client side.
+    """
+    if name not in CLIENT_UPDATES.names():
+        from fedadapt.strategies import server_halves
+
+        server = server_halves().get(name)
+        if server is not None and server.client_module is not None:
+            importlib.import_module(server.client_module)
+    return CLIENT_UPDATES.get(name)
 
 
 def _record_name(update: ClientUpdate) -> str:

@@ -25,12 +25,37 @@ from fedadapt.optimizers.deltasgd import DeltaSGD, StepInfo, preserve_buffers
 from fedadapt.optimizers.fedlamb import FedAMS, FedLAMB
 from fedadapt.optimizers.sps import SPS
 from fedadapt.registry import Registry
+from fedadapt.strategies.fedlamb import PAPER as FED_LAMB_PAPER
+from fedadapt.strategies.param import Paper
 
 OptimizerFactory = Callable[
     [nn.Module, float, Mapping[str, Any]], torch.optim.Optimizer
 ]
 
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("client-optimizer")
+
+#: the client optimizers' papers, for the papers table of docs/algorithms.md
+#: (generated): (algorithm names, module, paper)
+PAPERS: tuple[tuple[str, str, Paper], ...] = (
+    ("Fed-LAMB, Fed-AMS", "fedadapt.optimizers.fedlamb", FED_LAMB_PAPER),
+    (
+        "Δ-SGD",
+        "fedadapt.optimizers.deltasgd",
+        Paper(
+            "Kim et al. 2024",
+            "Kim, Toghani, Uribe, Kyrillidis, *Adaptive Federated Learning with "
+            "Auto-Tuned Clients*, ICLR 2024 (Algorithm 1)",
+        ),
+    ),
+    (
+        "SPS",
+        "fedadapt.optimizers.sps",
+        Paper(
+            "Loizou et al. 2021",
+            "Loizou et al., *Stochastic Polyak Step-size for SGD*, AISTATS 2021",
+        ),
+    ),
+)
 
 
 def _client_betas(cfg: Mapping[str, Any]) -> tuple[float, float]:

@@ -365,10 +365,11 @@ class RuleStrategy(RuleHost, RunControl, flwr_strategy.FedAvg):
         arrays = self._training_record(arrays)
         self._sent = _to_numpy(arrays)
         local: Arrays = {}
+        # N for both halves: the rule's stats.num_nodes, the local update's
+        self.num_nodes = len(list(grid.get_node_ids()))
         if self.local_update is not None:  # its scalars join the train config
-            num_nodes = len(list(grid.get_node_ids()))
             scalars, local = round_config(
-                self.local_update, server_round, self._sent, num_nodes
+                self.local_update, server_round, self._sent, self.num_nodes
             )
             config = ConfigRecord({**config, **scalars})
         if self.folds_evaluation:

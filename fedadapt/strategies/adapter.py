@@ -18,6 +18,7 @@ only then are the replies scanned one by one to find and drop the culprits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from logging import ERROR, WARNING
@@ -305,6 +306,9 @@ class RuleHost:
         # problems of consecutive rounds without a usable reply
         self._failed_streak: list[list[str]] = []
         self._rounds_screened = 0
+        #: N, the nodes the current round sampled from (set by the adapters'
+        #: configure step; None before): the rule's ``stats.num_nodes``
+        self.num_nodes: int | None = None
 
     def check_trainable(self, model: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` when ``trainable`` names arrays ``model`` lacks."""
@@ -376,6 +380,7 @@ class RuleHost:
                 step_guard=self.step_guard,
                 robust_options=self.robust_options,
                 aggregator_state=self.aggregator_state,
+                num_nodes=self.num_nodes,
             )
         entry["train_replies"] = report.as_dict()
         # per reply, from the same screening and statistics (clients.jsonl)
@@ -432,6 +437,7 @@ class RuleHost:
         diagnostics: dict[str, Any] = {}
         if problem is None and stats is not None and reference is not None:
             if report.used:
+                stats = dataclasses.replace(stats, num_nodes=self.num_nodes)
                 new, raw = apply_statistics(self.rule, reference, stats)
                 diagnostics = {
                     k: (v if math.isfinite(v) else None) for k, v in raw.items()
@@ -547,6 +553,7 @@ def apply_rule(
     step_guard: bool = False,
     robust_options: RobustOptions | None = None,
     aggregator_state: AggregatorState | None = None,
+    num_nodes: int | None = None,
 ) -> tuple[Arrays | None, dict[str, float | None], list[TrainReply]]:
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
@@ -564,7 +571,8 @@ def apply_rule(
     holds centered clipping's centre, replaced by this round's Δ̄ (a
     centre whose arrays do not fit ``reference`` is dropped with a
     warning). What they did goes to each reply's record
-    (:func:`_record_defence`).
+    (:func:`_record_defence`). ``num_nodes`` reaches the rule as
+    ``stats.num_nodes`` (the federation's client count).
     Replies whose data turn out inconsistent or non-finite are dropped here
     (counted in ``report``) and the round is aggregated again without them;
     ``(None, {}, [])`` when none remain.
@@ -619,6 +627,7 @@ def apply_rule(
                 ordered, stats.client_sq_norms, stats.clip_scales, report, round_label
             )
     rule.leave_one_out_steps = None
+    stats = dataclasses.replace(stats, num_nodes=num_nodes)
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound

@@ -1,18 +1,29 @@
-"""One declaration per algorithm: its rule and its hyperparameters.
+"""One declaration per algorithm: its halves, hyperparameters and paper.
 
 An :class:`Algorithm` names a :class:`~fedadapt.strategies.core.ServerRule`
-class and declares each hyperparameter once as a :class:`Param` (Python
-keyword, default, bounds or choices, one-line doc, where the default comes
-from). Everything else is derived from it, so the copies cannot disagree:
+class, optionally the server half of its own client part (a
+:class:`~fedadapt.strategies.local_update.LocalUpdate` subclass, e.g.
+FedDyn's α or Fed-LAMB's second moments), and declares each
+hyperparameter once as a :class:`Param` (Python keyword, default, bounds or
+choices, one-line doc, where the default comes from), shared by both
+halves. Everything else is derived from it, so the copies cannot disagree:
 
 * the Message-API class (:meth:`Algorithm.strategy_class` over
   :class:`~fedadapt.strategies.RuleStrategy`) and the legacy class (over
-  ``fedadapt.strategies.legacy.LegacyRuleStrategy``), with a real
+  ``fedadapt.strategies.legacy.LegacyRuleStrategy``, generated for every
+  algorithm of :data:`~fedadapt.strategies.ALGORITHMS`), with a real
   signature and a generated docstring;
 * the app's strategy (:meth:`Algorithm.from_run_config`);
 * the run-config keys ``<algorithm>.<param>`` (``_`` → ``-``, e.g.
-  ``feddua.epsilon-g``), hence pyproject's ``[tool.flwr.app.config]`` and
-  the docs tables (``python -m fedadapt.config --write``).
+  ``feddua.epsilon-g``), hence pyproject's ``[tool.flwr.app.config]``,
+  README's configuration and strategies tables and the papers table of
+  docs/algorithms.md (``python -m fedadapt.config --write``).
+
+Facts of the round reach both halves: the rule reads |P_t| and the
+federation's client count N from its
+:class:`~fedadapt.strategies.core.RoundStatistics` (``num_clients``,
+``num_nodes``), the local update gets N in ``configure`` and the round's
+replies in ``aggregate``. docs/extending.md walks through adding one.
 
 Importable with flwr and numpy alone (no torch).
 """
@@ -20,7 +31,7 @@ Importable with flwr and numpy alone (no torch).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
@@ -31,9 +42,16 @@ from fedadapt.strategies.local_update import (
     build_local_update,
     combine_local_updates,
 )
-from fedadapt.strategies.param import Param
+from fedadapt.strategies.param import Paper, Param
 
-__all__ = ["AVERAGE_LAST_TWO", "Algorithm", "Param", "message_class", "weighting"]
+__all__ = [
+    "AVERAGE_LAST_TWO",
+    "Algorithm",
+    "Paper",
+    "Param",
+    "message_class",
+    "weighting",
+]
 
 
 @dataclass(frozen=True)
@@ -62,12 +80,22 @@ class Algorithm:
         Keywords the classes accept for Flower compatibility and keep as
         attributes without using them (FedAdam's ``eta_l``); no run-config
         key.
+    paper : Paper | None
+        The paper it follows (README's strategies table cites
+        ``paper.short``, docs/algorithms.md ``paper.full``); required of
+        the algorithms of :data:`~fedadapt.strategies.ALGORITHMS`.
+    server_step : str
+        One line of Markdown: the server step, for README's strategies table.
     notes : str
         More docstring text after the summary (paper, choices).
-    local_update : Callable[[Mapping[str, Any]], LocalUpdate] | None
-        The server half of the algorithm's own client-side part, built from
-        the checked params (Fed-LAMB's second-moment exchange); it runs
-        beside a local update the user selects (:meth:`build`).
+    local_update : type[LocalUpdate] | None
+        The server half of the algorithm's own client part (FedDyn's
+        :class:`~fedadapt.strategies.feddyn.FedDynLocal`, Fed-LAMB's
+        :class:`~fedadapt.strategies.fedlamb.SecondMoments`), built from the
+        checked values of its :attr:`LocalUpdate.params`, which must be
+        params of the algorithm: one declaration feeds both halves. It runs
+        beside a local update the user selects (:meth:`build`); its client
+        half is registered under its :attr:`LocalUpdate.name`.
     """
 
     name: str
@@ -78,13 +106,23 @@ class Algorithm:
     adapter: frozenset[str] = frozenset()
     rule_names: Mapping[str, str] = field(default_factory=dict)
     compat: tuple[Param, ...] = ()
+    paper: Paper | None = None
+    server_step: str = ""
     notes: str = ""
-    local_update: Callable[[Mapping[str, Any]], LocalUpdate] | None = None
+    local_update: type[LocalUpdate] | None = None
 
     def __post_init__(self) -> None:
         names = [p.name for p in (*self.params, *self.compat)]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.name}: a parameter is declared twice: {names}")
+        if self.local_update is not None:
+            foreign = [p for p in self.local_update.params if p not in self.params]
+            if foreign:
+                raise ValueError(
+                    f"{self.name}: {self.local_update.__name__}.params "
+                    f"{[p.name for p in foreign]} are not the algorithm's params "
+                    "(declare each once, in both)"
+                )
 
     def key(self, param: Param | str) -> str:
         """Return the run-config key of ``param`` (``feddua.epsilon-g``)."""
@@ -113,7 +151,11 @@ class Algorithm:
         options: dict[str, Any] = {
             n: v for n, v in checked.items() if n in self.adapter
         }
-        own = None if self.local_update is None else self.local_update(checked)
+        own = None
+        if self.local_update is not None:
+            own = self.local_update(
+                **{p.name: checked[p.name] for p in self.local_update.params}
+            )
         options["local_update"] = combine_local_updates(own, local_update)
         return self.rule(**rule_kwargs), options
 

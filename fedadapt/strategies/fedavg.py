@@ -17,7 +17,13 @@ from typing import Any
 
 from fedadapt._validation import check_decay_rate, check_scalar
 from fedadapt.strategies.core.base import Arrays, RoundStatistics, ServerRule
-from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
+from fedadapt.strategies.declaration import (
+    Algorithm,
+    Paper,
+    Param,
+    message_class,
+    weighting,
+)
 
 
 class FedAvgRule(ServerRule):
@@ -88,6 +94,12 @@ class FedAvgRule(ServerRule):
 FEDAVG = Algorithm(
     name="fedavg",
     title="FedAvg",
+    paper=Paper(
+        "McMahan et al. 2017",
+        "McMahan et al., *Communication-Efficient Learning of Deep Networks from "
+        "Decentralized Data*, AISTATS 2017",
+    ),
+    server_step="weighted mean (Flower's)",
     summary="FedAvg weighted by ``num-examples`` (Flower's behaviour).",
     rule=FedAvgRule,
     params=(weighting("num_examples", "Flower's FedAvg (the papers: uniform)"),),
@@ -95,6 +107,12 @@ FEDAVG = Algorithm(
 FEDAVGM = Algorithm(
     name="fedavgm",
     title="FedAvgM",
+    paper=Paper(
+        "Hsu et al. 2019",
+        "Hsu et al., *Measuring the Effects of Non-Identical Data Distribution for "
+        "Federated Visual Classification*, arXiv:1909.06335",
+    ),
+    server_step="`fedavgm.server-learning-rate`, heavy-ball `fedavgm.server-momentum`",
     summary="FedAvg with server learning rate and heavy-ball momentum (as Flower's).",
     rule=FedAvgRule,
     params=(

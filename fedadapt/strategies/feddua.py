@@ -67,9 +67,17 @@ from fedadapt.strategies.core.base import (
 from fedadapt.strategies.declaration import (
     AVERAGE_LAST_TWO,
     Algorithm,
+    Paper,
     Param,
     message_class,
     weighting,
+)
+
+#: the FedDuA paper (DUA), which also runs FedExPM as a baseline
+DUA = Paper(
+    "FedDuA (DUA)",
+    "Takakura, Liew, Hasegawa, *FedDuA: Doubly Adaptive Federated Learning* "
+    "(Algorithm 1, eq. 3)",
 )
 
 VARIANTS = ("adam", "adagrad")
@@ -268,6 +276,9 @@ class FedDuARule(ServerRule):
 FEDDUA = Algorithm(
     name="feddua",
     title="FedDuA",
+    paper=DUA,
+    server_step="η = m / (‖v‖²_{G⁻¹} + ε_g), preconditioned (`feddua.variant` adam or "
+    "adagrad)",
     summary='FedDuAdam (``variant="adam"``) or FedDuAdagrad (``variant="adagrad"``).',
     notes="""There is no server learning rate: the step size η_t = m_t/(‖v_t‖²_{G⁻¹}
     + ε_g) adapts every round (DUA Algorithm 1, eq. (3)).""",

@@ -49,11 +49,12 @@ from fedadapt.strategies.core.base import (
 from fedadapt.strategies.declaration import (
     AVERAGE_LAST_TWO,
     Algorithm,
+    Paper,
     Param,
     message_class,
     weighting,
 )
-from fedadapt.strategies.feddua import FedDuARule
+from fedadapt.strategies.feddua import DUA, FedDuARule
 
 FORMS = ("original", "dua")
 EPS_FORMS = ("paper", "times_S")
@@ -204,6 +205,12 @@ _UNIFORM = "FedExP Algorithm 1 (uniform mean)"
 FEDEXP = Algorithm(
     name="fedexp",
     title="FedExP",
+    paper=Paper(
+        "Jhunjhunwala et al. 2023",
+        "Jhunjhunwala, Wang, Joshi, *FedExP: Speeding Up Federated Averaging via "
+        "Extrapolation*, ICLR 2023",
+    ),
+    server_step="η = max(1, mean‖Δ_i‖² / (2(‖Δ̄‖² + ε)))",
     summary="FedExP, or FedExPM with ``server_momentum > 0``.",
     rule=FedExPRule,
     params=(
@@ -234,6 +241,8 @@ FEDEXP = Algorithm(
 FEDEXPM = Algorithm(
     name="fedexpm",
     title="FedExPM",
+    paper=DUA,
+    server_step="FedExP's step with momentum: FedDuAdam with G = I (DUA's baseline)",
     summary="FedExPM: FedDuAdam with G ≡ I (FedDuA's momentum baseline, §5.1).",
     rule=FedExPRule,
     params=(

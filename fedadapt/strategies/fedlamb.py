@@ -39,7 +39,13 @@ from numpy.typing import NDArray
 
 from fedadapt._validation import check_choice, check_scalar
 from fedadapt.strategies.core.base import WEIGHTINGS, Arrays, client_weights
-from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
+from fedadapt.strategies.declaration import (
+    Algorithm,
+    Paper,
+    Param,
+    message_class,
+    weighting,
+)
 from fedadapt.strategies.fedavg import FedAvgRule
 from fedadapt.strategies.local_update import LocalUpdate
 from fedadapt.strategies.param import Scalar
@@ -257,6 +263,27 @@ def clip_moments(
     return out
 
 
+#: Fed-LAMB's hyperparameters, declared once: the rule's, :class:`SecondMoments`'
+EPS = Param(
+    "eps",
+    1e-8,
+    "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' optimizer ε (1e-8).",
+    "Fed-LAMB Algorithm 1 line 2 (the clients' ε)",
+    low=0.0,
+    low_open=True,
+)
+WEIGHTING = weighting("uniform", "Fed-LAMB Algorithm 1 lines 15-16")
+MAX_MOMENT_RATIO = Param(
+    "max_moment_ratio",
+    4.0,
+    "Scale each client's v down so its total is at most this multiple of "
+    "the round's median total before the mean (one client cannot raise v̂ "
+    "for good); 0 = off.",
+    "ours (issue #38); not in Fed-LAMB",
+    low=0.0,
+)
+
+
 class SecondMoments(LocalUpdate):
     """Fed-LAMB's exchange of second moments: v̂ down, each client's v up.
 
@@ -293,6 +320,8 @@ class SecondMoments(LocalUpdate):
     """
 
     name: ClassVar[str] = "fed-lamb"
+    params: ClassVar[tuple[Param, ...]] = (EPS, WEIGHTING, MAX_MOMENT_RATIO)
+    client_module: ClassVar[str | None] = "fedadapt.client.fedlamb"
 
     def __init__(
         self,
@@ -383,46 +412,28 @@ class SecondMoments(LocalUpdate):
         }
 
 
-def _second_moments(values: Mapping[str, Any]) -> SecondMoments:
-    return SecondMoments(
-        eps=values["eps"],
-        weighting=values["weighting"],
-        max_moment_ratio=values["max_moment_ratio"],
-    )
-
+#: the paper of the Fed-LAMB server and of the clients' Fed-LAMB / Fed-AMS
+PAPER = Paper(
+    "Fed-LAMB, Karimi et al. 2021",
+    "Karimi, Li, Li, *Layer-wise and Dimension-wise Locally Adaptive "
+    "Federated Learning* (Algorithm 1)",
+)
 
 FED_LAMB = Algorithm(
     name="fed-lamb",
     title="FedLAMB",
     summary="Model averaging plus v̂ = max(v̂, mean v) (Fed-LAMB and Fed-AMS servers).",
     rule=FedLAMBRule,
-    local_update=_second_moments,
+    local_update=SecondMoments,
+    paper=PAPER,
+    server_step="model mean; v̂ = max(v̂, mean v) sent to the clients' Fed-LAMB/Fed-AMS",
     notes="""
         The exchange of v̂ and the clients' v is the strategy's local update
         :class:`~fedadapt.strategies.fedlamb.SecondMoments`, which it always
         runs (``local_update`` given too: both, combined); the clients need
         the optimizer fed-lamb or fed-ams.
     """,
-    params=(
-        Param(
-            "eps",
-            1e-8,
-            "ε > 0 of v̂_0 = ε·1; keep it equal to the clients' optimizer ε (1e-8).",
-            "Fed-LAMB Algorithm 1 line 2 (the clients' ε)",
-            low=0.0,
-            low_open=True,
-        ),
-        weighting("uniform", "Fed-LAMB Algorithm 1 lines 15-16"),
-        Param(
-            "max_moment_ratio",
-            4.0,
-            "Scale each client's v down so its total is at most this multiple of "
-            "the round's median total before the mean (one client cannot raise v̂ "
-            "for good); 0 = off.",
-            "ours (issue #38); not in Fed-LAMB",
-            low=0.0,
-        ),
-    ),
+    params=SecondMoments.params,
 )
 
 FedLAMB = message_class(FED_LAMB, __name__)

@@ -40,7 +40,19 @@ from fedadapt.strategies.core.base import (
     sq_norm,
     zeros_like,
 )
-from fedadapt.strategies.declaration import Algorithm, Param, message_class, weighting
+from fedadapt.strategies.declaration import (
+    Algorithm,
+    Paper,
+    Param,
+    message_class,
+    weighting,
+)
+
+#: the FedOpt paper of FedAdam, FedAdagrad and FedYogi
+REDDI = Paper(
+    "Reddi et al. 2021",
+    "Reddi et al., *Adaptive Federated Optimization*, ICLR 2021 (Algorithm 2)",
+)
 
 BIAS_CORRECTIONS = ("flower", "none", "torch")
 
@@ -289,6 +301,9 @@ _NUM_EXAMPLES = "Flower's FedOpt strategies (the paper: uniform)"
 FEDADAM = Algorithm(
     name="fedadam",
     title="FedAdam",
+    paper=REDDI,
+    server_step="Adam on the pseudo-gradient −Δ̄: Flower 1.41's exact rule by default; "
+    "`fedadam.bias-correction='none' fedadam.weighting='uniform'` for the paper",
     summary="FedAdam: Adam on the pseudo-gradient −Δ̄.",
     rule=FedAdamRule,
     params=(
@@ -310,6 +325,8 @@ FEDADAM = Algorithm(
 FEDADAGRAD = Algorithm(
     name="fedadagrad",
     title="FedAdagrad",
+    paper=REDDI,
+    server_step="Adagrad on the pseudo-gradient −Δ̄ (Flower 1.41's rule)",
     summary="FedAdagrad: ``v ← v + Δ̄²``, ``x ← x + η·Δ̄/(√v + τ)``.",
     rule=FedAdagradRule,
     params=(
@@ -322,6 +339,8 @@ FEDADAGRAD = Algorithm(
 FEDYOGI = Algorithm(
     name="fedyogi",
     title="FedYogi",
+    paper=REDDI,
+    server_step="Yogi on the pseudo-gradient −Δ̄ (Flower 1.41's rule)",
     summary="FedYogi: ``v ← v − (1−β2)·Δ̄²·sign(v − Δ̄²)``.",
     rule=FedYogiRule,
     params=(

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays
 from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate
-from fedadapt.strategies.param import Param, Scalar
+from fedadapt.strategies.param import Paper, Param, Scalar
 
 #: μ of the proximal term, declared once (class default, run config, docs)
 MU = Param(
@@ -46,6 +46,12 @@ class FedProx(LocalUpdate):
     """
 
     name: ClassVar[str] = "fedprox"
+    client_module: ClassVar[str | None] = "fedadapt.client.fedprox"
+    paper: ClassVar[Paper | None] = Paper(
+        "Li et al. 2020",
+        "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, *Federated Optimization in "
+        "Heterogeneous Networks*, MLSys 2020 (Algorithm 2)",
+    )
     params: ClassVar[tuple[Param, ...]] = (MU,)
 
     def __init__(self, mu: float = float(MU.default)) -> None:

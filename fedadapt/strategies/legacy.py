@@ -48,7 +48,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
 
-from fedadapt.strategies import wire
+from fedadapt.strategies import ALGORITHMS, wire
 from fedadapt.strategies._control import (
     CENTRAL,
     FEDERATED,
@@ -64,11 +64,6 @@ from fedadapt.strategies.adapter import (
 )
 from fedadapt.strategies.core import Arrays, RoundStatistics, ServerRule
 from fedadapt.strategies.declaration import Algorithm
-from fedadapt.strategies.fedavg import FEDAVG, FEDAVGM
-from fedadapt.strategies.feddua import FEDDUA
-from fedadapt.strategies.fedexp import FEDEXP, FEDEXPM
-from fedadapt.strategies.fedlamb import FED_LAMB
-from fedadapt.strategies.fedopt import FEDADAGRAD, FEDADAM, FEDYOGI
 from fedadapt.strategies.local_update import (
     LocalUpdate,
     aggregate_replies,
@@ -278,10 +273,11 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         extra: NDArrays = []
+        # N for both halves: the rule's stats.num_nodes, the local update's
+        self.num_nodes = client_manager.num_available()
         if self.local_update is not None and pairs:
-            num_nodes = client_manager.num_available()
             scalars, local = round_config(
-                self.local_update, server_round, self._sent, num_nodes
+                self.local_update, server_round, self._sent, self.num_nodes
             )
             if local:
                 scalars[wire.LOCAL_ARRAYS] = json.dumps(list(local))
@@ -509,27 +505,21 @@ def _legacy_class(algorithm: Algorithm) -> type[Any]:
     )
 
 
-FedAvg = _legacy_class(FEDAVG)
-FedAvgM = _legacy_class(FEDAVGM)
-FedAdagrad = _legacy_class(FEDADAGRAD)
-FedAdam = _legacy_class(FEDADAM)
-FedYogi = _legacy_class(FEDYOGI)
-FedExP = _legacy_class(FEDEXP)
-FedExPM = _legacy_class(FEDEXPM)
-FedDuA = _legacy_class(FEDDUA)
-FedLAMB = _legacy_class(FED_LAMB)
+#: the legacy class of every declared algorithm, by class name: generated
+#: from :data:`~fedadapt.strategies.ALGORITHMS`, so a new algorithm has one
+#: without an edit here
+CLASSES: dict[str, type[Any]] = {
+    algorithm.title: _legacy_class(algorithm)
+    for algorithm in map(ALGORITHMS.get, ALGORITHMS.names())
+}
+globals().update(CLASSES)
+
+__all__ = [*sorted(CLASSES), "FederationFailedError", "LegacyRuleStrategy"]
 
 
-__all__ = [
-    "FedAdagrad",
-    "FedAdam",
-    "FedAvg",
-    "FedAvgM",
-    "FedDuA",
-    "FedExP",
-    "FedExPM",
-    "FedLAMB",
-    "FedYogi",
-    "FederationFailedError",
-    "LegacyRuleStrategy",
-]
+def __getattr__(name: str) -> type[Any]:
+    """Return the legacy class ``name`` (typed for the generated ones)."""
+    try:
+        return CLASSES[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 from fedadapt.registry import Registry
 from fedadapt.strategies import wire
 from fedadapt.strategies.core import Arrays
-from fedadapt.strategies.param import Param, Scalar
+from fedadapt.strategies.param import Paper, Param, Scalar
 
 __all__ = [
     "LOCAL_UPDATES",
@@ -66,6 +66,13 @@ class LocalUpdate:
     #: (None: any); e.g. Mime, whose client half sets the step direction for
     #: plain SGD to take. The run config refuses the others.
     client_optimizers: ClassVar[tuple[str, ...] | None] = None
+    #: the module that registers the client half (``fedadapt.client.fedprox``);
+    #: fedadapt's clients import it when the train config first names
+    #: :attr:`name` (:func:`fedadapt.client.local_update.client_update`), so
+    #: no other file lists it. None: registered some other way (or none).
+    client_module: ClassVar[str | None] = None
+    #: the paper of a ``local-update=`` choice (docs/algorithms.md's table)
+    paper: ClassVar[Paper | None] = None
 
     @classmethod
     def key(cls, param: Param | str) -> str:

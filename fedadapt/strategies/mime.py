@@ -37,7 +37,7 @@ from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays
 from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate
-from fedadapt.strategies.param import Param, Scalar
+from fedadapt.strategies.param import Paper, Param, Scalar
 
 #: β of the SGDm base optimizer, declared once (class default, run config, docs)
 BETA = Param(
@@ -69,6 +69,12 @@ class MimeLite(LocalUpdate):
     """
 
     name: ClassVar[str] = "mimelite"
+    client_module: ClassVar[str | None] = "fedadapt.client.mime"
+    paper: ClassVar[Paper | None] = Paper(
+        "Karimireddy et al. 2020",
+        "Karimireddy et al., *Mime: Mimicking Centralized Stochastic Algorithms "
+        "in Federated Learning*, arXiv:2008.03606 (Algorithm 1)",
+    )
     params: ClassVar[tuple[Param, ...]] = (BETA,)
     #: local steps apply the server's SGDm through the gradient: plain SGD only
     client_optimizers: ClassVar[tuple[str, ...] | None] = ("sgd",)

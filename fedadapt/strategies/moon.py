@@ -24,7 +24,7 @@ from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays
 from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate
-from fedadapt.strategies.param import Param, Scalar
+from fedadapt.strategies.param import Paper, Param, Scalar
 
 #: μ, the weight of the model-contrastive loss, declared once
 MU = Param(
@@ -62,6 +62,11 @@ class Moon(LocalUpdate):
     """
 
     name: ClassVar[str] = "moon"
+    client_module: ClassVar[str | None] = "fedadapt.client.moon"
+    paper: ClassVar[Paper | None] = Paper(
+        "Li, He, Song 2021",
+        "Li, He, Song, *Model-Contrastive Federated Learning*, CVPR 2021 (Algorithm 1)",
+    )
     params: ClassVar[tuple[Param, ...]] = (MU, TEMPERATURE)
 
     def __init__(

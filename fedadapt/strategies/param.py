@@ -15,7 +15,7 @@ from fedadapt._validation import check_choice, check_scalar
 
 Scalar = bool | int | float | str
 
-__all__ = ["Param", "Scalar"]
+__all__ = ["Paper", "Param", "Scalar"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,20 @@ class Param:
         if self.low is not None:
             return f"{'>' if self.low_open else '≥'} {self.low:g}."
         return ""
+
+
+@dataclass(frozen=True)
+class Paper:
+    """Where an algorithm comes from, as the generated docs tables cite it.
+
+    Attributes
+    ----------
+    short : str
+        Authors and year for README's strategies table (``Acar et al. 2021``).
+    full : str
+        Authors, *title*, venue and the algorithm box followed, for the
+        papers table of docs/algorithms.md (Markdown).
+    """
+
+    short: str
+    full: str

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from fedadapt.strategies.core import Arrays
 from fedadapt.strategies.local_update import LOCAL_UPDATES, LocalUpdate
-from fedadapt.strategies.param import Param, Scalar
+from fedadapt.strategies.param import Paper, Param, Scalar
 
 
 @LOCAL_UPDATES.register("scaffold")
@@ -41,6 +41,13 @@ class Scaffold(LocalUpdate):
     """
 
     name: ClassVar[str] = "scaffold"
+    client_module: ClassVar[str | None] = "fedadapt.client.scaffold"
+    paper: ClassVar[Paper | None] = Paper(
+        "Karimireddy et al. 2020",
+        "Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, *SCAFFOLD: Stochastic "
+        "Controlled Averaging for Federated Learning*, ICML 2020 (Algorithm 1, "
+        "option II)",
+    )
     params: ClassVar[tuple[Param, ...]] = ()
 
     def __init__(self) -> None:

@@ -38,6 +38,7 @@ _RULES = {
     "FedYogiRule": "fedadapt.strategies.fedopt",
     "FedExPRule": "fedadapt.strategies.fedexp",
     "FedDuARule": "fedadapt.strategies.feddua",
+    "FedDynRule": "fedadapt.strategies.feddyn",
     "FedLAMBRule": "fedadapt.strategies.fedlamb",
     "aggregate_second_moments": "fedadapt.strategies.fedlamb",
 }
@@ -56,6 +57,7 @@ __all__ = [
     "FedAdamRule",
     "FedAvgRule",
     "FedDuARule",
+    "FedDynRule",
     "FedExPRule",
     "FedLAMBRule",
     "FedOptRule",

@@ -101,6 +101,12 @@ class RoundStatistics:
     defence : Defence | None
         What an aggregator of :mod:`.robust` did (which updates it kept,
         centered clipping's factors); None for the others.
+    num_nodes : int | None
+        N, the nodes the round's clients were sampled from: the federation's
+        client count as the server knows it (FedDyn's m, SCAFFOLD's N); the
+        adapters set it each round, a local update's
+        :meth:`~fedadapt.strategies.local_update.LocalUpdate.configure` gets
+        the same number. None where unknown (``ServerRule.step`` without it).
     """
 
     mean_update: Arrays
@@ -111,6 +117,7 @@ class RoundStatistics:
     clip_scales: tuple[float, ...] | None = None
     without_each: Callable[[], Iterator[tuple[Arrays, float | None]]] | None = None
     defence: Defence | None = None
+    num_nodes: int | None = None
 
 
 def client_weights(
@@ -570,6 +577,7 @@ def apply_statistics(
             stats.mean_sq_norm,
             stats.num_clients,
             without_each=stats.without_each,
+            num_nodes=stats.num_nodes,
         ),
     )
     for key, x_t in current.items():

@@ -19,6 +19,7 @@ out of norms and preconditioners. :func:`untrained` turns a user's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -182,15 +183,19 @@ class ServerRule(ABC):
         clients: Sequence[Mapping[str, NDArray[Any]]],
         num_examples: Sequence[float],
         sq_norms: Sequence[float] | None = None,
+        *,
+        num_nodes: int | None = None,
     ) -> tuple[Arrays, dict[str, float]]:
         """Aggregate one round of client arrays; return new arrays, diagnostics.
 
         The pure-math entry point: ``round_statistics`` (the weighted mean,
         no clipping) then ``apply_statistics``, both of
         :mod:`fedadapt.strategies.core.aggregation`. ``sq_norms``:
-        client-reported ‖Δ_i‖², used as given.
+        client-reported ‖Δ_i‖², used as given; ``num_nodes``: the
+        federation's client count N (:attr:`RoundStatistics.num_nodes`).
         """
         stats = round_statistics(self, current, clients, num_examples, sq_norms)
+        stats = dataclasses.replace(stats, num_nodes=num_nodes)
         return apply_statistics(self, current, stats)
 
     def state_dict(self) -> dict[str, Any]:
