@@ -221,7 +221,9 @@ class PullingGrid(Grid):
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names this class lacks (close, node, _run, ...)
-        return getattr(self.__dict__["grid"], name)
+        if name == "grid":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.grid, name)
 
 
 def fast_pull(grid: Grid) -> Grid:
