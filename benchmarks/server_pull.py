@@ -138,7 +138,7 @@ SITECUSTOMIZE = textwrap.dedent(
         sys.meta_path.insert(0, _Finder())
         if sys.argv and os.path.basename(sys.argv[0]) == "flwr-clientapp":
             with open(LOG, "a") as handle:  # a ClientApp process starts
-                handle.write(json.dumps({"clientapp_start": time.time()}) + "\n")
+                handle.write(json.dumps({"clientapp_start": time.time()}) + "\\n")
     """
 )
 
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    compile(SITECUSTOMIZE, "sitecustomize.py", "exec")  # a typo would time nothing
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     from fedadapt.tools.deploy.local import LocalDeployment
 
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = [json.loads(line) for line in log.read_text().splitlines()]
     starts = [e["clientapp_start"] for e in lines if "clientapp_start" in e]
     exchanges = [e for e in lines if "clientapp_start" not in e]
+    if not exchanges:
+        raise RuntimeError("no exchange was timed: the sitecustomize did not act")
     files = sorted({e["file"] for e in exchanges})
     print(f"loops timed in: {files}")
     found: dict[str, Any] = {}
