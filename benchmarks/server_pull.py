@@ -15,6 +15,12 @@ process:
   forwarding of the reply (its own 0.5-s poll, the same in both) and the
   ServerApp's pull delay (what changed);
 * ``pulls``: ``pull_messages`` calls in the exchange;
+* ``last_pull_gap_s``: from the end of the pull before the last one to the
+  start of the last (which got the last reply): the reply reached the
+  SuperLink somewhere in this gap, so it bounds the ServerApp's own delay
+  (on average half of it), whatever the load does to the rest;
+* ``push_to_first_clientapp_s``: push to the first ClientApp process start
+  (the SuperNode's 3-s poll, the SuperExec's 1-s poll, the spawn);
 
 and the round wall times of results.json. It prints medians per setting and
 the ratios flower / fedadapt measured in the same invocation. How: a
@@ -69,7 +75,7 @@ SITECUSTOMIZE = textwrap.dedent(
 
     LOG = os.environ.get("FEDADAPT_BENCH_PULL_LOG")
     CONTROL = os.environ.get("FEDADAPT_BENCH_PULL_CONTROL")
-    PULLS = [0]
+    PULLS = []  # (start, end, replies) of every HttpGrid.pull_messages
 
 
     def _setting():
@@ -79,7 +85,7 @@ SITECUSTOMIZE = textwrap.dedent(
 
     def _timed(loop, kind, module_file):
         def send_and_receive(*args, **kwargs):
-            start, pulls = time.time(), PULLS[0]
+            start, first = time.time(), len(PULLS)
             replies = list(loop(*args, **kwargs))
             end = time.time()
             made = [m.metadata.created_at for m in replies]
@@ -87,7 +93,8 @@ SITECUSTOMIZE = textwrap.dedent(
                 handle.write(json.dumps({
                     "setting": _setting(), "loop": kind, "file": module_file,
                     "pid": os.getpid(), "start": start, "end": end,
-                    "replies": len(replies), "pulls": PULLS[0] - pulls,
+                    "replies": len(replies), "pulls": len(PULLS) - first,
+                    "pull_times": PULLS[first:],
                     "last_reply_created": max(made) if made else None,
                 }) + "\\n")
             return replies
@@ -100,8 +107,10 @@ SITECUSTOMIZE = textwrap.dedent(
             pull = grid.pull_messages
 
             def pull_messages(self, message_ids):
-                PULLS[0] += 1
-                return pull(self, message_ids)
+                start = time.time()
+                replies = list(pull(self, message_ids))
+                PULLS.append((start, time.time(), len(replies)))
+                return replies
 
             grid.pull_messages = pull_messages
             loop = grid.send_and_receive
@@ -160,7 +169,15 @@ def summarise(exchanges: list[dict[str, Any]], starts: list[float]) -> dict[str,
         for e in timed
         if any(e["start"] <= t <= e["end"] for t in starts)
     ]
+    # the last reply reached the SuperLink after the pull before the one that
+    # got it had looked: this gap bounds the ServerApp's own delay
+    gaps = [
+        e["pull_times"][-1][0] - e["pull_times"][-2][1]
+        for e in timed
+        if len(e.get("pull_times", [])) >= 2
+    ]
     return {
+        "last_pull_gap_s": _median(gaps),
         "push_to_first_clientapp_s": _median(to_client),
         "exchanges": len(timed),
         "loops": sorted({e["loop"] for e in timed}),
@@ -246,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| per exchange (median) | Flower's 3-s pull | fedadapt's pull | ratio |")
     print("|---|---|---|---|")
     ratios = {}
-    for key in ("exchange_s", "push_to_first_clientapp_s", "after_last_reply_s",
+    for key in ("last_pull_gap_s", "exchange_s", "push_to_first_clientapp_s",
+                "after_last_reply_s",
                 "mean_after_last_reply_s", "pulls", "median_round_s"):  # fmt: skip
         a, b = found["flower"][key], found["fedadapt"][key]
         ratio = round(a / b, 2) if a and b else None
