@@ -28,6 +28,7 @@ from flwr.superlink.grid import InMemoryGrid
 
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.checkpoint import load_checkpoint
+from fedadapt.server.exchange import fast_pull
 from fedadapt.server.partition_query import (
     Answer,
     NoAnswer,
@@ -248,6 +249,10 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     # loads the test set (data checked now); None: central evaluation off
     evaluate = central_evaluator(task, cfg)
     simulation = isinstance(grid, InMemoryGrid)
+    # deployment: every exchange (train, evaluate) waits for its replies with
+    # a short, backing-off pull instead of Flower's fixed 3 s (#40); the
+    # simulation keeps its in-memory grid's faster 0.1-s loop
+    grid = fast_pull(grid)
     num_nodes = wait_for_nodes(
         grid, cfg["clients-per-round"], cfg["node-wait-timeout"], simulation
     )
