@@ -343,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/results/deployment.json"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="run-config device of both apps' clients, e.g. cuda on a GPU machine",
+    )
     args = parser.parse_args(argv)
+    CONFIG["device"] = MINIMAL_CONFIG["device"] = args.device
     # SIGTERM → SystemExit, so that every mode stops what it started
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     runs = modes(args.rounds, args.image, args.start_engine)

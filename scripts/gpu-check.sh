@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks of issue #40, as one command on a machine with CUDA and no
+# network (docs/benchmarks.md, "#40 on a GPU"):
+#   1. pytest -m gpu: a deployment (SuperLink + SuperNodes as processes) with
+#      device='cuda'; every ClientApp trained on CUDA (clients.jsonl's device)
+#   2. benchmarks/clientapp_startup.py: one train message's phases in a fresh
+#      process (CUDA initialisation included), against $OLD (another fedadapt
+#      checkout) when given, same run
+#   3. benchmarks/deployment.py --modes processes --device cuda: the round of
+#      fedadapt and of the minimal Flower app, same run
+# Without flwr in the interpreter it installs the wheels in .gpu-wheels/
+# (flwr 1.42 and what the image lacks; flower-notes §13). Output: $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if ! "$PY" -c "import flwr" 2>/dev/null; then
+    ls .gpu-wheels/*.whl >/dev/null 2>&1 || { echo "no flwr and no .gpu-wheels/"; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || exit 2
+fi
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
+    tests/tools/deploy/test_deploy_gpu.py > "$OUT/pytest-gpu.txt" 2>&1 || status=1
+tail -15 "$OUT/pytest-gpu.txt"
+timeout 240 "$PY" benchmarks/clientapp_startup.py --repo . ${OLD:+--repo "$OLD"} \
+    --repeats 2 --json "$OUT/clientapp-startup-gpu.json" > "$OUT/clientapp-startup.txt" 2>&1 || status=1
+tail -25 "$OUT/clientapp-startup.txt"
+timeout 300 "$PY" benchmarks/deployment.py --modes processes --rounds 4 --device cuda \
+    --output "$OUT/deployment-gpu.json" > "$OUT/deployment.txt" 2>&1 || status=1
+tail -25 "$OUT/deployment.txt"
+exit $status
