@@ -23,13 +23,13 @@ export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/tools/deploy/test_deploy_gpu.py > "$OUT/pytest-gpu.txt" 2>&1 || status=1
 tail -15 "$OUT/pytest-gpu.txt"
-timeout 240 "$PY" benchmarks/clientapp_startup.py --repo . ${OLD:+--repo "$OLD"} \
+timeout 150 "$PY" benchmarks/clientapp_startup.py --repo . ${OLD:+--repo "$OLD"} \
     --repeats 2 --json "$OUT/clientapp-startup-gpu.json" > "$OUT/clientapp-startup.txt" 2>&1 || status=1
 tail -25 "$OUT/clientapp-startup.txt"
-timeout 300 "$PY" benchmarks/deployment.py --modes processes --rounds 4 --device cuda \
+timeout 220 "$PY" benchmarks/deployment.py --modes processes --rounds 4 --device cuda \
     --output "$OUT/deployment-gpu.json" > "$OUT/deployment.txt" 2>&1 || status=1
 tail -25 "$OUT/deployment.txt"
 exit $status
