@@ -9,13 +9,14 @@
 #   3. benchmarks/deployment.py --modes processes --device cuda: the round of
 #      fedadapt and of the minimal Flower app, same run
 # Without flwr in the interpreter it installs the wheels in .gpu-wheels/
-# (flwr 1.42 and what the image lacks; flower-notes §13). Output: $OUT.
+# (flwr 1.42, flwr-datasets and what the image lacks: flower-notes §13;
+# digits' Dirichlet split needs flwr-datasets). Output: $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-if ! "$PY" -c "import flwr" 2>/dev/null; then
+if ! "$PY" -c "import flwr, flwr_datasets" 2>/dev/null; then
     ls .gpu-wheels/*.whl >/dev/null 2>&1 || { echo "no flwr and no .gpu-wheels/"; exit 2; }
     "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || exit 2
 fi
