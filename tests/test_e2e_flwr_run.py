@@ -61,6 +61,10 @@ def test_flwr_run_three_supernodes_two_rounds(tmp_path):
     assert (out / "e2e" / "curves.png").exists()
 
 
+# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
+# the default suite within CI's 20 minutes; tests/tools/test_failed_cell.py
+# fails a ServerApp in the default suite
+@pytest.mark.deploy
 def test_run_that_fails_in_the_serverapp_is_reported_as_failure(tmp_path):
     # 5 clients per round cannot be served by 3 simulated SuperNodes: the
     # ServerApp fails at start, not after node-wait-timeout; `flwr run`

@@ -229,6 +229,9 @@ def test_aggregated_v_hat_equals_the_rule_of_algorithm_1():
     np.testing.assert_array_equal(again["w"], weighted.v_hat["w"])  # never decreases
 
 
+# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
+# the default suite within CI's 20 minutes; unit references cover the algorithm
+@pytest.mark.deploy
 @pytest.mark.e2e
 def test_fed_lamb_with_fedprox_runs_in_flower_simulation(tmp_path):
     """Flower carries v̂, v and μ (serialised records, ``<name>/<key>`` arrays)."""

@@ -318,6 +318,9 @@ def test_feddua_with_mime_is_built_from_the_run_config(api):
     assert type(strategy.rule).__name__ == "FedDuARule"
 
 
+# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
+# the default suite within CI's 20 minutes; unit references cover the algorithm
+@pytest.mark.deploy
 @pytest.mark.parametrize("name", ["mime", "mimelite"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgdm", "delta-sgd"])
 def test_run_config_requires_plain_sgd_clients(name, optimizer):

@@ -346,6 +346,9 @@ def test_moon_server_half_checks_its_parameters_and_is_picked_by_run_config():
 # --- end to end through Flower ---------------------------------------------------
 
 
+# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
+# the default suite within CI's 20 minutes; unit references cover the algorithm
+@pytest.mark.deploy
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("strategy", "optimizer"),

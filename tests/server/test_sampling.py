@@ -192,7 +192,9 @@ def test_aggregate_does_not_depend_on_reply_arrival_order():
 @pytest.mark.parametrize(
     # legacy: with make test-deploy (CI's 20-minute budget for the default suite)
     "api",
-    ["message", pytest.param("legacy", marks=pytest.mark.deploy)],
+    # both with make test-deploy (~90 s each here; the partition-query unit
+    # tests cover late answers in both APIs in the default suite)
+    [pytest.param(api, marks=pytest.mark.deploy) for api in ("message", "legacy")],
 )
 def test_simulation_reruns_train_the_same_partitions(tmp_path, api):
     """Two Flower simulations with the same seed (fresh random node ids each)
