@@ -318,9 +318,6 @@ def test_feddua_with_mime_is_built_from_the_run_config(api):
     assert type(strategy.rule).__name__ == "FedDuARule"
 
 
-# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
-# the default suite within CI's 20 minutes; unit references cover the algorithm
-@pytest.mark.deploy
 @pytest.mark.parametrize("name", ["mime", "mimelite"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgdm", "delta-sgd"])
 def test_run_config_requires_plain_sgd_clients(name, optimizer):
@@ -380,6 +377,9 @@ def test_client_half_refuses_a_bad_server_message(client):
 # --- end to end through Flower -------------------------------------------------------
 
 
+# a Ray simulation of ~40 s: with make test-deploy (CI runs it), to keep
+# the default suite within CI's 20 minutes; unit references cover the algorithm
+@pytest.mark.deploy
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("strategy", "name"),
