@@ -199,11 +199,22 @@ _OPTIMIZERS = [
 #: SGD; Fed-LAMB's moment exchange) in the default suite; the others, whose
 #: client code is the Message API's, with make test-deploy (CI's time budget)
 _LEGACY_DEFAULT = {"sgd", "fed-lamb"}
+#: through the Message API in the default suite: the adaptive client optimizers
+#: of the papers; Adam, SPS and consecutive-batch Δ-SGD (torch's or unit-tested
+#: steps on the same client path) with make test-deploy
+_MESSAGE_DEFAULT = {"sgd", "delta-sgd", "fed-lamb", "fed-ams"}
 
 
 @pytest.mark.parametrize(
     ("optimizer", "strategy", "lr", "api"),
-    [(*o, "message") for o in _OPTIMIZERS]
+    [
+        pytest.param(
+            *o,
+            "message",
+            marks=() if o[0] in _MESSAGE_DEFAULT else pytest.mark.deploy,
+        )
+        for o in _OPTIMIZERS
+    ]
     + [
         pytest.param(
             *o,
