@@ -569,10 +569,12 @@ def run_suite(
                             name=f"ray-slot-{slot}",
                         )
                     ).address
+                # each slot's SuperLink its own FLWR_HOME: the connection in
+                # its config.toml names that SuperLink (one shared file would
+                # send every status query to the last one started)
+                home = out / ".flwr" if slots == 1 else out / ".flwr" / f"slot-{slot}"
                 free.put(
-                    stack.enter_context(
-                        SimulationSuperLink(out / ".flwr", ray_address=address)
-                    )
+                    stack.enter_context(SimulationSuperLink(home, ray_address=address))
                 )
             where = (
                 f"the Ray cluster at {ray_address}"

@@ -554,3 +554,35 @@ def test_init_args_with_a_given_cluster_is_a_clear_error(tmp_path, monkeypatch, 
     )
     assert code == 2 and configs == []
     assert "init-args-num-cpus" in capsys.readouterr().err
+
+
+def test_each_slot_has_its_own_superlink_home(tmp_path, monkeypatch):
+    """Each slot's SuperLink writes its connection into its own FLWR_HOME:
+    with one shared config.toml every status query went to the SuperLink
+    started last ("Run ID not found" for the other slot's cells)."""
+    from fedadapt.tools import submission as cli
+
+    homes = []
+
+    class Recording(FakeSuperLink):
+        def __init__(self, flwr_home, *args, **kwargs):
+            super().__init__(flwr_home, *args, **kwargs)
+            homes.append(flwr_home)
+
+    def fake_flwr(args, env, **kw):
+        if args[0] == "run":
+            return json.dumps({"run-id": 1})
+        return ""
+
+    fake_ray(monkeypatch, 4, 0)
+    monkeypatch.setattr(cli, "SimulationSuperLink", Recording)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(
+        cli,
+        "run_status",
+        lambda *a: {"status": "finished:failed", "status-details": ""},
+    )
+    path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
+    main(["run", str(path), "--output", str(tmp_path / "out"),
+          "--federation-config", "client-resources-num-cpus=1"])  # fmt: skip
+    assert len(homes) == 3 and len(set(homes)) == 3, homes
