@@ -463,8 +463,8 @@ def run_suite(
     stopped here), or else on private clusters started for the suite and
     stopped at its end — one per *slot*, each slot running its share of the
     cells in turn (:mod:`fedadapt.tools.deploy.ray_cluster` says why one cell
-    at a time per cluster). ``parallel`` bounds the slots (None: as many as
-    the cores hold, at most four; each slot gets its share of the CPUs).
+    at a time per cluster). ``parallel`` bounds the slots (None: one per four
+    cores, at most four; each slot gets its share of the CPUs).
 
     ``federation_config`` is passed to every ``flwr run`` (its
     ``--federation-config``), e.g. ``"client-resources-num-gpus=0.25"`` so
@@ -567,6 +567,7 @@ def run_suite(
                             num_cpus=float(int(cpus // slots)),
                             num_gpus=sized.get(ray_cluster.INIT_GPUS),
                             name=f"ray-slot-{slot}",
+                            host=f"127.0.0.{2 + slot}",
                         )
                     ).address
                 # each slot's SuperLink its own FLWR_HOME: the connection in
@@ -1133,8 +1134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="N",
-        help="run at most N cells at once (default: as many as the Ray cluster's "
-        "CPUs/GPUs hold, each cell's clients keeping their resources)",
+        help="run at most N cells at once, each on its own private Ray cluster "
+        "with its share of the cores (default: one per four cores, at most four)",
     )
     parser.add_argument(
         "--ray-address",

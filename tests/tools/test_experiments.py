@@ -474,13 +474,14 @@ def _fake_suite_run(tmp_path, monkeypatch, cpus, gpus, *flags):
 
 
 def test_a_suite_starts_its_clusters_once_not_once_per_cell(tmp_path, monkeypatch):
-    """Issue #39: private clusters for the suite (not one per cell): on 4
-    CPUs with 1-CPU clients, 3 cells run at once, each slot its own cluster
-    of 4 // 3 = 1 CPU; the cells' federation config is the given one."""
+    """Issue #39: private clusters for the suite (not one per cell): on 12
+    CPUs with 1-CPU clients, 3 cells run at once (one slot per four cores),
+    each slot its own cluster of 4 CPUs; the cells' federation config is the
+    given one."""
     code, configs, cluster, most = _fake_suite_run(
         tmp_path,
         monkeypatch,
-        4,
+        12,
         0,
         "--federation-config",
         "client-resources-num-cpus=1",
@@ -574,7 +575,7 @@ def test_each_slot_has_its_own_superlink_home(tmp_path, monkeypatch):
             return json.dumps({"run-id": 1})
         return ""
 
-    fake_ray(monkeypatch, 4, 0)
+    fake_ray(monkeypatch, 12, 0)
     monkeypatch.setattr(cli, "SimulationSuperLink", Recording)
     monkeypatch.setattr(cli, "flwr", fake_flwr)
     monkeypatch.setattr(

@@ -48,7 +48,9 @@ def test_the_slots_pools_fit_the_machine_together(cpus, gpus, config, requested)
 
 
 def test_slot_examples():
-    assert suite_slots(None, 3, 2, 0, (1, 0)) == 2
+    assert suite_slots(None, 3, 2, 0, (1, 0)) == 1  # 2 cores: one slot
+    assert suite_slots(2, 3, 2, 0, (1, 0)) == 2  # unless asked
+    assert suite_slots(None, 3, 8, 0, (1, 0)) == 2  # one per four cores
     assert suite_slots(None, 3, 2, 0, (2, 0)) == 1
     assert suite_slots(None, 1, 64, 0, (1, 0)) == 1  # one cell
     assert suite_slots(None, 40, 64, 0, (1, 0)) == 4  # AUTO_SLOTS_MAX

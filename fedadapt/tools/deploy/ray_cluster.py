@@ -90,8 +90,10 @@ def client_resources(federation_config: str) -> tuple[float, float]:
     return cpus, _number(items, CLIENT_GPUS, FLOWER_CLIENT_GPUS)
 
 
-#: Slots a suite runs without ``--parallel``, at most (each is a Ray head,
-#: ~0.3 GB before its workers).
+#: Slots a suite runs without ``--parallel``: one per this many CPUs (a slot
+#: is a Ray head, a SuperLink and a ServerApp besides its clients: on 2 cores
+#: two slots starved each other's heartbeats), at most AUTO_SLOTS_MAX.
+AUTO_CPUS_PER_SLOT = 4
 AUTO_SLOTS_MAX = 4
 
 
@@ -104,7 +106,8 @@ def suite_slots(
 ) -> int:
     """How many cells a suite runs at once (slots, each its own cluster).
 
-    Bounded by ``requested`` (``--parallel``; None: :data:`AUTO_SLOTS_MAX`)
+    Bounded by ``requested`` (``--parallel``; None: one slot per
+    :data:`AUTO_CPUS_PER_SLOT` CPUs, at most :data:`AUTO_SLOTS_MAX`)
     and by the number of cells. Each slot gets ⌊CPUs / S⌋ CPUs, which must
     hold one client (c CPUs); with GPU clients the scaled share S·g must fit
     the GPUs and be at most one GPU or a whole number of them (Ray's rule for
@@ -112,7 +115,8 @@ def suite_slots(
     Flower's error to report (an empty actor pool).
     """
     client_cpus, client_gpus = client
-    bound = requested if requested is not None else AUTO_SLOTS_MAX
+    auto = max(1, min(AUTO_SLOTS_MAX, int(cpus // AUTO_CPUS_PER_SLOT)))
+    bound = requested if requested is not None else auto
     best = 1
     for slots in range(1, max(1, min(cells, bound)) + 1):
         fits = (cpus // slots) >= client_cpus
@@ -154,7 +158,8 @@ class PrivateRayCluster:
     limit), so other simulations on the machine do not join it.
 
     ``num_cpus`` defaults to the machine's cores; ``num_gpus`` to what Ray
-    detects. ``name`` names its log (``<log_dir>/<name>.log``).
+    detects. ``name`` names its log (``<log_dir>/<name>.log``); ``host`` is
+    its loopback address (one per cluster on a machine).
     """
 
     def __init__(
@@ -163,11 +168,13 @@ class PrivateRayCluster:
         num_cpus: float | None = None,
         num_gpus: float | None = None,
         name: str = "ray-head",
+        host: str = RAY_HOST,
     ) -> None:
         self.log_dir = log_dir
         self.num_cpus = num_cpus if num_cpus is not None else float(os.cpu_count() or 1)
         self.num_gpus = num_gpus
         self.name = name
+        self.host = host
         self.tree = ProcessTree()
         self.port = 0
         self.temp_dir: Path | None = None
@@ -175,7 +182,7 @@ class PrivateRayCluster:
     @property
     def address(self) -> str:
         """``host:port`` of the head (what ``RAY_ADDRESS`` takes)."""
-        return f"{RAY_HOST}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def __enter__(self) -> PrivateRayCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +192,7 @@ class PrivateRayCluster:
             program("ray"),
             "start",
             "--head",
-            f"--node-ip-address={RAY_HOST}",
+            f"--node-ip-address={self.host}",
             f"--port={self.port}",
             f"--ray-client-server-port={free_port()}",
             f"--dashboard-agent-listen-port={free_port()}",
