@@ -26,8 +26,7 @@ docs/extending.md shows them in use (FedDyn's tests,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,7 @@ from torch import nn
 
 from fedadapt.client import client_app, numpy_client
 from fedadapt.strategies import wire
+from fedadapt.strategies.identity import task_identity
 
 __all__ = [
     "Grid",
@@ -107,29 +107,6 @@ def make_contexts(num: int, run_config: Mapping[str, Any]) -> dict[int, Context]
         )
         for node in range(1, num + 1)
     }
-
-
-@contextmanager
-def task_identity(
-    run_id: int = 1, node_id: int = 0, task_id: int = 1
-) -> Iterator[None]:
-    """Set the run identity Flower gives a run; restore it on exit.
-
-    A ``Message`` built outside a run (a strategy's ``configure_train`` in a
-    test) needs one.
-    """
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
-        run_id,
-        node_id,
-        task_id,
-    )
-    try:
-        yield
-    finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def message_rounds(

@@ -24,7 +24,7 @@ def cfg():
 @pytest.fixture
 def task_identity():
     """Messages built outside a run need a run identity (Flower sets it in one)."""
-    from fedadapt.testing import task_identity as identity
+    from fedadapt.strategies.identity import task_identity as identity
 
     with identity():
         yield

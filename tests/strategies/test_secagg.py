@@ -189,9 +189,10 @@ def test_run_config_modes_and_the_old_boolean():
     [
         ({"secagg-modulus-range": 3 << 30}, "secagg-modulus-range"),
         ({"clients-per-round": 1024}, "secagg-quantization-range"),
-        (
+        pytest.param(  # the client-optimizer choices need the app (torch)
             {"strategy": "fed-lamb", "client-optimizer": "fed-lamb"},
             "secure-aggregation",
+            marks=pytest.mark.app,
         ),
         ({"local-update": "fedprox"}, "secure-aggregation"),
     ],
