@@ -519,6 +519,12 @@ def run_suite(
         )
     if ray_address:
         slots = 1  # one cluster: one cell at a time (Flower sizes a run's pool to it)
+        if parallel is not None and parallel > 1:
+            print(
+                f"fedadapt-exp: --parallel {parallel} ignored with --ray-address: "
+                "cells run one at a time on one cluster (docs/ray-cluster.md)",
+                file=sys.stderr,
+            )
     else:
         cpus = sized.get(ray_cluster.INIT_CPUS, float(os.cpu_count() or 1))
         gpus = sized.get(ray_cluster.INIT_GPUS, float(_visible_gpus()))

@@ -542,6 +542,23 @@ def test_a_given_cluster_is_used_and_never_started(tmp_path, monkeypatch):
     assert most == 1
 
 
+def test_parallel_with_a_given_cluster_says_it_is_ignored(
+    tmp_path, monkeypatch, capsys
+):
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        16,
+        0,
+        "--ray-address",
+        "127.0.0.9:6379",
+        "--parallel",
+        "3",
+    )
+    assert most == 1 and cluster.started == 0
+    assert "--parallel 3 ignored with --ray-address" in capsys.readouterr().err
+
+
 def test_init_args_with_a_given_cluster_is_a_clear_error(tmp_path, monkeypatch, capsys):
     code, configs, _, _ = _fake_suite_run(
         tmp_path,
