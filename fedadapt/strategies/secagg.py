@@ -206,7 +206,9 @@ def encode_update(
     arrays.append(np.array([update_sq_norm], dtype=np.float64))
     ratio = settings.weight_ratio(weight)
     c = settings.clipping_range
-    clipped = sum(int(np.count_nonzero(np.abs(a * ratio) > c)) for a in arrays)
+    # beyond ±c, and NaN/Inf (which Flower's quantiser would turn into
+    # arbitrary integers: a silently wrong sum): both refuse the round
+    clipped = sum(int(np.count_nonzero(~(np.abs(a * ratio) <= c))) for a in arrays)
     clipped += int(weight > settings.max_weight)
     return arrays, weight, clipped
 

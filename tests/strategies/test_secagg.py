@@ -54,6 +54,10 @@ def test_encode_update_is_the_update_then_its_norm_and_counts_clipping():
         sent, trained, 0.1, 400, _config(weighted, uniform=False)
     )
     assert clipped >= 1  # a weight above max_weight counts as an overflow
+    # a NaN or Inf update or norm is counted too: never quantised into a sum
+    bad = [np.full((2, 2), np.nan, np.float32), np.array([1, np.inf, 1], np.float32)]
+    _, _, clipped = encode_update(sent, bad, float("nan"), 40, _config(settings))
+    assert clipped == 4 + 1 + 1
 
 
 def test_flowers_quantisation_error_is_below_the_stated_bound():
