@@ -543,7 +543,7 @@ def apply_rule(
     report: ScreenReport,
     round_label: str,
     *,
-    secure_aggregation: bool = False,
+    secure_aggregation: bool | str = False,
     max_norm: float = 0.0,
     max_norm_ratio: float = 0.0,
     aggregation: str = "mean",
@@ -558,7 +558,9 @@ def apply_rule(
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
     Client-reported ``update-sq-norm`` values are used as given only with
-    ``secure_aggregation`` (and when every reply has one). Otherwise the rule
+    ``secure_aggregation`` (a bool, or a mode of
+    :func:`~fedadapt.strategies.secagg.secure_aggregation_mode`: any but
+    ``"off"``; and when every reply has one). Otherwise the rule
     computes each ‖Δ_i‖² while summing the arrays and uses its own value;
     reported values off by more than :data:`NORM_RTOL` are logged and counted
     in ``report.norm_mismatches`` (the reply is kept). ``max_norm`` and
@@ -578,6 +580,8 @@ def apply_rule(
     ``(None, {}, [])`` when none remain.
     """
     ordered = canonical_order(list(valid), weight_key)
+    # the string "off" is truthy: the mode decides, not the value's truth
+    trusts_reports = secure_aggregation_mode(secure_aggregation) != "off"
     center = None
     if aggregation == "centered_clipping" and aggregator_state is not None:
         center = _fitting_center(aggregator_state.center, reference, round_label)
@@ -585,7 +589,7 @@ def apply_rule(
         norms = [c.metrics.get(wire.UPDATE_SQ_NORM) for c in ordered]
         reported = [float(n) for n in norms if n is not None]
         trusted = None
-        if secure_aggregation and len(reported) == len(norms):
+        if trusts_reports and len(reported) == len(norms):
             trusted = reported
         try:
             stats = round_statistics(

@@ -1,0 +1,61 @@
+"""The attack suite (benchmarks/attacks.py) runs and measures what it says.
+
+The suite is a benchmark, not a test; these cases run its least-squares
+harness level on a tiny grid so that a change to the aggregation path's
+signature cannot break it silently (it did once: a secure-aggregation mode
+string was read as True, and every cell raised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.app  # the suite imports the run config (app side)
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location(
+        "attack_suite", ROOT / "benchmarks" / "attacks.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["attack_suite"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _grid(suite, defences: list[str], attacks: list[str]) -> dict:
+    args = argparse.Namespace(
+        level="harness", task=None, rounds=5, seeds=1,
+        strategies=["fedavg", "fedexp"], defences=defences,
+        attacks=attacks, hostile=[1],
+    )  # fmt: skip
+    return suite.run_grid(args)
+
+
+def test_harness_grid_runs_and_an_undefended_attack_moves_the_model() -> None:
+    suite = _suite()
+    doc = _grid(suite, ["default", "off"], ["ipm"])
+    cells = {(c["defence"], c["strategy"], c["attack"]): c for c in doc["cells"]}
+    assert len(cells) == 2 * 2 * 2  # defences × strategies × (honest, ipm)
+    for cell in cells.values():
+        assert cell["metric"] == cell["metric"]  # finite, not NaN
+    # oracle: the honest run is its own reference (distance 0); an attack
+    # with no defence moves FedAvg's model away from it
+    assert cells[("off", "fedavg", "none")]["distance"] == 0.0
+    assert cells[("off", "fedavg", "ipm")]["distance"] > 0.05
+
+
+def test_default_defence_uses_the_servers_own_norms() -> None:
+    """A false norm report changes nothing under the default (issue #38)."""
+    suite = _suite()
+    doc = _grid(suite, ["default"], ["false-norm"])
+    lied = [c for c in doc["cells"] if c["attack"] == "false-norm"]
+    assert lied and all(c["norm-mismatches"] > 0 for c in lied)
+    assert all(c["distance"] == 0.0 for c in lied)
