@@ -42,6 +42,8 @@ ATTACKS = (
     "false-norm",
     "false-weight",
     "label-flip",
+    "quiet-flip",
+    "quiet-orthogonal-flip",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -173,6 +175,15 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       times the largest honest ``num-examples``.
     - ``label-flip``: the update honest training on labels y → C−1−y gave
       (the caller trains so; the update is sent as it is).
+    - ``quiet-flip``: −Δ_own at the client's *own* honest norm, with its
+      true weight: nothing a norm bound or a weight cap can tell from an
+      honest reply (no defence that leaves honest norms and weights alone
+      can act on it; it measures what is left once those defences hold).
+    - ``quiet-orthogonal-flip``: −Δ_own without its component along μ, at
+      its own norm: cos(update, μ) = 0, so a defence that drops updates
+      pointing against the others' mean does not see it either; what is
+      left is the client-specific (on non-IID data: class-specific) part
+      reversed.
     """
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}; choose from {ATTACKS}")
@@ -200,6 +211,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         claim = FALSE_REPORT_FACTOR * max(view.honest_examples or (1.0,))
         flipped = craft("sign-flip", view)
         return [HostileReply(r.update, {"num-examples": claim}) for r in flipped]
+    if attack == "quiet-flip":
+        return [HostileReply(_scaled(o, -1.0)) for o in view.own]
+    if attack == "quiet-orthogonal-flip":
+        return [HostileReply(_with_norm(_without_mean(view, _scaled(o, -1.0)),
+                                        norm(o)))
+                for o in view.own]  # fmt: skip
     return [HostileReply(_scaled(o, 1.0)) for o in view.own]  # label-flip
 
 
@@ -217,19 +234,28 @@ def _same_for_all(view: RoundView, update: Arrays) -> list[HostileReply]:
     return [HostileReply({k: a.copy() for k, a in update.items()}) for _ in view.own]
 
 
-def _orthogonal(view: RoundView) -> Arrays:
-    """Return a Gaussian direction without its μ component, at the target norm."""
+def _without_mean(view: RoundView, arrays: Mapping[str, NDArray[Any]]) -> Arrays:
+    """Return ``arrays`` minus their component along μ (float arrays; float64).
+
+    Other arrays (integer step counters) are taken from μ.
+    """
     mu = honest_mean(view)
-    rng = np.random.default_rng(view.seed)
     keys = _float_keys(mu)
-    noise = {k: rng.standard_normal(mu[k].shape) for k in keys}
+    vec = {k: np.asarray(arrays[k], dtype=np.float64) for k in keys}
     mu_sq = sum(float(np.vdot(mu[k], mu[k])) for k in keys)
     if mu_sq > 0:
-        along = sum(float(np.vdot(noise[k], mu[k])) for k in keys) / mu_sq
-        noise = {k: noise[k] - along * mu[k] for k in keys}
-    direction = {k: noise[k].astype(mu[k].dtype) if k in noise else mu[k].copy()
-                 for k in mu}  # fmt: skip
-    return _with_norm(direction, _target(view))
+        along = sum(float(np.vdot(vec[k], mu[k])) for k in keys) / mu_sq
+        vec = {k: vec[k] - along * mu[k] for k in keys}
+    return {k: vec[k].astype(mu[k].dtype) if k in vec else mu[k].copy() for k in mu}
+
+
+def _orthogonal(view: RoundView) -> Arrays:
+    """Return a Gaussian direction without its μ component, at the target norm."""
+    rng = np.random.default_rng(view.seed)
+    mu = honest_mean(view)
+    noise = {k: rng.standard_normal(a.shape) if a.dtype.kind == "f" else a
+             for k, a in mu.items()}  # fmt: skip
+    return _with_norm(_without_mean(view, noise), _target(view))
 
 
 def _alie(view: RoundView) -> Arrays:

@@ -128,3 +128,24 @@ def test_every_attack_is_crafted_and_an_unknown_one_is_refused():
         assert all(np.all(np.isfinite(r.update["w"])) for r in replies)
     with pytest.raises(ValueError, match="unknown attack"):
         craft("gradient-ascent", view)
+
+
+def test_quiet_flip_is_the_own_update_reversed_at_its_own_norm():
+    view = _view(cap=2.5)
+    (reply,) = craft("quiet-flip", view)
+    np.testing.assert_array_equal(reply.update["w"], -view.own[0]["w"])
+    assert reply.update["steps"] == view.own[0]["steps"]
+    assert reply.claims == {}
+
+
+def test_quiet_orthogonal_flip_is_orthogonal_to_the_mean_at_its_own_norm():
+    view = _view(cap=2.5)
+    (reply,) = craft("quiet-orthogonal-flip", view)
+    sent = reply.update["w"].astype(np.float64)
+    own = view.own[0]["w"].astype(np.float64)
+    mu = _mu(view)
+    # oracle: Gram-Schmidt of -own against mu, rescaled to ||own||
+    expected = -own - (-own @ mu) / (mu @ mu) * mu
+    expected *= np.linalg.norm(own) / np.linalg.norm(expected)
+    np.testing.assert_allclose(sent, expected, rtol=1e-5, atol=1e-6)
+    assert abs(sent @ mu) / (np.linalg.norm(sent) * np.linalg.norm(mu)) < 1e-5
