@@ -131,11 +131,49 @@ def round_times(outcome: RunOutcome, rounds: int) -> dict[str, Any]:
     times = [r["wall_time_s"] for r in data["rounds"]]
     if len(times) != rounds:
         raise RuntimeError(f"{len(times)} of {rounds} rounds recorded")
-    return {
+    found = {
         "round_s": [round(t, 3) for t in times],
         "first_round_s": round(times[0], 3),
         "median_round_s": round(statistics.median(times[1:] or times), 3),
         "run_s": round(outcome.wall_time_s, 1),
+    }
+    clients = outcome.results.with_name("clients.jsonl")
+    if clients.exists():  # fedadapt's per-reply records (the minimal app has none)
+        found["breakdown"] = breakdown(clients, times)
+    return found
+
+
+def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
+    """Where a steady round goes, from clients.jsonl (issue #40 item 4).
+
+    Per round, over its replies: ``start-up`` = the slowest reply's
+    ``process_age_s − train_time_s`` (a new ``flwr-clientapp`` process per
+    message: interpreter, imports, data), ``training`` = the slowest
+    ``train_time_s`` (data from memory, training, evaluation when folded in),
+    and ``waiting`` = the round's wall time minus the oldest reply's process
+    age: what no client-side work explains (the SuperNode's 3-s idle poll,
+    the SuperExec's task poll, reply pushes, the ServerApp's pull, and the
+    server's own aggregation and central evaluation). Medians over rounds
+    2..N (s); None when the replies carry no process age (older clients).
+    """
+    per_round: dict[int, list[dict[str, Any]]] = {}
+    for line in clients.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("process_age_s") is not None and record.get("train_time_s"):
+            per_round.setdefault(record["round"], []).append(record)
+    parts: dict[str, list[float]] = {"start-up": [], "training": [], "waiting": []}
+    for number, wall in enumerate(times, start=1):
+        replies = per_round.get(number)
+        if number == 1 or not replies:
+            continue
+        ages = [r["process_age_s"] for r in replies]
+        parts["start-up"].append(max(a - r["train_time_s"] for a, r in
+                                     zip(ages, replies, strict=True)))  # fmt: skip
+        parts["training"].append(max(r["train_time_s"] for r in replies))
+        parts["waiting"].append(wall - max(ages))
+    return {
+        name: round(statistics.median(values), 3) if values else None
+        for name, values in parts.items()
     }
 
 
@@ -306,13 +344,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     sim = results.get("simulation", {})
     lines = [
         "| mode | fedadapt round (s) | minimal app round (s) | fedadapt / minimal "
-        "| fedadapt vs simulation | fedadapt round 1 (s) |",
-        "|---|---|---|---|---|---|",
+        "| fedadapt vs simulation | fedadapt round 1 (s) "
+        "| start-up / training / waiting (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "fedadapt" not in r:
             why = r.get("skipped") or f"failed: {r.get('failed', '')}"
-            lines.append(f"| {name} | {why[:90]} | | | | |")
+            lines.append(f"| {name} | {why[:90]} | | | | | |")
             continue
         ours, base = r["fedadapt"], r["minimal"]
         vs_sim = (
@@ -320,10 +359,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             if "fedadapt" in sim
             else "n/a"
         )
+        parts = ours.get("breakdown") or {}
+        split = " / ".join(
+            "n/a" if parts.get(k) is None else f"{parts[k]:.2f}"
+            for k in ("start-up", "training", "waiting")
+        )
         lines.append(
             f"| {name} | {ours['median_round_s']:.2f} | {base['median_round_s']:.2f} "
             f"| {r['fedadapt_vs_minimal']:.2f}x | {vs_sim} "
-            f"| {ours['first_round_s']:.2f} |"
+            f"| {ours['first_round_s']:.2f} | {split} |"
         )
     return "\n".join(lines)
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -301,10 +303,31 @@ def train_round(
     metrics[wire.PARTITION_ID] = partition_id  # who: for the per-reply records
     metrics[wire.TRAIN_TIME_S] = time.perf_counter() - started
     metrics[wire.TRAIN_DEVICE] = (device.index or 0) if device.type == "cuda" else -1
+    age = process_age_s()
+    if age is not None:
+        metrics[wire.PROCESS_AGE_S] = age
     node = ray_node()
     if node is not None:
         metrics[wire.RAY_NODE] = node
     return RoundResult(state, metrics, local)
+
+
+def process_age_s() -> float | None:
+    """Return the seconds since this process started, or None where unknown.
+
+    From Linux's ``/proc/self/stat`` (start time in clock ticks after boot)
+    and ``/proc/uptime``: a record for clients.jsonl (``process_age_s``) that
+    splits a deployment round's client time into the per-message process's
+    start-up and its training (issue #40). None on other systems.
+    """
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        # fields after the command name (which may hold spaces) in ")"
+        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def ray_node() -> int | None:

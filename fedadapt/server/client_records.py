@@ -54,6 +54,7 @@ _NAMED = {
     "train-loss": "train_loss",
     "train-accuracy": "train_accuracy",
     wire.TRAIN_TIME_S: "train_time_s",
+    wire.PROCESS_AGE_S: "process_age_s",
     "local-steps": "local_steps",
 }
 _OPTIMIZER_PREFIX = "opt-"

@@ -51,6 +51,10 @@ NUM_PARTITIONS: Final = "num-partitions"
 
 # an entry of a client's train metrics for the per-reply records
 TRAIN_TIME_S: Final = "train-time-s"  #: client wall seconds for the train message
+#: seconds the client's process had existed when it replied: in a deployment
+#: (one ``flwr-clientapp`` process per message) the process's start-up
+#: (interpreter, imports, data) is this minus ``train-time-s``
+PROCESS_AGE_S: Final = "process-age-s"
 #: where a simulated client ran: the first 48 bits of its Ray node id, as an
 #: integer (metrics are numbers); clients.jsonl writes it back as 12 hex digits
 RAY_NODE: Final = "ray-node"
@@ -62,7 +66,14 @@ TRAIN_DEVICE: Final = "train-device"
 #: the per-reply records, left out of the round's aggregated metrics (an
 #: average partition id means nothing; timings would make the aggregate,
 #: which a resumed run reproduces exactly, differ from run to run)
-PER_REPLY: Final = (PARTITION_ID, NUM_PARTITIONS, TRAIN_TIME_S, RAY_NODE, TRAIN_DEVICE)
+PER_REPLY: Final = (
+    PARTITION_ID,
+    NUM_PARTITIONS,
+    TRAIN_TIME_S,
+    PROCESS_AGE_S,
+    RAY_NODE,
+    TRAIN_DEVICE,
+)
 
 
 def without_per_reply(metrics: Mapping[str, V]) -> dict[str, V]:

@@ -92,9 +92,10 @@ def test_fedprox_mu_zero_trains_as_the_plain_client_bit_for_bit(optimizer, lr):
     prox = run({wire.LOCAL_UPDATE: "fedprox", "fedprox.mu": 1.0})
     for key, value in plain.state.items():
         assert torch.equal(zero.state[key], value), key
-    timing = ("fedprox-term", wire.TRAIN_TIME_S)  # wall time differs run to run
+    clocks = (wire.TRAIN_TIME_S, wire.PROCESS_AGE_S)  # differ run to run
+    timing = ("fedprox-term", *clocks)
     assert {k: v for k, v in zero.metrics.items() if k not in timing} == {
-        k: v for k, v in plain.metrics.items() if k != wire.TRAIN_TIME_S
+        k: v for k, v in plain.metrics.items() if k not in clocks
     }
     # not vacuous: μ > 0 trains another model, pulled towards w_t
     moved = lambda r: sum(  # noqa: E731
@@ -370,3 +371,19 @@ def test_fedprox_client_refuses_a_train_config_without_mu():
     with pytest.raises(ValueError, match="fedprox.mu must be a number >= 0, got None"):
         train_round(cfg, 0, 3, state, lr=0.1, server_round=1,
                     config={wire.LOCAL_UPDATE: "fedprox"})  # fmt: skip
+
+
+def test_process_age_counts_from_the_process_start() -> None:
+    """process-age-s (clients.jsonl's start-up split) against a known sleep."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time; time.sleep(1.0); "
+        "from fedadapt.client.local import process_age_s; print(process_age_s())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    # the sleep plus the import of fedadapt.client.local (torch: seconds)
+    assert 1.0 <= float(out) < 120.0

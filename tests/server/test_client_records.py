@@ -204,6 +204,8 @@ def test_every_reply_is_one_line_with_the_servers_norm(tmp_path):
         )
         assert r["num_examples"] > 0 and r["train_loss"] > 0
         assert 0 <= r["train_accuracy"] <= 1 and r["train_time_s"] > 0
+        # the actor's process existed before the message and through training
+        assert r["process_age_s"] > r["train_time_s"]
         # where it trained: this run's device, and a Ray actor's node
         assert r["device"] == "cpu"
         assert re.fullmatch(r"[0-9a-f]{12}", r["ray_node"]), r["ray_node"]
