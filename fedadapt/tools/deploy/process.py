@@ -70,9 +70,23 @@ def program(name: str) -> str:
     return found
 
 
+#: Seconds between a SuperExec's polls for a new task (Flower's default is 1;
+#: ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``): every message a SuperNode receives
+#: waits for this poll before its ClientApp process starts, and every run for
+#: the SuperLink's. 0.25 s cuts the mean wait from 0.5 s to 0.125 s per
+#: message (issue #40) for four local gRPC calls a second; a value the user
+#: set wins.
+TASK_POLL_INTERVAL_S = "0.25"
+
+
 def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
-    """Environment for Flower processes: our FLWR_HOME, no telemetry/installs."""
+    """Environment for Flower processes: our FLWR_HOME, no telemetry/installs.
+
+    Also the SuperExecs' task poll (:data:`TASK_POLL_INTERVAL_S`) unless the
+    environment sets one.
+    """
     return {
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL_INTERVAL_S,
         **os.environ,
         "FLWR_HOME": str(flwr_home),
         "FLWR_TELEMETRY_ENABLED": "0",

@@ -124,3 +124,20 @@ def test_image_runs_as_non_root_and_context_holds_no_secrets():
         r.startswith("!") or "__pycache__" in r or r.endswith(".pyc") for r in rules[1:]
     )
     assert not any("cert" in r or ".key" in r for r in rules if r.startswith("!"))
+
+
+def test_superexec_task_poll_is_shortened_the_same_way_everywhere(monkeypatch):
+    """fedadapt deploy and the compose files poll for tasks every 0.25 s (#40).
+
+    Flower reads FLWR_SUPEREXEC_TASK_POLL_INTERVAL (default 1 s); a value the
+    user set wins in both.
+    """
+    from fedadapt.tools.deploy.process import TASK_POLL_INTERVAL_S, flower_env
+
+    key = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+    monkeypatch.delenv(key, raising=False)
+    assert flower_env(ROOT)[key] == TASK_POLL_INTERVAL_S == "0.25"
+    monkeypatch.setenv(key, "2")
+    assert flower_env(ROOT)[key] == "2"
+    anchor = yaml.safe_load((DOCKER / "compose.yaml").read_text())["x-fedadapt"]
+    assert anchor["environment"][key] == f"${{{key}:-{TASK_POLL_INTERVAL_S}}}"
