@@ -155,10 +155,13 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
     the SuperExec's task poll, reply pushes, the ServerApp's pull, and the
     server's own aggregation and central evaluation). Medians over rounds
     2..N (s); None when the replies carry no process age (older clients).
+    ``devices``: every reply's training device (``cpu``, ``cuda:0``, …).
     """
     per_round: dict[int, list[dict[str, Any]]] = {}
+    devices: set[str] = set()
     for line in clients.read_text().splitlines():
         record = json.loads(line)
+        devices.add(str(record.get("device")))
         if record.get("process_age_s") is not None and record.get("train_time_s"):
             per_round.setdefault(record["round"], []).append(record)
     parts: dict[str, list[float]] = {"start-up": [], "training": [], "waiting": []}
@@ -171,10 +174,12 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
                                      zip(ages, replies, strict=True)))  # fmt: skip
         parts["training"].append(max(r["train_time_s"] for r in replies))
         parts["waiting"].append(wall - max(ages))
-    return {
+    found: dict[str, Any] = {
         name: round(statistics.median(values), 3) if values else None
         for name, values in parts.items()
     }
+    found["devices"] = sorted(devices)  # where the replies trained
+    return found
 
 
 def run_apps(target: Any, work: Path, rounds: int, **kw: Any) -> dict[str, Any]:

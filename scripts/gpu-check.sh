@@ -11,6 +11,8 @@
 # Without flwr in the interpreter it installs the wheels in .gpu-wheels/
 # (flwr 1.42, flwr-datasets and what the image lacks: flower-notes §13;
 # digits' Dirichlet split needs flwr-datasets). Output: $OUT.
+# CHECKS="pytest startup deployment" (the default) picks which of 1-3 run;
+# ROUNDS (default 4) is the deployment benchmark's rounds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -23,14 +25,22 @@ fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" | tee -a "$OUT/gpu.txt"
+CHECKS=${CHECKS:-pytest startup deployment}
 status=0
+if [[ " $CHECKS " == *" pytest "* ]]; then
 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/tools/deploy/test_deploy_gpu.py > "$OUT/pytest-gpu.txt" 2>&1 || status=1
 tail -15 "$OUT/pytest-gpu.txt"
+fi
+if [[ " $CHECKS " == *" startup "* ]]; then
 timeout 150 "$PY" benchmarks/clientapp_startup.py --repo . ${OLD:+--repo "$OLD"} \
     --repeats 2 --json "$OUT/clientapp-startup-gpu.json" > "$OUT/clientapp-startup.txt" 2>&1 || status=1
 tail -25 "$OUT/clientapp-startup.txt"
-timeout 220 "$PY" benchmarks/deployment.py --modes processes --rounds 4 --device cuda \
+fi
+if [[ " $CHECKS " == *" deployment "* ]]; then
+timeout "${DEPLOY_TIMEOUT:-220}" "$PY" benchmarks/deployment.py --modes processes \
+    --rounds "${ROUNDS:-4}" --device cuda \
     --output "$OUT/deployment-gpu.json" > "$OUT/deployment.txt" 2>&1 || status=1
 tail -25 "$OUT/deployment.txt"
+fi
 exit $status
