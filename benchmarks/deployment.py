@@ -61,7 +61,14 @@ CONFIG: dict[str, Any] = {
 MINIMAL = ROOT / "benchmarks" / "minimal_app"
 MINIMAL_CONFIG: dict[str, Any] = {"local-steps": 10, "batch-size": 32,
                                   "client-lr": 0.1}  # fmt: skip
-APPS = {"fedadapt": (ROOT, CONFIG), "minimal": (MINIMAL, MINIMAL_CONFIG)}
+#: fedadapt as it runs, fedadapt without the node's warm worker (each
+#: message's flwr-clientapp process does the work itself: before issue #40's
+#: worker; the simulation never uses one) and the minimal app, same run.
+APPS = {
+    "fedadapt": (ROOT, CONFIG),
+    "fedadapt-no-worker": (ROOT, {**CONFIG, "client-worker": "off"}),
+    "minimal": (MINIMAL, MINIMAL_CONFIG),
+}
 #: Each app's ClientApp module: what every flwr-clientapp process imports.
 CLIENT_MODULES = {
     "fedadapt": "fedadapt.client.client_app",
@@ -182,30 +189,37 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
     return found
 
 
-def run_apps(target: Any, work: Path, rounds: int, **kw: Any) -> dict[str, Any]:
+def run_apps(
+    target: Any, work: Path, rounds: int, apps: tuple[str, ...] = tuple(APPS), **kw: Any
+) -> dict[str, Any]:
     """Run each app of :data:`APPS` on ``target``, one after the other.
 
     Returns per app the round times (:func:`round_times`) and, when both ran,
-    ``fedadapt_vs_minimal``: the ratio of their median steady rounds.
+    ``fedadapt_vs_minimal`` (and ``fedadapt-no-worker_vs_minimal``): the
+    ratio of their median steady rounds. ``apps`` narrows the apps run.
     """
     found: dict[str, Any] = {}
     output_dir = kw.pop("output_dir", None)
     for name, (app, config) in APPS.items():
+        if name not in apps:
+            continue
         out = output_dir or str(work / name)
         cfg = {**config, "num-server-rounds": rounds, "output-dir": out}
         found[name] = round_times(
             submit_run(target, app, cfg, CLIENTS, TIMEOUT, **kw), rounds
         )
-    found["fedadapt_vs_minimal"] = round(
-        found["fedadapt"]["median_round_s"] / found["minimal"]["median_round_s"], 2
-    )
+    for name in ("fedadapt", "fedadapt-no-worker"):
+        if name in found and "minimal" in found:
+            found[f"{name}_vs_minimal"] = round(
+                found[name]["median_round_s"] / found["minimal"]["median_round_s"], 2
+            )
     return found
 
 
 def simulation(work: Path, rounds: int) -> dict[str, Any]:
     """Flower's Ray simulation on a private simulation SuperLink."""
-    with SimulationSuperLink(work / "home") as link:
-        return run_apps(link, work, rounds)
+    with SimulationSuperLink(work / "home") as link:  # no worker in simulation
+        return run_apps(link, work, rounds, apps=("fedadapt", "minimal"))
 
 
 def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
@@ -344,36 +358,39 @@ def modes(
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown table: median steady round of both apps, their ratio, and
-    each against the simulation of the same app."""
+    """Markdown table: each fedadapt variant's median steady round against the
+    minimal app's of the same mode, against the simulation, and its split."""
     sim = results.get("simulation", {})
     lines = [
-        "| mode | fedadapt round (s) | minimal app round (s) | fedadapt / minimal "
-        "| fedadapt vs simulation | fedadapt round 1 (s) "
-        "| start-up / training / waiting (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | app | round (s) | minimal app round (s) | vs minimal "
+        "| vs simulation | round 1 (s) | start-up / training / waiting (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "fedadapt" not in r:
             why = r.get("skipped") or f"failed: {r.get('failed', '')}"
-            lines.append(f"| {name} | {why[:90]} | | | | | |")
+            lines.append(f"| {name} | {why[:90]} | | | | | | |")
             continue
-        ours, base = r["fedadapt"], r["minimal"]
-        vs_sim = (
-            f"{ours['median_round_s'] / sim['fedadapt']['median_round_s']:.1f}x"
-            if "fedadapt" in sim
-            else "n/a"
-        )
-        parts = ours.get("breakdown") or {}
-        split = " / ".join(
-            "n/a" if parts.get(k) is None else f"{parts[k]:.2f}"
-            for k in ("start-up", "training", "waiting")
-        )
-        lines.append(
-            f"| {name} | {ours['median_round_s']:.2f} | {base['median_round_s']:.2f} "
-            f"| {r['fedadapt_vs_minimal']:.2f}x | {vs_sim} "
-            f"| {ours['first_round_s']:.2f} | {split} |"
-        )
+        base = r["minimal"]
+        for app in ("fedadapt", "fedadapt-no-worker"):
+            if app not in r:
+                continue
+            ours = r[app]
+            vs_sim = (
+                f"{ours['median_round_s'] / sim['fedadapt']['median_round_s']:.1f}x"
+                if "fedadapt" in sim
+                else "n/a"
+            )
+            parts = ours.get("breakdown") or {}
+            split = " / ".join(
+                "n/a" if parts.get(k) is None else f"{parts[k]:.2f}"
+                for k in ("start-up", "training", "waiting")
+            )
+            lines.append(
+                f"| {name} | {app} | {ours['median_round_s']:.2f} "
+                f"| {base['median_round_s']:.2f} | {r[f'{app}_vs_minimal']:.2f}x "
+                f"| {vs_sim} | {ours['first_round_s']:.2f} | {split} |"
+            )
     return "\n".join(lines)
 
 

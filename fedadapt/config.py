@@ -305,6 +305,13 @@ _RUN_KEYS: tuple[Key, ...] = (
         "reruns train the same clients; false = Flower's unseeded sampling."),
     Key("device", "auto", "Client training device: auto (CUDA if visible), cpu, cuda.",
         choices=("auto", "cpu", "cuda")),
+    Key("client-worker", "auto", "Where a deployment's client work runs. auto: "
+        "Flower starts a new flwr-clientapp process for every message; it imports "
+        "Flower only and hands the message to the node's warm worker, which keeps "
+        "torch, CUDA and the node's data loaded between messages and ends with its "
+        "SuperNode or after 10 idle minutes (simulations and in-process runs are "
+        "warm already and do not use one). off: every message's process does the "
+        "work itself.", choices=("auto", "off")),
     Key("output-dir", "outputs", "Where run folders are written; use an absolute "
         "path (the ServerApp runs in the SuperLink's working directory)."),
     Key("run-name", "", "Run folder name; empty = <time>-<task>-<strategy>-<run id>."),

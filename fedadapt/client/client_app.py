@@ -17,158 +17,71 @@ evaluate the received model first, as an ``evaluate`` message would, and
 send the scores with the trained model. A ``query`` message is
 answered with the node's ``partition-id`` and ``num-partitions`` (the
 ServerApp's seeded sampling orders nodes by them).
+
+This module imports Flower only. The training work is in
+:mod:`fedadapt.client.handlers`; in a deployment's one-message
+``flwr-clientapp`` processes it runs in the node's warm worker
+(:mod:`fedadapt.client.worker`; run-config ``client-worker``, ``auto``:
+there, and nowhere else; ``off``: in each process as Flower starts it).
 """
 
 from __future__ import annotations
 
-import io
-from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
-import numpy as np
-import torch
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SType
 
-from fedadapt.client.local import (
-    config_number,
-    data_path_of,
-    evaluate_round,
-    partition_of,
-    train_round,
-)
-from fedadapt.config import validate_run_config
+from fedadapt.client import worker
+from fedadapt.client.node import data_path_of, partition_of
 from fedadapt.strategies import wire
-from fedadapt.strategies.arrays import array_view, dtype_name
 
 app = ClientApp()
 
-
-def _numpy(record: ArrayRecord | None) -> dict[str, Any] | None:
-    return None if record is None else {k: v.numpy() for k, v in record.items()}
-
-
-@lru_cache(maxsize=1024)
-def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
-    """Return the ``.npy`` header ``np.save`` writes for a C-ordered array (cached)."""
-    buffer = io.BytesIO()
-    empty = np.empty(shape, dtype)
-    np.save(buffer, empty, allow_pickle=False)
-    return buffer.getvalue()[: buffer.tell() - empty.nbytes]
+#: run-config key: where a deployment's messages are handled
+WORKER_KEY = "client-worker"
 
 
-def _array(values: np.ndarray) -> Array:
-    """Flower's ``Array(values)``, the same bytes, with the header written once.
+def uses_worker(run_config: dict[str, Any]) -> bool:
+    """Return whether this process hands its message to the node's worker.
 
-    Flower's ``np.save`` per array formats its header every time (a fifth of
-    a millisecond a small model's reply); a model's shapes repeat.
+    ``client-worker = "auto"`` (the default): in Flower's one-message
+    ``flwr-clientapp`` processes (deployment), not in a simulation's Ray
+    actors or in-process tests; ``"off"``: never.
     """
-    if not values.flags.c_contiguous or values.dtype.hasobject:
-        return Array(values)
-    header = _npy_header(values.dtype, values.shape)
-    return Array(
-        dtype=dtype_name(values.dtype),
-        shape=tuple(values.shape),
-        stype=SType.NUMPY,
-        data=header + values.tobytes(),
-    )
+    return run_config.get(WORKER_KEY, "auto") != "off" and worker.in_clientapp_process()
 
 
-def _record(arrays: Mapping[str, Any]) -> ArrayRecord:
-    return ArrayRecord({k: _array(v) for k, v in arrays.items()})
+def handle(kind: str, content: RecordDict, context: Context) -> RecordDict:
+    """Return the reply content of message ``kind``, here or on the worker."""
+    if uses_worker(dict(context.run_config)):
+        reply = worker.call(kind, content, context)
+        metrics = reply.metric_records.get(wire.METRICS)
+        age = worker.process_age_s()
+        if metrics is not None and wire.PROCESS_AGE_S in metrics and age is not None:
+            # this message's process, not the long-lived worker: its start-up
+            # (and the hand-over) is process-age-s − train-time-s
+            metrics[wire.PROCESS_AGE_S] = age
+        return reply
+    from fedadapt.client.handlers import HANDLERS
 
-
-def _state_dict(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """``record.to_torch_state_dict()``'s tensors, without ``np.load`` per array.
-
-    The values are read as views of the bytes (headers parsed once per
-    shape, :func:`~fedadapt.strategies.arrays.array_view`) and copied once
-    into writable tensors.
-    """
-    return {k: torch.from_numpy(array_view(v).copy()) for k, v in record.items()}
+    return HANDLERS[kind](content, context)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on the local partition; reply with weights and metrics.
 
-    When the train config sets ``evaluate-first`` (federated evaluation
-    folded into the train exchange, run-config
-    ``federated-eval-exchange``), the received model is first evaluated
-    exactly as :func:`evaluate` does, and the scores travel as a second
-    MetricRecord, ``evaluate-metrics``, beside the train metrics.
+    See :func:`fedadapt.client.handlers.train` (federated evaluation folded
+    in with ``evaluate-first``).
     """
-    cfg = validate_run_config(context.run_config)
-    pid, num = partition_of(context.node_config)
-    records = msg.content.array_records
-    config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
-    received = _state_dict(records[wire.ARRAYS])
-    scores = None
-    if config.get(wire.EVALUATE_FIRST, False):
-        scores = _evaluate(cfg, pid, num, received, context)
-    result = train_round(
-        cfg,
-        pid,
-        num,
-        received,
-        lr=config_number(config.get(wire.LR, cfg["client-lr"])),
-        server_round=int(config_number(config.get(wire.SERVER_ROUND, 0))),
-        config=config,
-        local_arrays=_numpy(records.get(wire.LOCAL_ARRAYS)),
-        client_state=context.state,
-        data_path=data_path_of(context.node_config),
-        node_id=context.node_id,
-    )
-    content = RecordDict(
-        {
-            wire.ARRAYS: _record({k: v.numpy() for k, v in result.state.items()}),
-            wire.METRICS: MetricRecord(dict(result.metrics)),
-        }
-    )
-    if scores is not None:
-        content[wire.EVALUATE_METRICS] = scores
-    if result.local_arrays is not None:
-        content[wire.LOCAL_ARRAYS] = _record(result.local_arrays)
-    return Message(content=content, reply_to=msg)
+    return Message(content=handle("train", msg.content, context), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received global model on the local test split."""
-    cfg = validate_run_config(context.run_config)
-    pid, num = partition_of(context.node_config)
-    state = _state_dict(msg.content.array_records[wire.ARRAYS])
-    metrics = _evaluate(cfg, pid, num, state, context)
-    return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)
-
-
-def _evaluate(
-    cfg: Mapping[str, Any],
-    pid: int,
-    num: int,
-    state: Mapping[str, torch.Tensor],
-    context: Context,
-) -> MetricRecord:
-    """Return this node's evaluation of ``state``: evaluate and folded train."""
-    scores = evaluate_round(
-        cfg,
-        pid,
-        num,
-        state,
-        data_path=data_path_of(context.node_config),
-        node_id=context.node_id,
-    )
-    return MetricRecord(dict(scores))
+    return Message(content=handle("evaluate", msg.content, context), reply_to=msg)
 
 
 @app.query()

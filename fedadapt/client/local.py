@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,11 +26,12 @@ from fedadapt.client.local_update import (
     load_client_state,
     save_client_state,
 )
+from fedadapt.client.process_info import process_age_s
 from fedadapt.client.training import train_local
 from fedadapt.optimizers import OPTIMIZERS
 from fedadapt.strategies import wire
 from fedadapt.tasks import TASKS, ClientData, evaluate_model, pick_device
-from fedadapt.tasks.node_data import DATA_PATH, NodeDataError, load_node_data
+from fedadapt.tasks.node_data import NodeDataError, load_node_data
 from fedadapt.tasks.ready_data import ready_client_data, tree_signature
 
 #: Clients whose data a process keeps (index lists into the task's cached
@@ -312,24 +311,6 @@ def train_round(
     return RoundResult(state, metrics, local)
 
 
-def process_age_s() -> float | None:
-    """Return the seconds since this process started, or None where unknown.
-
-    From Linux's ``/proc/self/stat`` (start time in clock ticks after boot)
-    and ``/proc/uptime``: a record for clients.jsonl (``process_age_s``) that
-    splits a deployment round's client time into the per-message process's
-    start-up and its training (issue #40). None on other systems.
-    """
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        # fields after the command name (which may hold spaces) in ")"
-        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def ray_node() -> int | None:
     """Return the first 48 bits of the Ray node id this process runs on, or None.
 
@@ -372,38 +353,3 @@ def evaluate_round(
     }
     metrics[wire.NUM_EXAMPLES] = int(scores["num-examples"])
     return metrics
-
-
-def config_number(value: object) -> float:
-    """Return a numeric value of the server's train config, or raise TypeError."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"expected a number in the train config, got {value!r}")
-    return float(value)
-
-
-def data_path_of(node_config: Mapping[str, Any]) -> str | None:
-    """Return node-config ``data-path`` (the node's own data), or None."""
-    value = node_config.get(DATA_PATH)
-    return None if value is None or str(value) == "" else str(value)
-
-
-def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
-    """Return (partition-id, num-partitions) from a SuperNode's node config.
-
-    A node with its own data (``data-path``) needs no partition; without
-    one it is (0, 1), which only seeds its shuffling.
-    """
-    if data_path_of(node_config) is not None and (wire.PARTITION_ID not in node_config):
-        return 0, 1
-    try:
-        pid = int(node_config[wire.PARTITION_ID])
-        num = int(node_config[wire.NUM_PARTITIONS])
-    except KeyError as missing:
-        raise ValueError(
-            f"node config lacks {missing}; start the SuperNode with "
-            '--node-config "partition-id=<i> num-partitions=<n>" (a partition '
-            "of the task's data) or --node-config 'data-path=\"<path>\"' (its own)"
-        ) from None
-    if not 0 <= pid < num:
-        raise ValueError(f"partition-id {pid} is outside [0, num-partitions={num})")
-    return pid, num

@@ -28,13 +28,8 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import Context, Message, NDArrays, RecordDict, Scalar
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedadapt.client.local import (
-    config_number,
-    data_path_of,
-    evaluate_round,
-    partition_of,
-    train_round,
-)
+from fedadapt.client.local import evaluate_round, train_round
+from fedadapt.client.node import config_number, data_path_of, partition_of
 from fedadapt.config import validate_run_config
 from fedadapt.strategies import wire
 from fedadapt.strategies.local_update import legacy_names

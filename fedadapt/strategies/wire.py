@@ -45,9 +45,12 @@ UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable 
 SECAGG_CLIPPED: Final = "secagg-clipped"
 LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state reset
 
-# a node's answer to the server's query message (seeded sampling)
+# a node's answer to the server's query message (seeded sampling), also
+# its node-config keys
 PARTITION_ID: Final = "partition-id"
 NUM_PARTITIONS: Final = "num-partitions"
+#: node-config key: the node's own data on disk (fedadapt.tasks.node_data)
+DATA_PATH: Final = "data-path"
 
 # an entry of a client's train metrics for the per-reply records
 TRAIN_TIME_S: Final = "train-time-s"  #: client wall seconds for the train message

@@ -61,6 +61,7 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from fedadapt.strategies import wire
 from fedadapt.tasks.base import ClientData, DataSpec, Task
 from fedadapt.tasks.partition import (
     PARTITIONS,
@@ -70,7 +71,7 @@ from fedadapt.tasks.ready_data import ready_client_data, tree_signature
 
 #: the node-config key that points a SuperNode at its own data (Flower's
 #: convention for deployments, as ``flwr-datasets create`` documents it)
-DATA_PATH = "data-path"
+DATA_PATH = wire.DATA_PATH
 
 FORMATS = ("hf", "npz", "imagefolder")
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedadapt.client.client_app import _array, _record, _state_dict
+from fedadapt.client.handlers import _array, _record, _state_dict
 from fedadapt.tasks import TASKS
 
 ARRAYS = [

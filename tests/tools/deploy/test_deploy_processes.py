@@ -186,3 +186,53 @@ def _start_thread(target, *args):
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
     return thread
+
+
+@pytest.mark.e2e
+@pytest.mark.deploy
+def test_deployment_reuses_one_warm_worker_per_node_and_leaves_none(
+    tmp_path, monkeypatch
+):
+    """Issue #40: each node's messages go to one worker, started once.
+
+    Flower starts a new flwr-clientapp process per message; with
+    client-worker=auto each hands its message to the node's worker, which
+    must serve every round (one start per node in its log), and end with
+    the deployment (none left, checked by pid and by FLWR_HOME).
+    """
+    import re
+    import tempfile
+
+    from fedadapt.client import worker
+
+    # a short folder of our own for the workers' sockets (Unix socket paths
+    # are limited to ~107 characters) and logs
+    short = Path(tempfile.mkdtemp(prefix="fw", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(short))
+    workdir = tmp_path / "deploy"
+    try:
+        with LocalDeployment(workdir, 2) as deployment:
+            out = tmp_path / "run"
+            config = {**RUN, "clients-per-round": 2, "num-server-rounds": 3,
+                      "output-dir": str(out)}  # fmt: skip
+            outcome = submit_run(deployment, ROOT, config, 2, timeout=400)
+            assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
+            data = _results(outcome.results)
+            assert data["status"] == "completed"
+            assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2, 2]
+            logs = sorted(short.glob("fedadapt-workers-*/*.log"))
+            starts = [re.findall(r"worker (\d+): listening", p.read_text())
+                      for p in logs]  # fmt: skip
+            assert len(logs) == 2 and all(len(s) == 1 for s in starts), starts
+            pids = [int(s[0]) for s in starts]
+            assert all(worker.alive(pid, None) for pid in pids)
+            # every reply still names the per-message process's own age
+            lines = outcome.results.with_name("clients.jsonl").read_text()
+            records = [json.loads(line) for line in lines.splitlines()]
+            assert all(r["process_age_s"] > 0 for r in records)
+        assert_no_processes_under(workdir)
+        assert not any(worker.alive(pid, None) for pid in pids)
+    finally:
+        import shutil
+
+        shutil.rmtree(short, ignore_errors=True)

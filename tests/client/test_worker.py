@@ -1,0 +1,124 @@
+"""The node's warm worker (fedadapt.client.worker) against the in-process ClientApp.
+
+Oracle: the same train message handled in this process
+(:func:`fedadapt.client.handlers.train`) gives bit-identical arrays, the
+same metrics (clocks aside) and the same node state as through the worker;
+an error in the worker is raised again here with its type and text. And the
+worker's lifetime: it ends with its owner process and after its idle time,
+and removes its socket.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+from fedadapt.client import handlers, worker
+from fedadapt.strategies import wire
+from tests.client.harness import RUN_CONFIG, global_state
+
+pytestmark = pytest.mark.app
+
+CLOCKS = (wire.TRAIN_TIME_S, wire.PROCESS_AGE_S)
+
+
+@pytest.fixture
+def owner():
+    """A stand-in for Flower's SuperExec: the worker lives while it does."""
+    process = subprocess.Popen(["sleep", "300"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def _context(node: int = 7) -> Context:
+    run_config = dict(RUN_CONFIG)
+    node_config = {"partition-id": 1, "num-partitions": 3}
+    return Context(1, node, node_config, RecordDict(), run_config)
+
+
+def _train_content(server_round: int) -> RecordDict:
+    # MOON keeps the node's previous local model in context.state
+    config = ConfigRecord({wire.SERVER_ROUND: server_round, wire.LR: 0.05,
+                           wire.LOCAL_UPDATE: "moon", "moon.mu": 1.0,
+                           "moon.temperature": 0.5})  # fmt: skip
+    return RecordDict({wire.ARRAYS: ArrayRecord(global_state()), wire.CONFIG: config})
+
+
+def _worker_pids(owner_pid: int, node: int) -> list[int]:
+    address = worker.WorkerAddress.for_node(node, owner_pid)
+    text = address.log.read_text() if address.log.exists() else ""
+    return [int(p) for p in re.findall(r"worker (\d+): listening", text)]
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not worker.alive(pid, None):
+            return True
+        # reap nothing: the worker is not our child once its starter returns
+        time.sleep(0.2)
+    return False
+
+
+def _same_reply(here: RecordDict, there: RecordDict) -> None:
+    assert set(here) == set(there)
+    for name in here.array_records:
+        mine, theirs = here[name], there[name]
+        assert list(mine) == list(theirs)
+        for key in mine:
+            np.testing.assert_array_equal(mine[key].numpy(), theirs[key].numpy())
+    for name in here.metric_records:
+        strip = lambda r: {k: v for k, v in r.items() if k not in CLOCKS}  # noqa: E731
+        assert strip(here[name]) == strip(there[name])
+
+
+def test_worker_trains_exactly_as_the_process_would_and_keeps_the_state(
+    owner, monkeypatch
+):
+    monkeypatch.setenv("FEDADAPT_WORKER_IDLE_S", "120")
+    here, there = _context(), _context()
+    for server_round in (1, 2):  # round 2 uses the state round 1 left
+        mine = handlers.train(_train_content(server_round), here)
+        theirs = worker.call("train", _train_content(server_round), there, owner.pid)
+        _same_reply(mine, theirs)
+        assert list(here.state) == list(there.state) != []
+        for name in here.state.array_records:
+            for key, value in here.state[name].items():
+                np.testing.assert_array_equal(
+                    value.numpy(), there.state[name][key].numpy()
+                )
+    # both messages went to one worker, started once
+    pids = _worker_pids(owner.pid, 7)
+    assert len(pids) == 1 and worker.alive(pids[0], None)
+    # it ends with its owner (the SuperExec, in a deployment), socket removed
+    owner.kill()
+    owner.wait()
+    assert _gone(pids[0], within=10)
+    assert not worker.WorkerAddress.for_node(7, owner.pid).socket.exists()
+
+
+def test_worker_errors_are_raised_again_and_idle_workers_leave(owner, monkeypatch):
+    monkeypatch.setenv("FEDADAPT_WORKER_IDLE_S", "2")
+    context = _context(node=8)
+    context.node_config.pop("partition-id")  # an unusable node config
+    with pytest.raises(ValueError, match="node config lacks 'partition-id'"):
+        worker.call("train", _train_content(1), context, owner.pid)
+    (pid,) = _worker_pids(owner.pid, 8)
+    assert worker.alive(pid, None)  # an error in a message ends nothing
+    assert _gone(pid, within=15)  # but 2 idle seconds do
+
+
+def test_only_flowers_one_message_process_uses_a_worker(monkeypatch):
+    from fedadapt.client import client_app
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/flwr-clientapp", "--token", "x"])
+    assert client_app.uses_worker({})
+    assert not client_app.uses_worker({"client-worker": "off"})
+    monkeypatch.setattr("sys.argv", ["/venv/bin/pytest"])
+    assert not client_app.uses_worker({})
