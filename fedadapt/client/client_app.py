@@ -27,45 +27,28 @@ there, and nowhere else; ``off``: in each process as Flower starts it).
 
 from __future__ import annotations
 
-from typing import Any
-
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedadapt.client import worker
-from fedadapt.client.node import data_path_of, partition_of
+from fedadapt.client.node import partition_properties
 from fedadapt.strategies import wire
 
 app = ClientApp()
 
-#: run-config key: where a deployment's messages are handled
-WORKER_KEY = "client-worker"
-
-
-def uses_worker(run_config: dict[str, Any]) -> bool:
-    """Return whether this process hands its message to the node's worker.
-
-    ``client-worker = "auto"`` (the default): in Flower's one-message
-    ``flwr-clientapp`` processes (deployment), not in a simulation's Ray
-    actors or in-process tests; ``"off"``: never.
-    """
-    return run_config.get(WORKER_KEY, "auto") != "off" and worker.in_clientapp_process()
-
 
 def handle(kind: str, content: RecordDict, context: Context) -> RecordDict:
     """Return the reply content of message ``kind``, here or on the worker."""
-    if uses_worker(dict(context.run_config)):
-        reply = worker.call(kind, content, context)
-        metrics = reply.metric_records.get(wire.METRICS)
-        age = worker.process_age_s()
-        if metrics is not None and wire.PROCESS_AGE_S in metrics and age is not None:
-            # this message's process, not the long-lived worker: its start-up
-            # (and the hand-over) is process-age-s − train-time-s
-            metrics[wire.PROCESS_AGE_S] = age
-        return reply
+    if worker.uses_worker(dict(context.run_config)):
+        answer: RecordDict = worker.call(kind, content, context)
+        metrics = answer.metric_records.get(wire.METRICS)
+        if metrics is not None:
+            worker.as_own_process(metrics)
+        return answer
     from fedadapt.client.handlers import HANDLERS
 
-    return HANDLERS[kind](content, context)
+    reply: RecordDict = HANDLERS[kind](content, context)
+    return reply
 
 
 @app.train()
@@ -91,10 +74,5 @@ def query(msg: Message, context: Context) -> Message:
     A node with its own data (``data-path``) and no ``partition-id`` answers
     without one (it is sampled after the numbered nodes).
     """
-    if wire.PARTITION_ID not in context.node_config and data_path_of(
-        context.node_config
-    ):
-        return Message(content=RecordDict({wire.METRICS: MetricRecord()}), reply_to=msg)
-    pid, num = partition_of(context.node_config)
-    metrics = MetricRecord({wire.PARTITION_ID: pid, wire.NUM_PARTITIONS: num})
+    metrics = MetricRecord(dict(partition_properties(context.node_config)))
     return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)

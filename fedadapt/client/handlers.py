@@ -10,7 +10,7 @@ state) is updated in place.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -26,6 +26,7 @@ from flwr.app import (
 )
 from flwr.common.constant import SType
 
+from fedadapt.client import legacy_training
 from fedadapt.client.local import evaluate_round, train_round
 from fedadapt.client.node import config_number, data_path_of, partition_of
 from fedadapt.config import validate_run_config
@@ -147,5 +148,11 @@ def _evaluate(
     return MetricRecord(dict(scores))
 
 
-#: the message kinds this module handles, by Flower's message type
-HANDLERS = {"train": train, "evaluate": evaluate}
+#: what a node's worker runs, by kind: the Message-API ClientApp's train and
+#: evaluate, and the legacy NumPyClient's fit and evaluate
+HANDLERS: dict[str, Callable[[Any, Context], Any]] = {
+    "train": train,
+    "evaluate": evaluate,
+    "legacy-fit": legacy_training.fit,
+    "legacy-evaluate": legacy_training.evaluate,
+}

@@ -50,3 +50,17 @@ def partition_of(node_config: Mapping[str, Any]) -> tuple[int, int]:
     if not 0 <= pid < num:
         raise ValueError(f"partition-id {pid} is outside [0, num-partitions={num})")
     return pid, num
+
+
+def partition_properties(node_config: Mapping[str, Any]) -> dict[str, int]:
+    """Return the node's answer to the server's partition query.
+
+    ``partition-id`` and ``num-partitions`` (the ServerApp's seeded sampling
+    orders nodes by them); nothing for a node with only its own data
+    (``data-path`` and no ``partition-id``: it is sampled after the
+    numbered nodes).
+    """
+    if wire.PARTITION_ID not in node_config and data_path_of(node_config):
+        return {}
+    pid, num = partition_of(node_config)
+    return {wire.PARTITION_ID: pid, wire.NUM_PARTITIONS: num}

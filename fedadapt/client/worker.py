@@ -53,14 +53,25 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
 from fedadapt.client.process_info import alive, process_age_s, process_start_ticks
+from fedadapt.strategies.wire import PROCESS_AGE_S
 
-__all__ = ["alive", "call", "in_clientapp_process", "main", "process_age_s", "serve"]
+__all__ = [
+    "alive",
+    "as_own_process",
+    "call",
+    "in_clientapp_process",
+    "main",
+    "process_age_s",
+    "serve",
+    "uses_worker",
+]
 
 #: Seconds a worker waits for its next message before it exits.
 IDLE_S = 600.0
@@ -83,6 +94,33 @@ def in_clientapp_process() -> bool:
     in-process test are warm already.
     """
     return Path(sys.argv[0]).name in CLIENTAPP_PROGRAMS if sys.argv else False
+
+
+#: run-config key: where a deployment's messages are handled
+WORKER_KEY = "client-worker"
+
+
+def uses_worker(run_config: Mapping[str, Any]) -> bool:
+    """Return whether this process hands its messages to the node's worker.
+
+    ``client-worker = "auto"`` (the default): in Flower's one-message
+    ``flwr-clientapp`` processes (deployment), not in a simulation's Ray
+    actors or in-process tests; ``"off"``: never.
+    """
+    return run_config.get(WORKER_KEY, "auto") != "off" and in_clientapp_process()
+
+
+def as_own_process(metrics: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Set a reply's ``process-age-s`` to this process's age (in place).
+
+    The worker measured its own (long) life; clients.jsonl wants the
+    message's process, whose start-up and hand-over are then
+    ``process-age-s − train-time-s`` (benchmarks/deployment.py).
+    """
+    age = process_age_s()
+    if PROCESS_AGE_S in metrics and age is not None:
+        metrics[PROCESS_AGE_S] = age
+    return metrics
 
 
 @dataclass(frozen=True)

@@ -115,10 +115,39 @@ def test_worker_errors_are_raised_again_and_idle_workers_leave(owner, monkeypatc
 
 
 def test_only_flowers_one_message_process_uses_a_worker(monkeypatch):
-    from fedadapt.client import client_app
-
     monkeypatch.setattr("sys.argv", ["/venv/bin/flwr-clientapp", "--token", "x"])
-    assert client_app.uses_worker({})
-    assert not client_app.uses_worker({"client-worker": "off"})
+    assert worker.uses_worker({})
+    assert not worker.uses_worker({"client-worker": "off"})
     monkeypatch.setattr("sys.argv", ["/venv/bin/pytest"])
-    assert not client_app.uses_worker({})
+    assert not worker.uses_worker({})
+
+
+def test_legacy_fit_and_evaluate_on_the_worker_equal_the_numpy_client(
+    owner, monkeypatch
+):
+    from fedadapt.client.legacy_training import FedAdaptClient
+    from fedadapt.client.numpy_client import WorkerClient
+
+    monkeypatch.setenv("FEDADAPT_WORKER_IDLE_S", "60")
+    here, there = _context(node=9), _context(node=9)
+    client = FedAdaptClient(here.run_config, here.node_config, here.state, 9)
+    params = [v.numpy() for v in global_state().values()]
+    config = {wire.SERVER_ROUND: 1, wire.LR: 0.05}
+    mine = client.fit(params, config)
+    theirs = worker.call("legacy-fit", (params, config), there, owner.pid)
+    assert len(mine[0]) == len(theirs[0]) and mine[1] == theirs[1]
+    for a, b in zip(mine[0], theirs[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    strip = lambda m: {k: v for k, v in m.items() if k not in CLOCKS}  # noqa: E731
+    assert strip(mine[2]) == strip(theirs[2])
+    assert client.evaluate(params, {}) == worker.call(
+        "legacy-evaluate", (params, {}), there, owner.pid
+    )
+    # the partition query needs no worker, and answers as the NumPyClient does
+    for node_config in ({"partition-id": 2, "num-partitions": 5},
+                        {"data-path": "/nodes/a"}):  # fmt: skip
+        context = Context(1, 9, node_config, RecordDict(), dict(RUN_CONFIG))
+        assert WorkerClient(context).get_properties({}) == (
+            {} if "data-path" in node_config
+            else FedAdaptClient(RUN_CONFIG, node_config).get_properties({})
+        )  # fmt: skip
