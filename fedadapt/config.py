@@ -215,8 +215,9 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("secure-aggregation", "off", "off: the server sees each update, computes "
         "each norm itself and counts mismatching reports. secagg+ (or true): "
         "Flower's SecAgg+ masks each client's update and ‖Δ_i‖², the server "
-        "steps on their sums only (legacy ServerApp and NumPyClient; "
-        "secagg-* keys; docs/secure-aggregation.md). trust-reported-norms (what "
+        "steps on their sums only (through Flower's legacy API, which alone has "
+        "SecAgg+: the default apps hand such runs to the legacy ones; secagg-* "
+        "keys; docs/secure-aggregation.md). trust-reported-norms (what "
         "true meant before issue #41; nothing is masked): fedexp/feddua use the "
         "clients' reported update-sq-norm as given and reject (counted) replies "
         "without one. Per-client defences are off in both.",

@@ -29,12 +29,39 @@ from __future__ import annotations
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedadapt.client import worker
 from fedadapt.client.node import partition_properties
 from fedadapt.strategies import wire
 
 app = ClientApp()
+
+
+#: Content keys of Flower's legacy messages (``flwr.compat``'s conversion of
+#: FitIns, EvaluateIns and GetPropertiesIns)
+LEGACY_PREFIXES = ("fitins.", "evaluateins.", "getpropertiesins.")
+
+
+def is_legacy(msg: Message) -> bool:
+    """Return whether ``msg`` comes from the legacy-API ServerApp.
+
+    It does under ``secure-aggregation = "secagg+"`` (Flower has SecAgg+ for
+    its legacy API only, so the Message-API ServerApp runs such runs there):
+    a SecAgg+ stage message (its ConfigRecord) or a legacy fit / evaluate /
+    get-properties message.
+    """
+    content = msg.content
+    return RECORD_KEY_CONFIGS in content.config_records or any(
+        key.startswith(LEGACY_PREFIXES) for key in content
+    )
+
+
+def legacy(msg: Message, context: Context) -> Message:
+    """Answer a legacy message as the legacy ClientApp does (SecAgg+ mod included)."""
+    from fedadapt.client import numpy_client
+
+    return numpy_client.app(msg, context)
 
 
 def handle(kind: str, content: RecordDict, context: Context) -> RecordDict:
@@ -58,12 +85,16 @@ def train(msg: Message, context: Context) -> Message:
     See :func:`fedadapt.client.handlers.train` (federated evaluation folded
     in with ``evaluate-first``).
     """
+    if is_legacy(msg):
+        return legacy(msg, context)
     return Message(content=handle("train", msg.content, context), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received global model on the local test split."""
+    if is_legacy(msg):
+        return legacy(msg, context)
     return Message(content=handle("evaluate", msg.content, context), reply_to=msg)
 
 
@@ -74,5 +105,7 @@ def query(msg: Message, context: Context) -> Message:
     A node with its own data (``data-path``) and no ``partition-id`` answers
     without one (it is sampled after the numbered nodes).
     """
+    if is_legacy(msg):
+        return legacy(msg, context)
     metrics = MetricRecord(dict(partition_properties(context.node_config)))
     return Message(content=RecordDict({wire.METRICS: metrics}), reply_to=msg)

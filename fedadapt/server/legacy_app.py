@@ -16,7 +16,7 @@ only: this app writes none (results.json records ``checkpoint-every`` = 0) and r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flwr.compat.common.recorddict_compat as compat
@@ -50,6 +50,7 @@ from fedadapt.server.run import (
     central_evaluator,
     check_names,
     claim_output_folder,
+    ended_by,
     initial_state,
     log_user_errors_in_one_line,
     open_recorder,
@@ -228,40 +229,56 @@ def run_secure(
     )
 
 
-def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
-    """Wrap ``server_fn`` in a ServerApp that marks runs that end early as failed.
+def run(
+    grid: Grid,
+    context: Context,
+    components_fn: Callable[[Context], ServerAppComponents] | None = None,
+) -> None:
+    """Run one legacy-API run on ``grid``; results.json never stays ``running``.
 
-    Its main runs the components as Flower's compatibility mode does
-    (``start_grid``), or, when the strategy runs under SecAgg+, through
-    :func:`run_secure`.
+    The components (:func:`server_fn` by default) run as Flower's
+    compatibility mode does (``start_grid``), or, when the strategy runs
+    under SecAgg+, through :func:`run_secure`. Also what the Message-API
+    ServerApp runs for ``secure-aggregation = "secagg+"`` (Flower has SecAgg+
+    for its legacy API only), so that one ServerApp serves every mode.
 
-    Flower's legacy loop gives no hook on failure, so a lifespan checks after
-    the run: results.json still ``running`` (:class:`RecordingServer` never
-    marked it ``completed``) means the loop raised or was stopped, and
-    the run is marked ``failed`` as the Message-API ServerApp does, with the
-    strategy's ``failure`` (after ``max-failed-rounds``) as the error.
+    Flower's legacy loop gives no hook on failure, so after the run a
+    results.json still ``running`` (:class:`RecordingServer` never marked it
+    ``completed``) means the loop raised or was stopped: the run is marked
+    as the Message-API ServerApp marks it (``stopped`` for a signal,
+    :func:`~fedadapt.server.run.ended_by`; otherwise ``failed`` with
+    the strategy's ``failure`` after ``max-failed-rounds``, or the error).
     """
-    app = ServerApp()
-
-    @app.main()
-    def _main(grid: Grid, context: Context) -> None:
-        components = server_fn(context)
+    error: BaseException | None = None
+    try:
+        components = (components_fn or server_fn)(context)
         server, config = components.server, components.config
         assert isinstance(server, RecordingServer) and config is not None
         if getattr(server.strategy, "secagg", None) is None:
             start_grid(grid=grid, server=server, config=config)
         else:
             run_secure(grid, context, server, config)
-
-    @app.lifespan()
-    def _mark_unfinished(context: Context) -> Iterator[None]:
-        yield  # Flower runs what follows even when the run raised
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
         recorder, strategy = _RUNS.pop(context.run_id, (None, None))
         if recorder is not None and recorder.data["status"] == "running":
-            error = getattr(strategy, "failure", None)
-            recorder.finish(
-                "failed", error=error or "the ServerApp stopped before the last round"
+            status, why = (
+                ended_by(error)
+                if error is not None
+                else ("failed", "the ServerApp stopped before the last round")
             )
+            recorder.finish(status, error=getattr(strategy, "failure", None) or why)
+
+
+def make_app(server_fn: Callable[[Context], ServerAppComponents]) -> ServerApp:
+    """Wrap ``server_fn`` in a ServerApp whose main is :func:`run`."""
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run(grid, context, server_fn)
 
     return app
 

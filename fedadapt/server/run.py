@@ -337,3 +337,23 @@ class RoundHook:
             self.recorder.write()
         except OSError:
             pass  # the same disk trouble; results.json is rewritten next round
+
+
+def ended_by(error: BaseException) -> tuple[str, str]:
+    """Return results.json's (status, error) for a run that raised ``error``.
+
+    A signal is not a failure of the run: Ctrl-C (``KeyboardInterrupt``) or
+    SIGTERM/SIGQUIT (Flower's ServerApp process exits with ``SystemExit``)
+    reach the ServerApp when the SuperLink, or the command that started the
+    deployment, stops it; the run ends ``stopped``, the signal named, as
+    ``fedadapt simulate`` and ``deploy`` mark it (#42). Anything else:
+    ``failed`` with the exception.
+    """
+    if isinstance(error, KeyboardInterrupt):
+        return "stopped", "the ServerApp was interrupted (SIGINT)"
+    if isinstance(error, SystemExit):
+        return (
+            "stopped",
+            f"the ServerApp was stopped by a signal (exit code {error.code})",
+        )
+    return "failed", repr(error)

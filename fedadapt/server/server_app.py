@@ -41,6 +41,7 @@ from fedadapt.server.run import (
     check_names,
     check_partition,
     claim_output_folder,
+    ended_by,
     initial_state,
     log_user_errors_in_one_line,
     open_recorder,
@@ -214,32 +215,20 @@ def main(grid: Grid, context: Context) -> None:
     """
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
+    if cfg["secure-aggregation"] == "secagg+":
+        # Flower has SecAgg+ for its legacy API only: this run goes there
+        # (same results.json; the ClientApp hands those messages to the
+        # legacy client, fedadapt.client.client_app)
+        from fedadapt.server import legacy_app
+
+        legacy_app.run(grid, context)
+        return
     check_names(cfg)
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     try:
         _run(grid, context, cfg, folder)
     finally:
         folder.release()  # also when the run fails before results.json
-
-
-def ended_by(error: BaseException) -> tuple[str, str]:
-    """Return results.json's (status, error) for a run that raised ``error``.
-
-    A signal is not a failure of the run: Ctrl-C (``KeyboardInterrupt``) or
-    SIGTERM/SIGQUIT (Flower's ServerApp process exits with ``SystemExit``)
-    reach the ServerApp when the SuperLink, or the command that started the
-    deployment, stops it; the run ends ``stopped``, the signal named, as
-    ``fedadapt simulate`` and ``deploy`` mark it (#42). Anything else:
-    ``failed`` with the exception.
-    """
-    if isinstance(error, KeyboardInterrupt):
-        return "stopped", "the ServerApp was interrupted (SIGINT)"
-    if isinstance(error, SystemExit):
-        return (
-            "stopped",
-            f"the ServerApp was stopped by a signal (exit code {error.code})",
-        )
-    return "failed", repr(error)
 
 
 def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -> None:

@@ -162,11 +162,12 @@ def build_strategy(
         if api != "legacy":
             raise ConfigError(
                 "secure-aggregation",
-                "secagg+ (also what true means since issue #41) runs on the legacy "
-                "ServerApp only (fedadapt.server.legacy_app:app with "
-                "fedadapt.client.numpy_client:app; Flower has no SecAgg+ for "
-                "Message-API strategies); the former meaning of true is "
-                'secure-aggregation = "trust-reported-norms"',
+                "secagg+ (also what true means since issue #41) runs through "
+                "Flower's legacy API only (Flower has no SecAgg+ for Message-API "
+                "strategies): fedadapt's ServerApp runs such runs with the legacy "
+                "strategy itself; in your own ServerApp build it with "
+                "api='legacy' (fedadapt.server.legacy_app.run); the former meaning "
+                'of true is secure-aggregation = "trust-reported-norms"',
             )
         kwargs["secagg"] = secagg_settings(cfg, rule)
     if api == "legacy":

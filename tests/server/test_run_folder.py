@@ -307,7 +307,7 @@ def test_an_owner_on_another_machine_is_never_declared_dead(tmp_path, cfg):
 def test_a_signal_ends_the_run_stopped_not_failed(error, status, words):
     """#42: a deployment stopped by SIGTERM/Ctrl-C said ``failed`` with
     ``KeyboardInterrupt()``; a signal is a stop, named, an exception a failure."""
-    from fedadapt.server.server_app import ended_by
+    from fedadapt.server.run import ended_by
 
     got_status, reason = ended_by(error)
     assert got_status == status and words in reason

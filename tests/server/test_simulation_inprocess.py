@@ -272,7 +272,8 @@ def test_each_client_optimizer_improves_the_loss(
 
 
 def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
-    """A legacy run whose loop raises in round 2 ends ``failed``, not ``running``."""
+    """A legacy run whose loop raises in round 2 ends ``failed``, not ``running``,
+    with the error that ended it (as the Message-API ServerApp records it)."""
     from fedadapt.server import legacy_app
 
     class BreaksInRoundTwo(legacy_app.RoundHook):
@@ -291,7 +292,7 @@ def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
         pass
     data = json.loads((tmp_path / "broken" / "results.json").read_text())
     assert data["status"] == "failed"
-    assert "before the last round" in data["error"]
+    assert "injected failure" in data["error"]
     assert [r["round"] for r in data["rounds"]] == [1]
 
 

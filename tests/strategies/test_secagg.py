@@ -344,3 +344,31 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
         assert (
             np.abs(final["secure"][k] - final["plain"][k]).max() <= 1e-2 * moved + 1e-6
         )
+
+
+@pytest.mark.e2e
+def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypatch):
+    """secure-aggregation = "secagg+" needs no other components (#41 item 5).
+
+    The Message-API ServerApp hands the run to the legacy one (Flower has
+    SecAgg+ for its legacy API only) and the Message-API ClientApp hands its
+    legacy messages, SecAgg+ stages included, to the legacy client: the
+    strategy then sees, every round, only the one revealed mean, as with
+    the legacy components.
+    """
+    from tests.helpers import run_in_process
+
+    seen = _spy(monkeypatch)
+    config = {"output-dir": str(tmp_path), "run-name": "secure", "strategy": "fedexp",
+              "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
+              "evaluate-every": 0, "secure-aggregation": "secagg+"}  # fmt: skip
+    run_in_process(config, num_supernodes=2)
+    data = json.loads((tmp_path / "secure" / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
+    assert all(r["strategy"]["secagg-error-bound"] > 0 for r in data["rounds"])
+    assert [entry["round"] for entry in seen] == [1, 2]
+    for entry in seen:  # one masked mean, the same for both replies
+        first = entry["results"][0][3].tensors
+        assert all(r[3].tensors == first for r in entry["results"])
+        assert all(wire.UPDATE_SQ_NORM not in r[1] for r in entry["results"])
