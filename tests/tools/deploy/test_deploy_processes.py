@@ -236,3 +236,34 @@ def test_deployment_reuses_one_warm_worker_per_node_and_leaves_none(
         import shutil
 
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.deploy
+def test_secagg_deployment_over_tls_with_node_auth(tmp_path):
+    """Issue #41 item 5: real SecAgg+ between processes, TLS and node keys.
+
+    The default apps, secure-aggregation = "secagg+": two rounds of FedExP on
+    3 SuperNodes, each round the four SecAgg+ exchanges; the server steps on
+    the revealed sums (the error bound recorded per round), clients.jsonl
+    holds no norm of any client, and nothing is left running.
+    """
+    workdir = tmp_path / "deploy"
+    with LocalDeployment(workdir, 3, tls=True, auth=True) as deployment:
+        out = tmp_path / "secure"
+        config = {**RUN, "strategy": "fedexp", "num-server-rounds": 2,
+                  "local-steps": 3, "secure-aggregation": "secagg+",
+                  "output-dir": str(out)}  # fmt: skip
+        outcome = submit_run(deployment, ROOT, config, 3, timeout=600)
+        assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
+        data = _results(outcome.results)
+        assert data["status"] == "completed"
+        assert [r["replies"]["used"] for r in data["rounds"]] == [3, 3]
+        assert all(r["strategy"]["secagg-error-bound"] > 0 for r in data["rounds"])
+        assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+        lines = outcome.results.with_name("clients.jsonl").read_text().splitlines()
+        assert len(lines) == 6  # 3 replies a round
+        for record in map(json.loads, lines):
+            assert record["server_sq_norm"] is None
+            assert record["reported_sq_norm"] is None
+    assert_no_processes_under(workdir)
