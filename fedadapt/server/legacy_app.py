@@ -40,7 +40,8 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.compat import LegacyContext, start_grid
 from flwr.server.strategy import Strategy
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from fedadapt.config import KEYS, ConfigError, validate_run_config
@@ -191,6 +192,34 @@ class RecordingServer(Server):
         self.recorder.finish("completed")
 
 
+class RecordedSecAggPlusWorkflow(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow; a round it halts is a failed round of the run.
+
+    Flower's workflow stops a round silently (an ERROR line, no aggregate,
+    the model kept) when fewer clients answer a stage than its reconstruction
+    threshold: clients that drop out mid-protocol. Above the threshold the
+    round completes with the others (the dropped ones' masks are removed
+    from their shares). Here a halted round reaches the strategy's records
+    (results.json ``replies.problem``, counted toward ``max-failed-rounds``)
+    instead of leaving no trace.
+    """
+
+    def __call__(self, grid: Grid, context: Context) -> None:
+        """Run Flower's four stages; record the round if they halted."""
+        config = context.state.config_records[MAIN_CONFIGS_RECORD]
+        server_round = int(config[WorkflowKey.CURRENT_ROUND])  # type: ignore[arg-type]
+        super().__call__(grid, context)
+        strategy = context.strategy  # type: ignore[attr-defined]
+        if "train_replies" not in strategy.round_reports.get(server_round, {}):
+            strategy.secagg_halted(
+                server_round,
+                "SecAgg+ halted: fewer clients answered a stage than its "
+                "reconstruction threshold (clients dropped out; "
+                "secagg-reconstruction-threshold, secagg-num-shares); the "
+                "model is kept",
+            )
+
+
 def run_secure(
     grid: Grid, context: Context, server: RecordingServer, config: ServerConfig
 ) -> None:
@@ -211,7 +240,7 @@ def run_secure(
         client_manager=server.client_manager(),
     )
     workflow = DefaultWorkflow(
-        fit_workflow=SecAggPlusWorkflow(
+        fit_workflow=RecordedSecAggPlusWorkflow(
             num_shares=settings.num_shares,
             reconstruction_threshold=settings.reconstruction_threshold,
             max_weight=settings.max_weight,

@@ -445,6 +445,8 @@ class RuleHost:
         elif problem is not None:
             log(ERROR, "%s: secure aggregate rejected: %s", label, problem)
         entry["train_replies"] = report.as_dict()
+        if problem is not None:  # why the whole aggregate was refused
+            entry["train_replies"]["problem"] = problem
         entry["clients"] = [{"round": server_round, **r} for r in report.replies]
         self._count_failed_round(label, report, failed=new is None)
         if new is not None:

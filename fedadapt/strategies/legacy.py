@@ -426,6 +426,14 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         diagnostics["secagg-error-bound"] = bound
         return self._output_of(server_round, new, diagnostics, valid)
 
+    def secagg_halted(self, server_round: int, why: str) -> None:
+        """Record a round whose SecAgg+ protocol stopped before any sum.
+
+        No aggregate, the model kept; the round counts toward
+        ``max-failed-rounds`` like any round without a usable aggregate.
+        """
+        self.run_sums(server_round, [], self._sent, None, why)
+
     def _output_of(
         self,
         server_round: int,

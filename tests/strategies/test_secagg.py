@@ -372,3 +372,49 @@ def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypat
         first = entry["results"][0][3].tensors
         assert all(r[3].tensors == first for r in entry["results"])
         assert all(wire.UPDATE_SQ_NORM not in r[1] for r in entry["results"])
+
+
+@pytest.mark.e2e
+@pytest.mark.deploy  # two 3-node simulations: beside the default suite in CI
+@pytest.mark.parametrize(("dropped", "completes"), [((0,), True), ((0, 1), False)])
+def test_secagg_dropouts_above_and_below_the_threshold(tmp_path, dropped, completes):
+    """Issue #41 item 4: clients that vanish after the key exchange.
+
+    3 clients, Flower's threshold max(2, round(0.5 · 3)) = 2. One client
+    that fails its masked-vector stage: the round completes with the other
+    two (Flower removes the dropped client's masks from its shares). Two:
+    fewer than the threshold, Flower halts the round; results.json records
+    why, the model is kept, and a run in which no round aggregated fails.
+    """
+    from flwr.common.secure_aggregation.secaggplus_constants import (
+        RECORD_KEY_CONFIGS,
+    )
+
+    from fedadapt.client import client_app
+    from tests.helpers import run_in_process
+
+    def train(msg, context):
+        stage = msg.content.config_records.get(RECORD_KEY_CONFIGS, {}).get("stage")
+        if stage == "collect_masked_vectors" and (
+            context.node_config["partition-id"] in dropped
+        ):
+            raise RuntimeError("dropped out")
+        return client_app.train(msg, context)
+
+    config = {"output-dir": str(tmp_path), "run-name": "drop", "strategy": "fedexp",
+              "num-server-rounds": 2, "clients-per-round": 3, "local-steps": 2,
+              "evaluate-every": 0, "secure-aggregation": "secagg+"}  # fmt: skip
+    try:
+        run_in_process(config, num_supernodes=3, client_train=train)
+    except Exception:  # noqa: BLE001 - whether run_simulation re-raises is Flower's
+        pass
+    data = json.loads((tmp_path / "drop" / "results.json").read_text())
+    rounds = data["rounds"]
+    if completes:
+        assert data["status"] == "completed"
+        assert [r["replies"]["used"] for r in rounds] == [2, 2]
+        assert all(r["strategy"]["secagg-error-bound"] > 0 for r in rounds)
+    else:
+        assert data["status"] == "failed"
+        assert rounds and all(r["replies"]["used"] == 0 for r in rounds)
+        assert all("SecAgg+ halted" in r["replies"]["problem"] for r in rounds)
