@@ -161,7 +161,8 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
     age: what no client-side work explains (the SuperNode's 3-s idle poll,
     the SuperExec's task poll, reply pushes, the ServerApp's pull, and the
     server's own aggregation and central evaluation). Medians over rounds
-    2..N (s); None when the replies carry no process age (older clients).
+    2..N (s); None when the replies carry no process age (older clients) or
+    their processes outlived the round (a simulation's Ray actors).
     ``devices``: every reply's training device (``cpu``, ``cuda:0``, …).
     """
     per_round: dict[int, list[dict[str, Any]]] = {}
@@ -177,6 +178,8 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
         if number == 1 or not replies:
             continue
         ages = [r["process_age_s"] for r in replies]
+        if max(ages) > wall:  # long-lived processes (Ray actors): no per-message start
+            continue
         parts["start-up"].append(max(a - r["train_time_s"] for a, r in
                                      zip(ages, replies, strict=True)))  # fmt: skip
         parts["training"].append(max(r["train_time_s"] for r in replies))

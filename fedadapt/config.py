@@ -485,12 +485,14 @@ def _check_secure_aggregation(config: RunConfig) -> None:
             "wrap; lower it or raise secagg-modulus-range",
         )
     own = ALGORITHMS.get(config["strategy"]).local_update
-    if config["local-update"] != "none" or own is not None:
+    chosen = config["local-update"]
+    if own is not None or not LOCAL_UPDATES.get(chosen).client_only():
         raise ConfigError(
             "secure-aggregation",
-            "secagg+ masks the update and its norm only; local updates (and "
-            "the client parts of fed-lamb and feddyn) have no SecAgg+ encoding "
-            "yet",
+            "secagg+ masks the update and its norm only; local updates whose "
+            "clients send arrays of their own (scaffold, mime; the client parts "
+            "of fed-lamb and feddyn) have no SecAgg+ encoding yet (fedprox and "
+            "moon run under it)",
         )
 
 

@@ -221,7 +221,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         if self.secure_aggregation_mode == "secagg+":
             secagg = secagg or SecAggPlusSettings()
-            if local_update is not None:
+            if local_update is not None and not type(local_update).client_only():
                 raise ValueError(
                     f"local_update {type(local_update).__name__} exchanges "
                     "per-client arrays besides the update; it has no SecAgg+ "

@@ -119,6 +119,20 @@ class LocalUpdate:
         """
         return {}
 
+    @classmethod
+    def client_only(cls) -> bool:
+        """Return whether the server needs nothing from each client but Δ_i.
+
+        True for a local update whose clients send no arrays of their own
+        (it keeps the base class's :meth:`check_reply` and :meth:`aggregate`:
+        FedProx, MOON). Only such a local update runs under SecAgg+, which
+        reveals the sum of the updates and nothing per client.
+        """
+        return (
+            cls.check_reply is LocalUpdate.check_reply
+            and cls.aggregate is LocalUpdate.aggregate
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Return a deep copy of the server half's state (a tree of arrays/scalars)."""
         return copy.deepcopy(self._state())

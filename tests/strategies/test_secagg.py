@@ -198,7 +198,8 @@ def test_run_config_modes_and_the_old_boolean():
             "secure-aggregation",
             marks=pytest.mark.app,
         ),
-        ({"local-update": "fedprox"}, "secure-aggregation"),
+        ({"local-update": "scaffold"}, "secure-aggregation"),
+        ({"local-update": "mime"}, "secure-aggregation"),
     ],
 )
 def test_run_config_refuses_what_secagg_cannot_sum(overrides, key):
@@ -347,6 +348,15 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
 
 
 @pytest.mark.e2e
+def test_client_only_local_updates_run_under_secagg():
+    """FedProx and MOON send the server nothing but Δ_i: allowed (#41)."""
+    for name in ("fedprox", "moon"):
+        cfg = validate_run_config(
+            {"secure-aggregation": "secagg+", "local-update": name}
+        )
+        assert cfg["local-update"] == name
+
+
 def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypatch):
     """secure-aggregation = "secagg+" needs no other components (#41 item 5).
 
@@ -354,16 +364,22 @@ def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypat
     SecAgg+ for its legacy API only) and the Message-API ClientApp hands its
     legacy messages, SecAgg+ stages included, to the legacy client: the
     strategy then sees, every round, only the one revealed mean, as with
-    the legacy components.
+    the legacy components. FedProx, whose clients send nothing of their own,
+    runs under it.
     """
     from tests.helpers import run_in_process
 
     seen = _spy(monkeypatch)
     config = {"output-dir": str(tmp_path), "run-name": "secure", "strategy": "fedexp",
               "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
-              "evaluate-every": 0, "secure-aggregation": "secagg+"}  # fmt: skip
+              "evaluate-every": 0, "secure-aggregation": "secagg+",
+              "local-update": "fedprox", "fedprox.mu": 0.1}  # fmt: skip
     run_in_process(config, num_supernodes=2)
     data = json.loads((tmp_path / "secure" / "results.json").read_text())
+    # FedProx (client-only) trained on every client: its term is a clear metric
+    lines = (tmp_path / "secure" / "clients.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    assert all(json.loads(line)["metrics"]["fedprox-term"] > 0 for line in lines)
     assert data["status"] == "completed"
     assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
     assert all(r["strategy"]["secagg-error-bound"] > 0 for r in data["rounds"])
@@ -418,3 +434,13 @@ def test_secagg_dropouts_above_and_below_the_threshold(tmp_path, dropped, comple
         assert data["status"] == "failed"
         assert rounds and all(r["replies"]["used"] == 0 for r in rounds)
         assert all("SecAgg+ halted" in r["replies"]["problem"] for r in rounds)
+
+
+def test_the_legacy_strategy_takes_client_only_local_updates_under_secagg():
+    from fedadapt.strategies.fedprox import FedProx
+    from fedadapt.strategies.scaffold import Scaffold
+
+    strategy = _secure_fedexp(local_update=FedProx(0.1))
+    assert strategy.local_update is not None
+    with pytest.raises(ValueError, match="no SecAgg\\+ encoding yet"):
+        _secure_fedexp(local_update=Scaffold())
