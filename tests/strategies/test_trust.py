@@ -429,9 +429,12 @@ def test_legacy_app_records_the_error_that_ended_the_run(tmp_path):
     cfg = {"output-dir": str(tmp_path), "run-name": "stopped", "strategy": "fedexp"}
     context = Context(7, 0, {}, RecordDict(), cfg)
     strategy = legacy_app.server_fn(context).server.strategy  # registers the run
-    app = legacy_app.make_app(legacy_app.server_fn)
-    with pytest.raises(FederationFailedError), app._lifespan(context):
-        strategy.max_failed_rounds = 1
+    strategy.max_failed_rounds = 1
+
+    def fails_in_round_one(_context):  # the run's loop, as far as it gets
         strategy.aggregate_fit(1, [], [RuntimeError("disk on fire")])
+
+    with pytest.raises(FederationFailedError):
+        legacy_app.run(None, context, fails_in_round_one)  # type: ignore[arg-type]
     data = json.loads((tmp_path / "stopped" / "results.json").read_text())
     assert data["status"] == "failed" and "disk on fire" in data["error"]
