@@ -347,7 +347,6 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
         )
 
 
-@pytest.mark.e2e
 def test_client_only_local_updates_run_under_secagg():
     """FedProx and MOON send the server nothing but Δ_i: allowed (#41)."""
     for name in ("fedprox", "moon"):
@@ -357,6 +356,8 @@ def test_client_only_local_updates_run_under_secagg():
         assert cfg["local-update"] == name
 
 
+@pytest.mark.e2e
+@pytest.mark.deploy  # a 20-s simulation: beside the default suite in CI
 def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypatch):
     """secure-aggregation = "secagg+" needs no other components (#41 item 5).
 
