@@ -261,11 +261,14 @@ def _handle(request: tuple[Any, ...]) -> tuple[Any, ...]:
     try:
         reply = HANDLERS[kind](content, context)
     except Exception as error:  # noqa: BLE001 - raised again in the ClientApp
-        try:
-            pickle.dumps(error)
+        try:  # the ClientApp must be able to rebuild it: a full round trip
+            pickle.loads(pickle.dumps(error))
             return ("error", error)
         except Exception:  # noqa: BLE001 - an exception that cannot travel
-            text = "".join(traceback.format_exception_only(type(error), error))
+            # its text as it is (a node's one-line error starts "node <id>")
+            text = str(error) or "".join(
+                traceback.format_exception_only(type(error), error)
+            )
             return ("error", RuntimeError(text.strip()))
     return ("ok", reply, context.state)
 

@@ -88,6 +88,12 @@ class NodeDataError(ValueError):
         who = "" if node is None else f"node {node} "
         super().__init__(f"{who}data-path {path}: {problem}")
 
+    def __reduce__(
+        self,
+    ) -> tuple[type[NodeDataError], tuple[str, str, int | str | None]]:
+        """Pickle by the constructor's arguments (a node's worker sends it back)."""
+        return (type(self), (self.path, self.problem, self.node))
+
 
 @dataclass(frozen=True)
 class Arrays:

@@ -151,3 +151,22 @@ def test_legacy_fit_and_evaluate_on_the_worker_equal_the_numpy_client(
             {} if "data-path" in node_config
             else FedAdaptClient(RUN_CONFIG, node_config).get_properties({})
         )  # fmt: skip
+
+
+def test_a_node_data_error_comes_back_as_itself(owner, monkeypatch, tmp_path):
+    """The one-line node error (node id and path) survives the worker."""
+    from fedadapt.tasks.node_data import NodeDataError
+
+    monkeypatch.setenv("FEDADAPT_WORKER_IDLE_S", "30")
+    missing = tmp_path / "nowhere"
+
+    def context() -> Context:
+        return Context(1, 11, {"data-path": str(missing)}, RecordDict(),
+                       dict(RUN_CONFIG))  # fmt: skip
+
+    with pytest.raises(NodeDataError) as here:
+        handlers.train(_train_content(1), context())
+    with pytest.raises(NodeDataError) as there:
+        worker.call("train", _train_content(1), context(), owner.pid)
+    assert str(there.value) == str(here.value)
+    assert str(there.value).startswith(f"node 11 data-path {missing}")
