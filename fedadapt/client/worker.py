@@ -225,20 +225,26 @@ def call(kind: str, content: Any, context: Any, owner: int | None = None) -> Any
         kind, content, int(context.run_id), int(context.node_id),
         dict(context.node_config), context.state, dict(context.run_config),
     )  # fmt: skip
+    lost = (EOFError, ConnectionResetError, BrokenPipeError)
     for attempt in (1, 2):
         conn = _connect_or_start(address, owner)
-        try:
-            with conn:
+        with conn:
+            try:
                 conn.send(request)
+            except lost:
+                # a worker that left (idle) just as we connected: it never
+                # read the message, so start another (once)
+                if attempt == 2:
+                    raise
+                continue
+            try:
                 status, *answer = conn.recv()
-            break
-        except (EOFError, ConnectionResetError, BrokenPipeError) as error:
-            if attempt == 2:
+            except lost as error:  # it died with the message: no second try
                 raise WorkerError(
                     f"the node's worker ended during the {kind} message "
                     f"({address.log}):\n{_log_tail(address.log)}"
                 ) from error
-            # a worker that exited (idle) just as we connected: start another
+        break
     if status == "error":
         raise answer[0]
     reply, state = answer
