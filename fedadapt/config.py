@@ -220,7 +220,8 @@ _RUN_KEYS: tuple[Key, ...] = (
         "keys; docs/secure-aggregation.md). trust-reported-norms (what "
         "true meant before issue #41; nothing is masked): fedexp/feddua use the "
         "clients' reported update-sq-norm as given and reject (counted) replies "
-        "without one. Per-client defences are off in both.",
+        "without one. Per-client defences are off in both (under secagg+ the "
+        "clients clip to a bound the server sends).",
         choices=("off", "secagg+", "trust-reported-norms")),
     Key("secagg-clipping-range", 8.0, "SecAgg+: c, each client's scaled update "
         "coordinates and ‖Δ_i‖² must lie in ±c (a client beyond it fails the "
@@ -244,14 +245,17 @@ _RUN_KEYS: tuple[Key, ...] = (
         "shares needed to unmask (Flower's reconstruction_threshold; at least 2).",
         minimum=0.0, maximum=1.0, exclusive_minimum=True),
     Key("max-update-norm", 0.0, "Clip each client's update to this L2 norm before "
-        "aggregation (counted as clipped); 0 = off. Not with secure-aggregation.",
+        "aggregation (counted as clipped); 0 = off. Under secagg+ the clients "
+        "clip to it; not with trust-reported-norms.",
         minimum=0.0),
     Key("max-update-norm-ratio", 2.0, "Norm bounding: a client update above this "
         "multiple k of the round's median client update norm is clipped to k × "
         "that median before aggregation (norm-bound-mode=clip: no client weighs "
         "more than k typical ones; counted as clipped, bound in the round's "
-        "strategy diagnostics); 0 = off. Off with secure-aggregation (the server "
-        "sees only sums). docs/robustness.md.", minimum=0.0),
+        "strategy diagnostics); 0 = off. Under secagg+ (the server sees only "
+        "sums) each client clips to k × the previous round's root mean square "
+        "update norm √A, sent by the server; off with trust-reported-norms. "
+        "docs/robustness.md.", minimum=0.0),
     Key("norm-bound-mode", "clip", "What norm bounding does above its bound: clip "
         "(to the bound) or flag (scale to the median norm of the other updates; "
         "the default before issue #38, which a client just under the bound "
@@ -436,11 +440,12 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             f"{config['strategy']!r}, client-optimizer={config['client-optimizer']!r}",
         )
     _check_secure_aggregation(config)
-    if config["secure-aggregation"] != "off" and config["max-update-norm"] > 0:
+    trusting = config["secure-aggregation"] == "trust-reported-norms"
+    if trusting and config["max-update-norm"] > 0:
         raise ConfigError(
             "max-update-norm",
-            "clipping needs the server's own norms; with secure-aggregation clip "
-            "on the clients",
+            "clipping needs the server's own norms, or secagg+ (the clients clip "
+            "to it); trust-reported-norms has neither",
         )
     stop_rules = config["stop-target"] != 0 or config["stop-patience"] > 0
     if config["stop-metric"] and not stop_rules:

@@ -106,17 +106,24 @@ class FedAdaptClient(NumPyClient):
         metrics: dict[str, Scalar],
         config: dict[str, Scalar],
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
-        """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, ‖Δ_i‖²].
+        """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, norm, flag].
 
-        The norm leaves the clear metrics (only arrays are masked); the
+        The update is clipped to the round's bound first, if it has one;
+        the norm leaves the clear metrics (only arrays are masked); the
         weight is 1 under uniform weighting; the count of coordinates
         SecAgg+ would clip goes in the clear metrics
         (:func:`fedadapt.strategies.secagg.encode_update`).
         """
         sq_norm = float(metrics.pop(wire.UPDATE_SQ_NORM))
         num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
+        trainable = set(self.names)  # what update-sq-norm was summed over
         update, weight, clipped = encode_update(
-            sent, arrays, sq_norm, num_examples, config
+            sent,
+            arrays,
+            sq_norm,
+            num_examples,
+            config,
+            trainable=[k in trainable for k in self.keys],
         )
         metrics[wire.SECAGG_CLIPPED] = clipped
         return update, weight, metrics

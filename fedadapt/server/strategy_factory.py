@@ -53,12 +53,13 @@ def sampling_kwargs(cfg: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:
 
 def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Return the screening options every strategy takes (see ``RuleHost``)."""
-    secure = cfg["secure-aggregation"] != "off"
+    trusting = cfg["secure-aggregation"] == "trust-reported-norms"
     return {
         "secure_aggregation": cfg["secure-aggregation"],
         "max_update_norm": cfg["max-update-norm"],
-        # secure aggregation reveals only sums: the relative bound is off there
-        "max_update_norm_ratio": 0.0 if secure else cfg["max-update-norm-ratio"],
+        # trusted reports: no norm of the server's own, no relative bound;
+        # under SecAgg+ the clients clip to the bound the server sends
+        "max_update_norm_ratio": 0.0 if trusting else cfg["max-update-norm-ratio"],
         "norm_bound_mode": cfg["norm-bound-mode"],
         "max_weight_ratio": cfg["max-weight-ratio"],
         "step_guard": cfg["step-guard"],

@@ -117,7 +117,9 @@ class RuleHost:
         ``"off"`` (False), ``"trust-reported-norms"`` (True) or
         ``"secagg+"`` (:mod:`fedadapt.strategies.secagg`: real SecAgg+,
         legacy API only; the server sees only sums and steps on them; every
-        per-client defence below is off, as in the trusting mode).
+        per-client defence below is off, as in the trusting mode, and the
+        norm bounds become the clients': they clip to the bound the server
+        sends, ``max_update_norm`` and k·√A of the previous round).
         ``"trust-reported-norms"``: nothing is masked; use the clients'
         reported ``update-sq-norm``
         as given (a secure aggregator reveals only sums, so the server cannot
@@ -134,8 +136,9 @@ class RuleHost:
         and with the server's norm a lie no longer changes the step.
     max_update_norm : float (default: 0.0)
         C > 0 clips each client's update to ‖Δ_i‖ ≤ C before it enters Δ̄
-        and A (counted as ``clipped``); 0 turns clipping off. Not with
-        ``secure_aggregation`` (clip on the clients there).
+        and A (counted as ``clipped``); 0 turns clipping off. Under
+        ``"secagg+"`` the clients clip to it (:mod:`fedadapt.strategies.
+        secagg`); not with ``"trust-reported-norms"``.
     max_update_norm_ratio : float | None (default: None)
         k > 0: the detection threshold of norm bounding (Sun et al. 2019). A
         client update with ‖Δ_i‖ > k·m, m = median_j ‖Δ_j‖ of the round, is
@@ -149,9 +152,11 @@ class RuleHost:
         below k·m are untouched: a round without an outlier is aggregated
         exactly as without clipping. With ``max_update_norm`` the smaller
         factor applies. None =
-        :data:`DEFAULT_NORM_RATIO` (2), or off under ``secure_aggregation``
-        (the server sees only sums there); 0 = off. What happens above k·m
-        is ``norm_bound_mode``'s.
+        :data:`DEFAULT_NORM_RATIO` (2), or off under
+        ``"trust-reported-norms"``; 0 = off. What happens above k·m is
+        ``norm_bound_mode``'s. Under ``"secagg+"`` the server knows no
+        median: the clients clip to k·√A_{t−1} instead, A_{t−1} the
+        previous round's Σω_i‖Δ_i‖² (:mod:`fedadapt.strategies.secagg`).
     norm_bound_mode : str (default: "clip")
         ``"clip"``: an update above k·m is clipped to k·m (each client
         weighs at most k typical ones; the default since issue #38, whose
@@ -263,10 +268,10 @@ class RuleHost:
             raise ValueError(f"Invalid max_failed_rounds: {max_failed_rounds} (an int)")
         self.max_failed_rounds = int(max_failed_rounds)
         mode = secure_aggregation_mode(secure_aggregation)
-        if mode != "off" and self.max_update_norm > 0:
+        if mode == "trust-reported-norms" and self.max_update_norm > 0:
             raise ValueError(
-                "max_update_norm needs the server's own norms; under "
-                "secure_aggregation clip on the clients"
+                "max_update_norm needs the server's own norms, or SecAgg+ "
+                "(secure_aggregation='secagg+': the clients clip to it)"
             )
         if mode == "secagg+" and not self.supports_secagg:
             raise ValueError(
@@ -325,14 +330,21 @@ class RuleHost:
             )
 
     def _norm_ratio(self, ratio: float | None) -> float:
-        """Return k of ``max_update_norm_ratio`` (None: the default, see above)."""
+        """Return k of ``max_update_norm_ratio`` (None: the default, see above).
+
+        Under SecAgg+ the bound is the clients' (k·√A of the previous
+        round, :mod:`fedadapt.strategies.secagg`); with trusted reports
+        there is none.
+        """
+        trusting = self.secure_aggregation_mode == "trust-reported-norms"
         if ratio is None:
-            return 0.0 if self.secure_aggregation else DEFAULT_NORM_RATIO
+            return 0.0 if trusting else DEFAULT_NORM_RATIO
         ratio = check_scalar("max_update_norm_ratio", ratio, low=0)
-        if self.secure_aggregation and ratio > 0:
+        if trusting and ratio > 0:
             raise ValueError(
-                "max_update_norm_ratio needs the server's own norms; under "
-                "secure_aggregation leave it at None or 0 (clip on the clients)"
+                "max_update_norm_ratio needs the server's own norms, or SecAgg+ "
+                "(whose clients clip); with secure_aggregation="
+                "'trust-reported-norms' leave it at None or 0"
             )
         return ratio
 
@@ -416,8 +428,9 @@ class RuleHost:
             log(
                 WARNING,
                 "%s: %s: the server sees only the sums Δ̄ and A, so per-client "
-                "screening, norm bounds, the weight cap, the step guard and "
-                "robust aggregation are off",
+                "screening, the server's norm bounds, the weight cap, the step "
+                "guard and robust aggregation are off (under secagg+ the "
+                "clients clip to the bound the server sends)",
                 label,
                 self.secure_aggregation_mode,
             )

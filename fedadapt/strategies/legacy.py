@@ -229,6 +229,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 )
         #: SecAgg+'s settings (None: not under SecAgg+)
         self.secagg: SecAggPlusSettings | None = secagg
+        #: B_t, the L2 norm SecAgg+ clients clip to this round (0: none):
+        #: ``max_update_norm`` in round 1, then :meth:`_next_norm_bound`
+        self.secagg_norm_bound = self.max_update_norm
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
@@ -287,7 +290,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 for proxy, ins in pairs
             ]
         if self.secagg is not None:
-            settings = self.secagg.fit_config(self.rule.weighting == "uniform")
+            settings = self.secagg.fit_config(
+                self.rule.weighting == "uniform", self.secagg_norm_bound
+            )
             pairs = [
                 (proxy, FitIns(ins.parameters, {**ins.config, **settings}))
                 for proxy, ins in pairs
@@ -397,6 +402,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         if problem is None and failures and not self.accept_failures:
             problem = "clients failed and accept_failures is False"
         stats = None
+        decoded = None
         bound = math.inf
         if problem is None and valid and self._sent is not None:
             first = valid[0].source[1].parameters
@@ -409,22 +415,47 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     if self.rule.needs_sq_norms
                     else []
                 )
-                stats, problem = decode_sums(
+                decoded, problem = decode_sums(
                     self._sent,
                     parameters_to_ndarrays(first),
                     adaptive,
                     len(valid),
                     bound,
+                    norm_bound=self.secagg_norm_bound,
+                    clipping_range=self.secagg.clipping_range,
                 )
-                if stats is not None and not self.rule.needs_sq_norms:
-                    stats = RoundStatistics(stats.mean_update, None, len(valid))
+                if decoded is not None:
+                    stats = decoded.stats
+                    if not self.rule.needs_sq_norms:
+                        stats = RoundStatistics(stats.mean_update, None, len(valid))
         new, diagnostics = self.run_sums(
             server_round, candidates, self._sent, stats, problem
         )
-        if new is None or self._sent is None:
+        if new is None or self._sent is None or decoded is None:
             return None, {}
         diagnostics["secagg-error-bound"] = bound
+        diagnostics["secagg-norm-bound"] = self.secagg_norm_bound
+        diagnostics["secagg-clipped-share"] = decoded.clipped_share
+        a_t = decoded.stats.mean_sq_norm
+        self.secagg_norm_bound = self._next_norm_bound(a_t)
         return self._output_of(server_round, new, diagnostics, valid)
+
+    def _next_norm_bound(self, mean_sq_norm: float | None) -> float:
+        """Return B_{t+1} = min(C, k·√A_t) from this round's A (SecAgg+).
+
+        The server's own bound, k times the round's median norm, needs
+        every ‖Δ_i‖; under SecAgg+ it knows their root mean square √A_t
+        (≥ their weighted mean norm), so the clients of the next round clip
+        to k·√A_t (k = ``max_update_norm_ratio``), and to C =
+        ``max_update_norm`` when that is smaller. A round whose clients did
+        not move (A = 0) keeps the bound it had.
+        """
+        bounds = [self.max_update_norm] if self.max_update_norm > 0 else []
+        if self.max_update_norm_ratio > 0:
+            if mean_sq_norm is None or mean_sq_norm <= 0:
+                return self.secagg_norm_bound
+            bounds.append(self.max_update_norm_ratio * math.sqrt(mean_sq_norm))
+        return min(bounds) if bounds else 0.0
 
     def secagg_halted(self, server_round: int, why: str) -> None:
         """Record a round whose SecAgg+ protocol stopped before any sum.

@@ -18,16 +18,31 @@ dequantises and divides by Σ r_i. ``aggregate_fit`` then receives one
 each client's metrics and ``num_examples`` in the clear.
 
 So a fedadapt client in this mode (:func:`encode_update`) returns, instead
-of its model, its update Δ_i (array by array) followed by a one-element
-array [‖Δ_i‖²]: both are scaled by the same r_i, so the mean the server
-receives is [Δ̄, A] in one weighting ω_i = r_i / Σ_j r_j. It sends
-``num_examples`` = 1 under uniform weighting (with ``max_weight`` = 1:
-r_i = 1 exactly) and its example count under ``num-examples`` weighting.
-The norm leaves the clear metrics (a metric is not masked). The server
-(:func:`decode_sums`) splits the mean into Δ̄ and A and the rule steps on
-them; no individual update or norm exists on the server, so per-client
-screening, norm bounds, the weight cap, the step guard and robust
-aggregation cannot run.
+of its model, its update Δ_i (array by array) followed by two one-element
+arrays, its norm entry and its clip flag: all are scaled by the same r_i,
+so the mean the server receives is [Δ̄, Ā_entry, share clipped] in one
+weighting ω_i = r_i / Σ_j r_j. It sends ``num_examples`` = 1 under uniform
+weighting (with ``max_weight`` = 1: r_i = 1 exactly) and its example count
+under ``num-examples`` weighting. The norm leaves the clear metrics (a
+metric is not masked). The server (:func:`decode_sums`) splits the mean
+into Δ̄ and A and the rule steps on them; no individual update or norm
+exists on the server, so per-client screening, the server's norm bound,
+the weight cap, the step guard and robust aggregation cannot run.
+
+What replaces the server's norm bound: a bound B_t the server sends
+(:data:`~fedadapt.strategies.wire.SECAGG_NORM_BOUND`; the legacy strategy
+sets B_{t+1} = k·√A_t, k = ``max_update_norm_ratio``, at most
+``max_update_norm``). An honest client clips its update to B_t before
+masking, Δ_i ← Δ_i·min(1, B_t/‖Δ_i‖), and sends its norm as the
+coordinate c·(2‖Δ_i‖²/B_t² − 1) of [−c, c] (:func:`encode_sq_norm`),
+whose mean decodes to A (:func:`decode_sq_norm`). Flower's mod clips every
+coordinate to ±c, so a client that lies about its norm moves A by at most
+ω_i·B_t² (its entry cannot leave [0, B_t²]); and since Jensen's check
+(A ≥ ‖Δ̄‖²) must still hold, a client that sends a large Δ_i with a small
+norm fails the round instead of moving the model by more than B_t. The clip
+flag (c when the client clipped, else 0) tells the server the weighted share
+of clients the bound clipped, and nothing per client. Round 1 has no A yet:
+its bound is ``max_update_norm`` (0: none, the norm then travels as is).
 
 Overflow is never silent. A coordinate beyond ±c would be clipped by
 Flower without notice, so the client counts its scaled coordinates beyond
@@ -39,11 +54,13 @@ sum could wrap), naming the setting to change (:func:`aggregate_problem`).
 
 Error bound. Stochastic rounding moves each client's scaled coordinate by
 less than one quantisation step q = 2c/Q, so each coordinate of the
-revealed mean (Δ̄ or A) differs from the exact r-weighted mean by less than
+revealed mean (Δ̄, or the norm entry) differs from the exact r-weighted mean
+by less than
 
     e = n · q / Σ_i r_i        (= 2c/Q under uniform weighting),
 
-(:meth:`SecAggPlusSettings.error_bound`) up to float64 rounding. Under
+(:meth:`SecAggPlusSettings.error_bound`) up to float64 rounding; A itself,
+decoded from the norm entry, within e·B_t²/(2c) under a bound B_t. Under
 ``num-examples`` weighting the weights themselves are r_i, which differ
 from w_i / max_weight by at most 1/(2Q).
 """
@@ -158,13 +175,20 @@ class SecAggPlusSettings:
         total = sum(self.weight_ratio(w) for w in weights)
         return len(weights) * self.step / total if total > 0 else math.inf
 
-    def fit_config(self, uniform: bool) -> dict[str, float | int]:
-        """Return what a client needs to encode and check its update."""
+    def fit_config(
+        self, uniform: bool, norm_bound: float = 0.0
+    ) -> dict[str, float | int]:
+        """Return what a client needs to encode and check its update.
+
+        ``norm_bound``: B_t, the L2 norm each client clips its update to
+        (0: none this round).
+        """
         return {
             wire.SECAGG_CLIPPING_RANGE: self.clipping_range,
             wire.SECAGG_QUANTIZATION_RANGE: self.quantization_range,
             wire.SECAGG_MAX_WEIGHT: self.max_weight,
             wire.SECAGG_UNIFORM: int(uniform),
+            wire.SECAGG_NORM_BOUND: float(norm_bound),
         }
 
     @classmethod
@@ -181,31 +205,77 @@ class SecAggPlusSettings:
         )
 
 
+#: Arrays after Δ_i's in a client's masked reply: its norm entry, its clip flag
+EXTRA_ARRAYS = 2
+
+
+def encode_sq_norm(sq_norm: float, norm_bound: float, clipping_range: float) -> float:
+    """Return the coordinate that carries ‖Δ_i‖² in the masked reply.
+
+    With a bound B > 0: c·(2‖Δ_i‖²/B² − 1), which maps [0, B²] onto [−c, c]
+    (Flower's mod clips any coordinate to ±c, so whatever a client claims,
+    its entry decodes into [0, B²]). Without one: ‖Δ_i‖² itself.
+    """
+    if norm_bound > 0:
+        return clipping_range * (2 * sq_norm / norm_bound**2 - 1)
+    return sq_norm
+
+
+def decode_sq_norm(entry: float, norm_bound: float, clipping_range: float) -> float:
+    """Return A from the revealed mean of the norm entries (:func:`encode_sq_norm`).
+
+    The entry is linear in ‖Δ_i‖² with the same offset for every client,
+    and the revealed mean has weights summing to 1, so the mean entry
+    decodes to the weighted mean A = Σω_i‖Δ_i‖².
+    """
+    if norm_bound > 0:
+        return (entry / clipping_range + 1) * norm_bound**2 / 2
+    return entry
+
+
 def encode_update(
     sent: Sequence[NDArray[Any]],
     trained: Sequence[NDArray[Any]],
     update_sq_norm: float,
     num_examples: int,
     config: Mapping[str, Any],
+    trainable: Sequence[bool] | None = None,
 ) -> tuple[list[NDArray[Any]], int, int]:
     """Return (arrays to mask, weight to send, coordinates Flower would clip).
 
-    The arrays are Δ_i = x_i − x_t (float64) and [‖Δ_i‖²]; the weight is 1
-    under uniform weighting, else ``num_examples``. The count is the number
-    of coordinates of r·arrays beyond ±c (plus one when the weight exceeds
-    ``max_weight``): the client's own check before masking, since Flower
-    clips silently.
+    The arrays are Δ_i = x_i − x_t (float64), then [norm entry] and [clip
+    flag] (:data:`EXTRA_ARRAYS`). Under the round's bound B > 0
+    (:data:`~fedadapt.strategies.wire.SECAGG_NORM_BOUND`) an update with
+    ‖Δ_i‖ > B is clipped first: the ``trainable`` arrays (those
+    ``update_sq_norm`` was summed over; None: every floating array) are
+    multiplied by B/‖Δ_i‖ and the norm becomes B²; the flag is c then,
+    else 0. The weight is 1 under uniform weighting, else ``num_examples``.
+    The count is the number of coordinates of r·arrays beyond ±c (plus one
+    when the weight exceeds ``max_weight``): the client's own check before
+    masking, since Flower clips silently.
     """
     settings = SecAggPlusSettings.from_fit_config(config)
     if settings is None:
         raise ValueError("not a SecAgg+ fit config")
     weight = 1 if int(config[wire.SECAGG_UNIFORM]) else int(num_examples)
+    c = settings.clipping_range
+    bound = float(config.get(wire.SECAGG_NORM_BOUND, 0.0))
     arrays = [
         np.subtract(x, s, dtype=np.float64) for s, x in zip(sent, trained, strict=True)
     ]
-    arrays.append(np.array([update_sq_norm], dtype=np.float64))
+    if trainable is None:
+        trainable = [np.asarray(x).dtype.kind == "f" for x in sent]
+    clipped_to_bound = bound > 0 and update_sq_norm > bound**2
+    if clipped_to_bound:
+        scale = bound / math.sqrt(update_sq_norm)
+        arrays = [
+            a * scale if counted else a
+            for a, counted in zip(arrays, trainable, strict=True)
+        ]
+        update_sq_norm = bound**2  # exactly: its entry is c, never beyond
+    arrays.append(np.array([encode_sq_norm(update_sq_norm, bound, c)], np.float64))
+    arrays.append(np.array([c if clipped_to_bound else 0.0], np.float64))
     ratio = settings.weight_ratio(weight)
-    c = settings.clipping_range
     # beyond ±c, and NaN/Inf (which Flower's quantiser would turn into
     # arbitrary integers: a silently wrong sum): both refuse the round
     clipped = sum(int(np.count_nonzero(~(np.abs(a * ratio) <= c))) for a in arrays)
@@ -246,27 +316,53 @@ def aggregate_problem(
     return None
 
 
+@dataclass(frozen=True)
+class DecodedSums:
+    """What one SecAgg+ round reveals, decoded (:func:`decode_sums`).
+
+    Attributes
+    ----------
+    stats : RoundStatistics
+        Δ̄ and A, the sums the rule steps on.
+    clipped_share : float
+        Σω_i over the clients that clipped their update to the round's
+        bound: the share of the round's weight (under uniform weighting, of
+        its clients) that the bound clipped.
+    """
+
+    stats: RoundStatistics
+    clipped_share: float
+
+
 def decode_sums(
     reference: Arrays,
     aggregate: Sequence[NDArray[Any]],
     adaptive: Sequence[str],
     num_clients: int,
     error_bound: float,
-) -> tuple[RoundStatistics | None, str | None]:
-    """Split SecAgg+'s mean [Δ̄…, A] into round statistics, or say why not.
+    *,
+    norm_bound: float = 0.0,
+    clipping_range: float = 1.0,
+) -> tuple[DecodedSums | None, str | None]:
+    """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
-    ``reference`` is x_t (its keys name Δ̄'s arrays, in order). Checks
-    what an honest round must satisfy, up to the quantisation error e per
-    coordinate: A ≥ −e, and A ≥ ‖Δ̄‖² − tol over the ``adaptive`` keys
-    (Jensen: Σω‖Δ_i‖² ≥ ‖ΣωΔ_i‖² for convex ω), with
-    tol = e + 2e·√d·‖Δ̄‖ + d·e² (d adaptive coordinates) bounding what the
-    errors can do to both sides.
+    ``reference`` is x_t (its keys name Δ̄'s arrays, in order);
+    ``norm_bound`` and ``clipping_range`` are the round's B and c (the norm
+    entry is decoded by :func:`decode_sq_norm`). Checks what an honest
+    round must satisfy, up to the quantisation errors: e per coordinate of
+    Δ̄, e_A = e·B²/(2c) of A (e without a bound): A ≥ −e_A, and
+    A ≥ ‖Δ̄‖² − tol over the ``adaptive`` keys (Jensen: Σω‖Δ_i‖² ≥
+    ‖ΣωΔ_i‖² for convex ω), with tol = e_A + 2e·√d·‖Δ̄‖ + d·e² (d adaptive
+    coordinates) bounding what the errors can do to both sides. Under a
+    bound A ≤ B² by construction, so Jensen's check also caps ‖Δ̄‖ at B: a
+    client whose update exceeds the bound while its norm entry stays in
+    range fails the round once it pushes Δ̄ past what A allows.
     """
     keys = list(reference)
-    if len(aggregate) != len(keys) + 1:
+    if len(aggregate) != len(keys) + EXTRA_ARRAYS:
         return None, (
             f"the aggregate has {len(aggregate)} arrays, expected "
-            f"{len(keys)} model arrays + 1 norm"
+            f"{len(keys)} model arrays + {EXTRA_ARRAYS} (norm entry, clip flag)"
         )
     mean: Arrays = {}
     for k, a in zip(keys, aggregate, strict=False):
@@ -274,15 +370,24 @@ def decode_sums(
         if np.shape(a) != np.shape(x):
             return None, f"aggregate array {k!r} has shape {np.shape(a)}, not {x.shape}"
         mean[k] = np.asarray(a, dtype=np.result_type(x.dtype, np.float32))
-    a_t = float(np.asarray(aggregate[-1]).reshape(-1)[0])
+    entry = float(np.asarray(aggregate[len(keys)]).reshape(-1)[0])
+    a_t = decode_sq_norm(entry, norm_bound, clipping_range)
+    share = float(np.asarray(aggregate[len(keys) + 1]).reshape(-1)[0]) / clipping_range
     mean_sq = sq_norm({k: mean[k] for k in adaptive})
     d = sum(mean[k].size for k in adaptive)
     e = error_bound
-    tol = e + 2 * e * math.sqrt(d * mean_sq) + d * e * e
-    if not math.isfinite(a_t) or a_t < -e or a_t < mean_sq - tol:
+    e_a = e * norm_bound**2 / (2 * clipping_range) if norm_bound > 0 else e
+    tol = e_a + 2 * e * math.sqrt(d * mean_sq) + d * e * e
+    if not math.isfinite(a_t) or a_t < -e_a or a_t < mean_sq - tol:
         return None, (
             f"impossible sums: A = {a_t:.6g} but ‖Δ̄‖² = {mean_sq:.6g} "
             f"(honest clients give A ≥ ‖Δ̄‖² − {tol:.3g}, Jensen): a client's "
             "norm does not match its update"
+            + (
+                f", or its update exceeds the round's bound {norm_bound:.6g}"
+                if norm_bound > 0
+                else ""
+            )
         )
-    return RoundStatistics(mean, max(a_t, 0.0), num_clients), None
+    stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
+    return DecodedSums(stats, min(max(share, 0.0), 1.0)), None

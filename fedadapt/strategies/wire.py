@@ -29,6 +29,9 @@ SECAGG_CLIPPING_RANGE: Final = "secagg-clipping-range"  #: c
 SECAGG_QUANTIZATION_RANGE: Final = "secagg-quantization-range"  #: Q
 SECAGG_MAX_WEIGHT: Final = "secagg-max-weight"  #: Flower's max_weight
 SECAGG_UNIFORM: Final = "secagg-uniform"  #: 1: send weight 1 (uniform ω)
+#: B_t: each client clips its update to this L2 norm before masking, and its
+#: ‖Δ_i‖² travels as a coordinate of [0, B_t²] (0: no bound this round)
+SECAGG_NORM_BOUND: Final = "secagg-norm-bound"
 #: true: evaluate the received model on the local test split before training
 #: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`
 #: (federated evaluation folded into the train exchange)

@@ -507,7 +507,8 @@ def test_run_config_keys_reach_both_apis():
     secure = validate_run_config(trusting)
     assert build_strategy(secure, num_nodes=5).max_update_norm_ratio == 0.0
     secagg = validate_run_config({"strategy": "feddua", "secure-aggregation": True})
-    assert build_strategy(secagg, api="legacy").max_update_norm_ratio == 0.0
+    # under SecAgg+ k is the clients' bound (k·√A sent to them, #41 item 3)
+    assert build_strategy(secagg, api="legacy").max_update_norm_ratio == 2.0
     assert (
         build_strategy(validate_run_config({}), num_nodes=5).max_update_norm_ratio
         == 2.0

@@ -21,7 +21,9 @@ from fedadapt.strategies import legacy, wire
 from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
+    decode_sq_norm,
     decode_sums,
+    encode_sq_norm,
     encode_update,
 )
 from tests.helpers import run_legacy_in_process
@@ -41,7 +43,8 @@ def test_encode_update_is_the_update_then_its_norm_and_counts_clipping():
     assert weight == 1  # uniform: every client weighs 1
     np.testing.assert_array_equal(arrays[0], np.full((2, 2), 0.5))
     np.testing.assert_array_equal(arrays[1], [0.0, 2.0, 0.0])
-    np.testing.assert_array_equal(arrays[2], [5.0])
+    np.testing.assert_array_equal(arrays[2], [5.0])  # no bound: the norm as is
+    np.testing.assert_array_equal(arrays[3], [0.0])  # not clipped to a bound
     # one update coordinate (2.0) and the norm (5.0) lie beyond ±1.5
     assert clipped == 2
     weighted = SecAggPlusSettings(clipping_range=1.5, max_weight=100.0)
@@ -73,6 +76,223 @@ def test_flowers_quantisation_error_is_below_the_stated_bound():
     assert settings.error_bound([1] * 5) == pytest.approx(4.0 / (1 << 16))
 
 
+def test_a_client_clips_to_the_round_bound_and_its_norm_entry_spans_it():
+    """Under a bound B the update is clipped to B and ‖Δ‖² maps [0, B²] → [−c, c]."""
+    sent = [np.zeros(4, np.float32), np.zeros(2, np.float32)]
+    trained = [np.array([3.0, 4.0, 0, 0], np.float32), np.array([7.0, 7.0], np.float32)]
+    settings = SecAggPlusSettings(clipping_range=8.0)
+    config = settings.fit_config(True, norm_bound=2.0)
+    # ‖Δ‖ = 5 over the first (trainable) array only: clipped by 2/5
+    arrays, _, clipped = encode_update(
+        sent, trained, 25.0, 10, config, trainable=[True, False]
+    )
+    np.testing.assert_allclose(arrays[0], [1.2, 1.6, 0, 0])
+    np.testing.assert_array_equal(arrays[1], [7.0, 7.0])  # not counted, not clipped
+    assert arrays[2][0] == 8.0  # ‖Δ‖² = B² → c exactly: never counted as clipped
+    assert arrays[3][0] == 8.0  # the clip flag
+    assert clipped == 0
+    # under the bound: untouched, entry c·(2‖Δ‖²/B² − 1), no flag
+    small = [np.array([0.6, 0.8, 0, 0], np.float32), np.zeros(2, np.float32)]
+    arrays, _, _ = encode_update(sent, small, 1.0, 10, config)
+    np.testing.assert_allclose(arrays[0], [0.6, 0.8, 0, 0], rtol=1e-6)
+    assert arrays[2][0] == pytest.approx(8.0 * (2 * 1.0 / 4.0 - 1))
+    assert arrays[3][0] == 0.0
+    assert decode_sq_norm(arrays[2][0], 2.0, 8.0) == pytest.approx(1.0)
+    assert encode_sq_norm(1.0, 0.0, 8.0) == 1.0  # no bound: as is
+
+
+def _flower_secagg_mean(replies, settings):
+    """What SecAgg+ reveals of ``replies`` (uniform weights): Flower's own steps.
+
+    ``secaggplus_mod`` clips each coordinate to ±c and quantises it
+    (``quantize``); ``SecAggPlusWorkflow`` dequantises the (unmasked) sum,
+    removes the n−1 offsets of c and divides by the clients' total ratio.
+    """
+    c, q = settings.clipping_range, settings.quantization_range
+    total = None
+    for arrays in replies:
+        quantised = [x.astype(np.int64) for x in quantize(list(arrays), c, q)]
+        total = quantised if total is None else [
+            t + x for t, x in zip(total, quantised, strict=True)
+        ]  # fmt: skip
+    n = len(replies)
+    return [(x - (n - 1) * c) / n for x in dequantize(total, c, q)]
+
+
+def _least_squares_run(
+    strategy_cls, lying_factor, seed, rounds=20, secure=True, **kwargs
+):
+    """A run of 10 least-squares clients; client 0 may lie about its norm.
+
+    ``secure``: each round the strategy's own fit config and bound, the
+    clients' :func:`encode_update`, Flower's clipping and quantisation
+    (:func:`_flower_secagg_mean`) and the strategy's ``aggregate_fit``; the
+    liar trains honestly and multiplies its ‖Δ‖² by ``lying_factor``
+    before encoding (and reports nothing clipped). Otherwise the plain
+    legacy strategy receives every client's model. Returns x_0, x_T, the
+    mean loss at x_T and per secure round (the revealed A, the clients'
+    true Σω‖Δ_i‖² after their clip, the round's bound B, the largest
+    error of a revealed coordinate against the exact mean of the same
+    encoded replies, and that of A).
+    """
+    from flwr.common import parameters_to_ndarrays
+
+    rng = np.random.default_rng(seed)
+    np.random.seed(seed)  # Flower's stochastic rounding
+    dim, n = 20, 10
+    designs = [rng.normal(size=(30, dim)) for _ in range(n)]
+    targets = [a @ rng.normal(size=dim) + 0.1 * rng.normal(size=30) for a in designs]
+    if secure:
+        kwargs["secagg"] = SecAggPlusSettings()
+    strategy = strategy_cls(array_names=["w"], average_last_two=False, **kwargs)
+    x0 = x = np.zeros(dim, np.float32)
+    rounds_seen = []
+    for t in range(1, rounds + 1):
+        strategy._sent = {"w": x}
+        bound = strategy.secagg_norm_bound
+        config = SecAggPlusSettings().fit_config(True, bound)
+        replies, true_sq, trained = [], [], []
+        for i, (a, b) in enumerate(zip(designs, targets, strict=True)):
+            y = x.astype(np.float64)
+            for _ in range(5):
+                y = y - 0.01 * a.T @ (a @ y - b) / len(b)
+            y = y.astype(np.float32)
+            trained.append(y)
+            sq = float(np.sum((y.astype(np.float64) - x) ** 2))
+            true_sq.append(min(sq, bound**2) if bound > 0 else sq)
+            arrays, _, _ = encode_update(
+                [x], [y], sq * (lying_factor if i == 0 else 1.0), 30, config
+            )
+            replies.append(arrays)
+        if secure:
+            mean = _flower_secagg_mean(replies, strategy.secagg)
+            exact = [np.mean([r[j] for r in replies], axis=0) for j in range(3)]
+            revealed = decode_sq_norm(float(mean[1][0]), bound, 8.0)
+            exact_a = decode_sq_norm(float(exact[1][0]), bound, 8.0)
+            rounds_seen.append(
+                (revealed, float(np.mean(true_sq)), bound,
+                 float(np.abs(mean[0] - exact[0]).max()), abs(revealed - exact_a))
+            )  # fmt: skip
+            results = _results(mean, [{wire.SECAGG_CLIPPED: 0}] * n)
+        else:
+            results = [
+                _results([y], [{}], num_examples=30)[0] for y in trained
+            ]  # fmt: skip
+        parameters, _ = strategy.aggregate_fit(t, results, [])
+        if parameters is not None:
+            x = parameters_to_ndarrays(parameters)[0]
+    loss = float(np.mean([np.mean((a @ x - b) ** 2)
+                          for a, b in zip(designs, targets, strict=True)]))  # fmt: skip
+    return x0, x, loss, rounds_seen
+
+
+#: every rule under SecAgg+ (item 2), with how far its 10-round trajectory
+#: may drift from the plain run's, as a share of the plain run's travel
+#: (measured: 0.9–2.9e-5 for all but FedDuA, 9.4e-5 FedDuAdam, 1.8e-3
+#: FedDuAdagrad)
+TRAJECTORIES = [
+    (legacy.FedAvg, {}, 1e-4),
+    (legacy.FedAvgM, {}, 1e-4),
+    (legacy.FedAdam, {}, 1e-3),
+    (legacy.FedAdagrad, {}, 1e-3),
+    (legacy.FedYogi, {}, 1e-3),
+    (legacy.FedExP, {}, 1e-4),
+    (legacy.FedExPM, {}, 1e-4),
+    (legacy.FedDuA, {}, 1e-3),
+    (legacy.FedDuA, {"variant": "adagrad"}, 1e-2),
+]
+
+
+@pytest.mark.parametrize(("strategy_cls", "options", "drift"), TRAJECTORIES)
+def test_secagg_against_plain_for_ten_rounds(strategy_cls, options, drift):
+    """Issue #41 item 2: same seed, SecAgg+ against plain, 10 rounds, each rule.
+
+    Every round, each revealed coordinate of Δ̄ lies within the stated
+    bound e = 2c/Q of the exact mean of the same encoded replies, and A
+    within e (round 1, no norm bound) or e·B²/(2c) (oracle: NumPy's mean
+    of the same arrays). The trajectory: with the defences that differ
+    between the modes turned off (the server's norm bound and step guard
+    in the plain run, the clients' bound in the secure one), the only
+    difference is Flower's quantisation, and the final model stays within
+    ``drift`` of the plain run's travel. Here every coordinate moves; on
+    digits-mlp, whose border pixels never do, FedDuA's G⁻¹ (ε = 1e-9) turns
+    the quantisation noise of those coordinates into full-size steps and
+    drifts by 20 % of the travel in 20 rounds without losing accuracy
+    (docs/secure-aggregation.md): the bound on the sums holds, the
+    trajectory's sensitivity is the rule's.
+    """
+    off = {"max_update_norm_ratio": 0.0, **options}
+    guard = {"step_guard": False} if strategy_cls in (
+        legacy.FedExP, legacy.FedExPM, legacy.FedDuA) else {}  # fmt: skip
+    x0, plain, _, _ = _least_squares_run(
+        strategy_cls, 1.0, 0, rounds=10, secure=False, **off, **guard
+    )
+    _, secure, _, rounds = _least_squares_run(strategy_cls, 1.0, 0, rounds=10, **off)
+    e = SecAggPlusSettings().error_bound([1] * 10)
+    for _, _, bound, update_error, a_error in rounds:
+        assert update_error <= e
+        assert a_error <= (e * bound**2 / 16 if bound > 0 else e)
+    share = float(np.linalg.norm(secure - plain) / np.linalg.norm(plain - x0))
+    assert share <= drift
+
+
+def test_a_lying_client_moves_a_by_at_most_its_weight_times_the_bound():
+    """Issue #41 item 3: a false ‖Δ_i‖² is clipped into [0, B²] by Flower's mod.
+
+    Oracle: the clients' true norms of the same round. However large the
+    claim (×1e6), the revealed A exceeds their true mean by at most ω·B²
+    (ω = 1/10) plus the quantisation error of A; without a bound (round 1)
+    only the clipping range c limits it (c/n = 0.8 here, ~8× the truth).
+    """
+    for seed in range(2):
+        _, _, _, rounds = _least_squares_run(legacy.FedExP, 1e6, seed, rounds=8)
+        (a_1, true_1, b_1, _, _), later = rounds[0], rounds[1:]
+        assert b_1 == 0.0 and a_1 > true_1 + 0.7  # the claim reached c/n = 0.8
+        for revealed, true, bound, _, _ in later:
+            e_a = 2 * 8.0 / 4194304 * bound**2 / 16  # e·B²/(2c), e = 2c/Q
+            assert bound > 0
+            assert true < revealed <= true + bound**2 / 10 + 2 * e_a
+
+
+@pytest.mark.parametrize(
+    ("strategy_cls", "max_loss_effect"),
+    [(legacy.FedExP, 0.05), (legacy.FedDuA, None)],
+)
+def test_one_lying_client_costs_a_few_percent_of_the_loss(
+    strategy_cls, max_loss_effect
+):
+    """Item 3's measurement: one client of ten claims ‖Δ‖² ×100 every round.
+
+    With the bound the clients clip to (k·√A of the last round, k = 2),
+    FedExP's final loss stays within 5 % of the honest secure run (mean of
+    3 seeds; measured +1.2 / +2.5 / +3.2 %), and for FedExP and FedDuA
+    the lie costs less, and moves the model less far from the honest run,
+    than without the bound (k = 0: the claim reaches c every round;
+    measured FedExP +22 / +114 / −0.2 %, FedDuA +26 / +52 / +138 % without,
+    FedDuA +28 / −2.5 / +4.7 % with: its trajectory follows any
+    perturbation, docs/secure-aggregation.md).
+    """
+    effects = {}
+    for ratio in (2.0, 0.0):
+        runs = []
+        for seed in range(3):
+            x0, xh, lh, _ = _least_squares_run(
+                strategy_cls, 1.0, seed, max_update_norm_ratio=ratio
+            )
+            _, xl, ll, _ = _least_squares_run(
+                strategy_cls, 100.0, seed, max_update_norm_ratio=ratio
+            )
+            travel = np.linalg.norm(xh - x0)
+            runs.append((ll / lh - 1, np.linalg.norm(xl - xh) / travel))
+        effects[ratio] = np.mean(runs, axis=0)
+    loss_with, distance_with = effects[2.0]
+    loss_without, distance_without = effects[0.0]
+    if max_loss_effect is not None:
+        assert loss_with <= max_loss_effect
+    assert loss_with < loss_without
+    assert distance_with < distance_without
+
+
 # --- the server's checks of an aggregate ---------------------------------------
 
 
@@ -92,14 +312,18 @@ def test_decode_sums_rejects_an_impossible_a_and_accepts_an_honest_one():
     deltas = [np.array([1.0, -1.0, 0.5, 0.0]), np.array([0.0, 1.0, 0.5, 2.0])]
     mean = sum(deltas) / 2
     a = float(np.mean([d @ d for d in deltas]))
-    stats, problem = decode_sums(x, [mean, np.array([a])], ["w"], 2, 1e-6)
-    assert problem is None and stats is not None
-    assert stats.mean_sq_norm == pytest.approx(a)
-    np.testing.assert_allclose(stats.mean_update["w"], mean)
+    flag = np.array([0.0])
+    decoded, problem = decode_sums(x, [mean, np.array([a]), flag], ["w"], 2, 1e-6)
+    assert problem is None and decoded is not None
+    assert decoded.stats.mean_sq_norm == pytest.approx(a)
+    assert decoded.clipped_share == 0.0
+    np.testing.assert_allclose(decoded.stats.mean_update["w"], mean)
     # a client under-reporting its norm: A < ‖Δ̄‖² is impossible (Jensen)
     low = float(mean @ mean) / 2
-    stats, problem = decode_sums(x, [mean, np.array([low])], ["w"], 2, 1e-6)
-    assert stats is None and "Jensen" in problem
+    decoded, problem = decode_sums(x, [mean, np.array([low]), flag], ["w"], 2, 1e-6)
+    assert decoded is None and "Jensen" in problem
+    decoded, problem = decode_sums(x, [mean, np.array([a])], ["w"], 2, 1e-6)
+    assert decoded is None and "norm entry, clip flag" in problem
 
 
 # --- the legacy strategy on given sums ------------------------------------------
@@ -134,7 +358,9 @@ def test_fedexp_steps_on_the_sums_as_its_closed_form():
     strategy = _secure_fedexp(epsilon=0.0)
     mean = np.array([0.1, -0.2, 0.05])
     a = 0.3
-    results = _results([mean, np.array([a])], [{wire.SECAGG_CLIPPED: 0}] * 3)
+    results = _results(
+        [mean, np.array([a]), np.array([0.0])], [{wire.SECAGG_CLIPPED: 0}] * 3
+    )
     parameters, metrics = strategy.aggregate_fit(1, results, [])
     from flwr.common import parameters_to_ndarrays
 
@@ -148,11 +374,42 @@ def test_fedexp_steps_on_the_sums_as_its_closed_form():
                for c in report["clients"])  # fmt: skip
 
 
+def test_the_bound_sent_to_clients_follows_the_revealed_a():
+    """B_1 = max_update_norm (0: none); B_{t+1} = min(C, k·√A_t); recorded."""
+    strategy = _secure_fedexp()
+    assert strategy.secagg_norm_bound == 0.0
+    mean = np.array([0.1, -0.2, 0.05])
+    flag = np.array([0.0])
+    results = _results([mean, np.array([0.25]), flag], [{wire.SECAGG_CLIPPED: 0}] * 2)
+    _, metrics = strategy.aggregate_fit(1, results, [])
+    assert metrics["strategy-secagg-norm-bound"] == 0.0
+    assert strategy.secagg_norm_bound == pytest.approx(2 * 0.5)  # k = 2, √A = 0.5
+    # round 2 decodes its entry with B = 1: entry 0 is A = B²/2; a flag c/2
+    # is half the weight clipped
+    results = _results(
+        [mean, np.array([0.0]), np.array([4.0])], [{wire.SECAGG_CLIPPED: 0}] * 2
+    )
+    _, metrics = strategy.aggregate_fit(2, results, [])
+    assert metrics["strategy-secagg-norm-bound"] == pytest.approx(1.0)
+    assert metrics["strategy-secagg-clipped-share"] == pytest.approx(0.5)
+    assert strategy.secagg_norm_bound == pytest.approx(2 * np.sqrt(0.5))
+    capped = _secure_fedexp(max_update_norm=0.3)
+    assert capped.secagg_norm_bound == 0.3
+    results = _results(
+        [mean / 10, np.array([0.0]), flag], [{wire.SECAGG_CLIPPED: 0}] * 2
+    )  # entry 0 under B = 0.3: A = 0.045, and 2·√A = 0.42 > C
+    _, metrics = capped.aggregate_fit(1, results, [])
+    assert metrics["strategy-secagg-norm-bound"] == pytest.approx(0.3)
+    assert capped.secagg_norm_bound == pytest.approx(0.3)
+    # the fit config carries the bound to the clients
+    assert strategy.secagg.fit_config(True, 0.7)[wire.SECAGG_NORM_BOUND] == 0.7
+
+
 def test_a_clipped_client_fails_the_round_and_keeps_the_model(caplog):
     strategy = _secure_fedexp(max_failed_rounds=0)
     mean = np.array([0.1, -0.2, 0.05])
     metrics = [{wire.SECAGG_CLIPPED: 0}, {wire.SECAGG_CLIPPED: 3}]
-    results = _results([mean, np.array([0.3])], metrics)
+    results = _results([mean, np.array([0.3]), np.array([0.0])], metrics)
     assert strategy.aggregate_fit(1, results, []) == (None, {})
     report = strategy.round_reports[1]["train_replies"]
     assert report["used"] == 0 and report["rejected"] == 2
@@ -161,8 +418,9 @@ def test_a_clipped_client_fails_the_round_and_keeps_the_model(caplog):
 
 def test_results_that_differ_are_no_secagg_mean():
     strategy = _secure_fedexp(max_failed_rounds=0)
-    first = _results([np.zeros(3), np.array([0.0])], [{wire.SECAGG_CLIPPED: 0}])
-    second = _results([np.ones(3), np.array([3.0])], [{wire.SECAGG_CLIPPED: 0}])
+    flag = np.array([0.0])
+    first = _results([np.zeros(3), np.array([0.0]), flag], [{wire.SECAGG_CLIPPED: 0}])
+    second = _results([np.ones(3), np.array([3.0]), flag], [{wire.SECAGG_CLIPPED: 0}])
     assert strategy.aggregate_fit(1, first + second, []) == (None, {})
 
 
@@ -179,7 +437,8 @@ def test_run_config_modes_and_the_old_boolean():
     assert cfg["secure-aggregation"] == "secagg+"
     strategy = build_strategy(cfg, api="legacy")
     assert strategy.secagg == SecAggPlusSettings(max_weight=1.0)  # uniform
-    assert strategy.max_update_norm_ratio == 0.0 and strategy.secure_aggregation
+    # the relative bound is the clients' under SecAgg+ (k·√A sent to them)
+    assert strategy.max_update_norm_ratio == 2.0 and strategy.secure_aggregation
     with pytest.raises(ConfigError, match="trust-reported-norms"):
         build_strategy(cfg, num_nodes=3)  # Message API: no SecAgg+
     trusting = validate_run_config({"secure-aggregation": "trust-reported-norms"})
@@ -288,7 +547,7 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
         arrays = [r[2] for r in entry["results"]]
         assert all(r[3].tensors == entry["results"][0][3].tensors
                    for r in entry["results"])  # fmt: skip
-        assert len(arrays[0]) == len(entry["sent"]) + 1
+        assert len(arrays[0]) == len(entry["sent"]) + 2  # + norm entry, flag
         for _, metrics, _, _ in entry["results"]:
             assert wire.UPDATE_SQ_NORM not in metrics
             assert metrics[wire.SECAGG_CLIPPED] == 0
@@ -332,7 +591,9 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
     )
     for j in range(len(keys)):
         assert np.abs(revealed[j] - mean[j]).max() <= bound + slack
-    assert abs(float(revealed[-1][0]) - a) <= bound + slack * a
+    # round 1 has no norm bound yet: ‖Δ_i‖² travels as is, no client clipped
+    assert abs(float(revealed[len(keys)][0]) - a) <= bound + slack * a
+    assert abs(float(revealed[len(keys) + 1][0])) <= bound
     for d in deltas:  # the mean is no client's own update
         assert (
             max(np.abs(revealed[j] - d[j]).max() for j in range(len(keys)))

@@ -45,9 +45,12 @@ RUN = {
 }
 
 
-def _run(project, connection, timeout=400):
+def _run(project, connection, timeout=400, overrides=None):
     """Submit one run, wait for its outcome; return it and its results.json."""
-    outcome = submit_run(connection, ROOT, RUN, 3, timeout, results_dir=project.results)
+    config = {**RUN, **(overrides or {})}
+    outcome = submit_run(
+        connection, ROOT, config, 3, timeout, results_dir=project.results
+    )
     assert outcome.ok, (outcome.status, outcome.details, outcome.problems)
     data = json.loads(outcome.results.read_text())
     assert data["status"] == "completed"
@@ -113,7 +116,10 @@ def test_compose_node_loss(project):
 
 
 def test_compose_tls_and_supernode_authentication(project):
-    """TLS override: certificates mounted read-only, only registered nodes join."""
+    """TLS override: certificates mounted read-only, only registered nodes join.
+
+    Then a SecAgg+ run on the same private deployment.
+    """
     project.use("compose.tls.yaml")
     make_certificates(project.certs, ["superlink", "localhost", "127.0.0.1"])
     keys = make_node_keys(project.certs, 3)
@@ -147,6 +153,25 @@ def test_compose_tls_and_supernode_authentication(project):
     project.wait_online(connection, 3)
     _, data = _run(project, connection)
     assert all(r["replies"]["used"] == 3 for r in data["rounds"])
+
+    # SecAgg+ across the containers (issue #41 item 5): the default apps hand
+    # the run to Flower's legacy workflow; the strategy steps on the revealed
+    # sums, within their error bound, and no client's norm is in the clear
+    secure, data = _run(
+        project,
+        connection,
+        timeout=600,
+        overrides={"strategy": "fedexp", "secure-aggregation": "secagg+"},
+    )
+    rounds = data["rounds"]
+    assert all(r["replies"]["used"] == 3 for r in rounds)
+    assert all(r["strategy"]["secagg-error-bound"] > 0 for r in rounds)
+    assert rounds[0]["strategy"]["secagg-norm-bound"] == 0.0  # none in round 1
+    assert rounds[1]["strategy"]["secagg-norm-bound"] > 0
+    replies = (secure.results.parent / "clients.jsonl").read_text().splitlines()
+    assert replies and all(
+        "update-sq-norm" not in json.loads(line)["metrics"] for line in replies
+    )
 
     # the CLI cannot talk to the TLS SuperLink without verifying its certificate
     write_connection(connection.flwr_home, "plain", connection.address)
