@@ -490,14 +490,15 @@ def _check_secure_aggregation(config: RunConfig) -> None:
             "wrap; lower it or raise secagg-modulus-range",
         )
     own = ALGORITHMS.get(config["strategy"]).local_update
-    chosen = config["local-update"]
-    if own is not None or not LOCAL_UPDATES.get(chosen).client_only():
+    kinds = [LOCAL_UPDATES.get(config["local-update"])]
+    kinds += [] if own is None else [own]
+    if not all(k.client_only() or k.summable() for k in kinds):
         raise ConfigError(
             "secure-aggregation",
-            "secagg+ masks the update and its norm only; local updates whose "
-            "clients send arrays of their own (scaffold, mime; the client parts "
-            "of fed-lamb and feddyn) have no SecAgg+ encoding yet (fedprox and "
-            "moon run under it)",
+            "secagg+ masks the update, its norm and arrays whose mean is all the "
+            "server needs (fed-lamb's second moments); local updates that need "
+            "each client's arrays (scaffold, mime) have no SecAgg+ encoding yet "
+            "(fedprox, moon and feddyn run under it)",
         )
 
 

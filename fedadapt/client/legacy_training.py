@@ -14,6 +14,7 @@ from typing import Any
 
 from flwr.client import NumPyClient
 from flwr.common import Context, NDArrays, RecordDict, Scalar
+from numpy.typing import NDArray
 
 from fedadapt.client.local import evaluate_round, train_round
 from fedadapt.client.node import (
@@ -92,7 +93,9 @@ class FedAdaptClient(NumPyClient):
         arrays = [result.state[k].numpy() for k in self.keys]
         metrics: dict[str, Scalar] = dict(result.metrics)
         if SecAggPlusSettings.from_fit_config(config) is not None:
-            return self._secure_reply(parameters, arrays, metrics, config)
+            return self._secure_reply(
+                parameters, arrays, metrics, config, result.local_arrays
+            )
         if result.local_arrays is not None:
             arrays += list(result.local_arrays.values())
             metrics[wire.LOCAL_ARRAYS] = json.dumps(list(result.local_arrays))
@@ -105,11 +108,14 @@ class FedAdaptClient(NumPyClient):
         arrays: NDArrays,
         metrics: dict[str, Scalar],
         config: dict[str, Scalar],
+        local: Mapping[str, NDArray[Any]] | None = None,
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
         """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, norm, flag].
 
         The update is clipped to the round's bound first, if it has one;
-        the norm leaves the clear metrics (only arrays are masked); the
+        a summable local update's arrays (Fed-LAMB's v) follow, their names
+        in the clear metrics; the norm leaves the clear metrics (only
+        arrays are masked); the
         weight is 1 under uniform weighting; the count of coordinates
         SecAgg+ would clip goes in the clear metrics
         (:func:`fedadapt.strategies.secagg.encode_update`).
@@ -124,7 +130,10 @@ class FedAdaptClient(NumPyClient):
             num_examples,
             config,
             trainable=[k in trainable for k in self.keys],
+            local=local,
         )
+        if local:
+            metrics[wire.LOCAL_ARRAYS] = json.dumps(list(local))
         metrics[wire.SECAGG_CLIPPED] = clipped
         return update, weight, metrics
 

@@ -284,6 +284,11 @@ MAX_MOMENT_RATIO = Param(
 )
 
 
+#: Under SecAgg+, the range of a client's v per array, as a multiple of the
+#: largest coordinate of v̂ (:meth:`SecondMoments.secure_ranges`)
+MOMENT_HEADROOM = 4.0
+
+
 class SecondMoments(LocalUpdate):
     """Fed-LAMB's exchange of second moments: v̂ down, each client's v up.
 
@@ -391,6 +396,50 @@ class SecondMoments(LocalUpdate):
             weights=list(omega),
             eps=self.eps,
         )
+        flat = np.concatenate([v.ravel() for v in self.v_hat.values()])
+        return {"v-hat-mean": float(flat.mean())}
+
+    def secure_ranges(self) -> dict[str, float]:
+        """Return {name: MOMENT_HEADROOM·max v̂[name]} ({} before v̂ exists).
+
+        Under SecAgg+ a client's v travels as coordinates of [0, top]
+        (:func:`~fedadapt.strategies.secagg.encode_in_range`), quantised to
+        top·2/Q: v̂ is non-decreasing, so a few times its largest value
+        leaves room for the round's v while the step stays ~1e-6 of it.
+        Round 1 (no v̂ yet) sends v as is, with the absolute step 2c/Q.
+        """
+        if self.v_hat is None:
+            return {}
+        return {
+            name: MOMENT_HEADROOM * float(np.max(v))
+            for name, v in self.v_hat.items()
+            if v.size and float(np.max(v)) > 0
+        }
+
+    def aggregate_mean(
+        self, mean: Mapping[str, NDArray[Any]], num_replies: int
+    ) -> dict[str, float]:
+        """v̂_r = max(v̂_{r−1}, Σω_i v_i) from SecAgg+'s revealed mean.
+
+        Algorithm 1 lines 13-16 with the mean revealed instead of each v_i:
+        :func:`aggregate_second_moments` of the one mean. Quantisation noise
+        can take a mean coordinate a step below 0; it is clamped to 0 (v is
+        ≥ 0). The per-client moment clip (:func:`clip_moments`) needs each
+        v_i and does not run here: a client's v is held to [0, top] by the
+        range instead (:meth:`secure_ranges`). Cast to v̂'s dtype (the
+        model's before v̂ exists).
+        """
+        exact = self.v_hat if self.v_hat is not None else self._model
+        if exact is not None and set(mean) != set(exact):
+            raise ValueError("the revealed second moments name other arrays than v̂")
+        moments = {}
+        for name, v in mean.items():
+            ref = None if exact is None else exact[name]
+            if ref is not None and ref.shape != np.shape(v):
+                raise ValueError(f"revealed second moment '{name}' has the wrong shape")
+            dtype = np.float32 if ref is None else ref.dtype
+            moments[name] = np.maximum(np.asarray(v, np.float64), 0.0).astype(dtype)
+        self.v_hat = aggregate_second_moments(self.v_hat, [moments], eps=self.eps)
         flat = np.concatenate([v.ravel() for v in self.v_hat.values()])
         return {"v-hat-mean": float(flat.mean())}
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from logging import ERROR
 from typing import Any, Unpack
 
 from flwr.common import (
@@ -44,6 +45,7 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
+from flwr.common.logger import log
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg as _FlowerFedAvg
@@ -80,6 +82,10 @@ from fedadapt.strategies.secagg import (
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
 WEIGHT_KEY = wire.NUM_EXAMPLES
+#: SecAgg+: a round in which a client's coordinates overflowed widens the
+#: local update's ranges by this factor for the next round (a client's v
+#: beyond the range the server sent would fail every round otherwise)
+RANGE_WIDENING = 4.0
 
 
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -221,17 +227,22 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         if self.secure_aggregation_mode == "secagg+":
             secagg = secagg or SecAggPlusSettings()
-            if local_update is not None and not type(local_update).client_only():
+            kind = None if local_update is None else type(local_update)
+            if kind is not None and not (kind.client_only() or kind.summable()):
                 raise ValueError(
-                    f"local_update {type(local_update).__name__} exchanges "
-                    "per-client arrays besides the update; it has no SecAgg+ "
-                    "encoding yet (secure_aggregation='secagg+')"
+                    f"local_update {kind.__name__} exchanges per-client arrays "
+                    "besides the update and needs more than their mean; it has "
+                    "no SecAgg+ encoding yet (secure_aggregation='secagg+')"
                 )
         #: SecAgg+'s settings (None: not under SecAgg+)
         self.secagg: SecAggPlusSettings | None = secagg
         #: B_t, the L2 norm SecAgg+ clients clip to this round (0: none):
         #: ``max_update_norm`` in round 1, then :meth:`_next_norm_bound`
         self.secagg_norm_bound = self.max_update_norm
+        #: the ranges of the local update's arrays sent this round (SecAgg+)
+        self._local_ranges: dict[str, float] = {}
+        #: × the local update's ranges after a round that overflowed them
+        self._range_widening = 1.0
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
@@ -290,9 +301,18 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 for proxy, ins in pairs
             ]
         if self.secagg is not None:
-            settings = self.secagg.fit_config(
-                self.rule.weighting == "uniform", self.secagg_norm_bound
+            settings: dict[str, Scalar] = dict(
+                self.secagg.fit_config(
+                    self.rule.weighting == "uniform", self.secagg_norm_bound
+                )
             )
+            self._local_ranges = {}
+            if self.local_update is not None and type(self.local_update).summable():
+                self._local_ranges = {
+                    name: top * self._range_widening
+                    for name, top in self.local_update.secure_ranges().items()
+                }
+                settings[wire.SECAGG_LOCAL_RANGES] = json.dumps(self._local_ranges)
             pairs = [
                 (proxy, FitIns(ins.parameters, {**ins.config, **settings}))
                 for proxy, ins in pairs
@@ -395,12 +415,17 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         candidates += valid
         report = self.round_reports.setdefault(server_round, {})
         report["communication"] = traffic.as_dict()
-        problem = aggregate_problem(
-            self.secagg,
-            {str(c.node): c.metrics.get(wire.SECAGG_CLIPPED) for c in valid},
-        )
+        clipped_counts = {
+            str(c.node): c.metrics.get(wire.SECAGG_CLIPPED) for c in valid
+        }
+        problem = aggregate_problem(self.secagg, clipped_counts)
+        if any(isinstance(v, int | float) and v > 0 for v in clipped_counts.values()):
+            # the local update's ranges may be what overflowed: wider next time
+            self._range_widening *= RANGE_WIDENING
         if problem is None and failures and not self.accept_failures:
             problem = "clients failed and accept_failures is False"
+        local, local_problem = self._secure_local_names(valid)
+        problem = problem or local_problem
         stats = None
         decoded = None
         bound = math.inf
@@ -423,6 +448,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     bound,
                     norm_bound=self.secagg_norm_bound,
                     clipping_range=self.secagg.clipping_range,
+                    local={name: self._local_ranges.get(name, 0.0) for name in local},
                 )
                 if decoded is not None:
                     stats = decoded.stats
@@ -436,9 +462,42 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         diagnostics["secagg-error-bound"] = bound
         diagnostics["secagg-norm-bound"] = self.secagg_norm_bound
         diagnostics["secagg-clipped-share"] = decoded.clipped_share
+        if self.local_update is not None and decoded.local_mean:
+            try:
+                diagnostics.update(
+                    self.local_update.aggregate_mean(decoded.local_mean, len(valid))
+                )
+                self._range_widening = 1.0
+            except ValueError as err:  # its state is kept; the model stepped
+                log(ERROR, "Round %s: %s kept its state: %s", server_round,
+                    self.local_update.name, err)  # fmt: skip
+                diagnostics["local-update-problem"] = str(err)
         a_t = decoded.stats.mean_sq_norm
         self.secagg_norm_bound = self._next_norm_bound(a_t)
         return self._output_of(server_round, new, diagnostics, valid)
+
+    def _secure_local_names(
+        self, valid: Sequence[TrainReply]
+    ) -> tuple[list[str], str | None]:
+        """Return the local-update arrays' names the replies declare, or why not.
+
+        Under SecAgg+ a summable local update's arrays follow the update in
+        the masked vector; their names travel in the clear (names only) and
+        must be the same in every reply.
+        """
+        if self.local_update is None or not type(self.local_update).summable():
+            return [], None
+        declared = {str(c.metrics.get(wire.LOCAL_ARRAYS)) for c in valid}
+        if len(declared) > 1:
+            return [], "the replies declare different local-update arrays"
+        if not declared:
+            return [], None
+        names = legacy_names(declared.pop())
+        if isinstance(names, str):
+            return [], names
+        if not names:
+            return [], f"{self.local_update.name} expects its arrays in every reply"
+        return names, None
 
     def _next_norm_bound(self, mean_sq_norm: float | None) -> float:
         """Return B_{t+1} = min(C, k·√A_t) from this round's A (SecAgg+).

@@ -119,14 +119,47 @@ class LocalUpdate:
         """
         return {}
 
+    def aggregate_mean(
+        self, mean: Mapping[str, NDArray[Any]], num_replies: int
+    ) -> dict[str, float]:
+        """Fold the weighted mean of the replies' arrays into the state.
+
+        Under SecAgg+ (:mod:`fedadapt.strategies.secagg`) the server sees
+        no reply's arrays, only Σω_i a_i over the ``num_replies`` clients in
+        the sum (ω the rule's weighting). A local update whose server half
+        needs no more than that overrides this (with :meth:`secure_ranges`)
+        and then runs under SecAgg+ (:meth:`summable`). Returns diagnostics.
+        """
+        raise NotImplementedError(f"{self.name} has no SecAgg+ aggregation")
+
+    def secure_ranges(self) -> dict[str, float]:
+        """Return the range [0, top] of each array a client sends, by name.
+
+        Under SecAgg+ every coordinate is quantised to 2c/Q of its range: a
+        range close to the values keeps the error small against them (tiny
+        second moments would drown in a step of 2c/Q). Names not listed
+        travel as is, within ±c. Called when the round is configured.
+        """
+        return {}
+
+    @classmethod
+    def summable(cls) -> bool:
+        """Return whether the server half works from the mean of the arrays.
+
+        True when the class overrides :meth:`aggregate_mean`: its clients'
+        arrays then travel masked beside the update under SecAgg+.
+        """
+        return cls.aggregate_mean is not LocalUpdate.aggregate_mean
+
     @classmethod
     def client_only(cls) -> bool:
         """Return whether the server needs nothing from each client but Δ_i.
 
         True for a local update whose clients send no arrays of their own
         (it keeps the base class's :meth:`check_reply` and :meth:`aggregate`:
-        FedProx, MOON). Only such a local update runs under SecAgg+, which
-        reveals the sum of the updates and nothing per client.
+        FedProx, MOON). Such a local update runs under SecAgg+, which
+        reveals the sum of the updates and nothing per client, as does one
+        that is :meth:`summable`.
         """
         return (
             cls.check_reply is LocalUpdate.check_reply

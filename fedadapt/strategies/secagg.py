@@ -34,8 +34,8 @@ What replaces the server's norm bound: a bound B_t the server sends
 sets B_{t+1} = k·√A_t, k = ``max_update_norm_ratio``, at most
 ``max_update_norm``). An honest client clips its update to B_t before
 masking, Δ_i ← Δ_i·min(1, B_t/‖Δ_i‖), and sends its norm as the
-coordinate c·(2‖Δ_i‖²/B_t² − 1) of [−c, c] (:func:`encode_sq_norm`),
-whose mean decodes to A (:func:`decode_sq_norm`). Flower's mod clips every
+coordinate c·(2‖Δ_i‖²/B_t² − 1) of [−c, c] (:func:`encode_in_range`),
+whose mean decodes to A (:func:`decode_in_range`). Flower's mod clips every
 coordinate to ±c, so a client that lies about its norm moves A by at most
 ω_i·B_t² (its entry cannot leave [0, B_t²]); and since Jensen's check
 (A ≥ ‖Δ̄‖²) must still hold, a client that sends a large Δ_i with a small
@@ -43,6 +43,13 @@ norm fails the round instead of moving the model by more than B_t. The clip
 flag (c when the client clipped, else 0) tells the server the weighted share
 of clients the bound clipped, and nothing per client. Round 1 has no A yet:
 its bound is ``max_update_norm`` (0: none, the norm then travels as is).
+
+A local update whose server half needs only the mean of its clients'
+arrays (:meth:`~fedadapt.strategies.local_update.LocalUpdate.summable`:
+Fed-LAMB's second moments, v̂ = max(v̂, Σω_i v_i)) has them appended after
+the clip flag, each in the range the server sends for it
+(:data:`~fedadapt.strategies.wire.SECAGG_LOCAL_RANGES`), their names in the
+clear metrics; the server decodes their mean with Δ̄ and A.
 
 Overflow is never silent. A coordinate beyond ±c would be clipped by
 Flower without notice, so the client counts its scaled coordinates beyond
@@ -67,9 +74,10 @@ from w_i / max_weight by at most 1/(2Q).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -209,27 +217,30 @@ class SecAggPlusSettings:
 EXTRA_ARRAYS = 2
 
 
-def encode_sq_norm(sq_norm: float, norm_bound: float, clipping_range: float) -> float:
-    """Return the coordinate that carries ‖Δ_i‖² in the masked reply.
+def encode_in_range(value: Any, top: float, clipping_range: float) -> Any:
+    """Return the coordinates that carry ``value`` (≥ 0) in the masked reply.
 
-    With a bound B > 0: c·(2‖Δ_i‖²/B² − 1), which maps [0, B²] onto [−c, c]
+    With ``top`` > 0: c·(2·value/top − 1), which maps [0, top] onto [−c, c]
     (Flower's mod clips any coordinate to ±c, so whatever a client claims,
-    its entry decodes into [0, B²]). Without one: ‖Δ_i‖² itself.
+    its entry decodes into [0, top]; all of Q's steps span the range). The
+    norm entry uses top = B² (the round's bound squared), Fed-LAMB's
+    moments top = the server's range per array. Without one (0): the value
+    itself.
     """
-    if norm_bound > 0:
-        return clipping_range * (2 * sq_norm / norm_bound**2 - 1)
-    return sq_norm
+    if top > 0:
+        return clipping_range * (2 * np.asarray(value, np.float64) / top - 1)
+    return value
 
 
-def decode_sq_norm(entry: float, norm_bound: float, clipping_range: float) -> float:
-    """Return A from the revealed mean of the norm entries (:func:`encode_sq_norm`).
+def decode_in_range(entry: Any, top: float, clipping_range: float) -> Any:
+    """Return the weighted mean of values from the mean of their entries.
 
-    The entry is linear in ‖Δ_i‖² with the same offset for every client,
-    and the revealed mean has weights summing to 1, so the mean entry
-    decodes to the weighted mean A = Σω_i‖Δ_i‖².
+    The inverse of :func:`encode_in_range`: the entry is linear in the value
+    with the same offset for every client, and the revealed mean has
+    weights summing to 1, so the mean entry decodes to the mean value.
     """
-    if norm_bound > 0:
-        return (entry / clipping_range + 1) * norm_bound**2 / 2
+    if top > 0:
+        return (np.asarray(entry, np.float64) / clipping_range + 1) * top / 2
     return entry
 
 
@@ -240,11 +251,15 @@ def encode_update(
     num_examples: int,
     config: Mapping[str, Any],
     trainable: Sequence[bool] | None = None,
+    local: Mapping[str, NDArray[Any]] | None = None,
 ) -> tuple[list[NDArray[Any]], int, int]:
     """Return (arrays to mask, weight to send, coordinates Flower would clip).
 
     The arrays are Δ_i = x_i − x_t (float64), then [norm entry] and [clip
-    flag] (:data:`EXTRA_ARRAYS`). Under the round's bound B > 0
+    flag] (:data:`EXTRA_ARRAYS`), then the ``local`` update's arrays in
+    their order (Fed-LAMB's v), each in the range the server sent for it
+    (:data:`~fedadapt.strategies.wire.SECAGG_LOCAL_RANGES`,
+    :func:`encode_in_range`). Under the round's bound B > 0
     (:data:`~fedadapt.strategies.wire.SECAGG_NORM_BOUND`) an update with
     ‖Δ_i‖ > B is clipped first: the ``trainable`` arrays (those
     ``update_sq_norm`` was summed over; None: every floating array) are
@@ -273,14 +288,28 @@ def encode_update(
             for a, counted in zip(arrays, trainable, strict=True)
         ]
         update_sq_norm = bound**2  # exactly: its entry is c, never beyond
-    arrays.append(np.array([encode_sq_norm(update_sq_norm, bound, c)], np.float64))
+    entry = encode_in_range(update_sq_norm, bound**2, c)
+    arrays.append(np.array([entry], np.float64))
     arrays.append(np.array([c if clipped_to_bound else 0.0], np.float64))
+    ranges = local_ranges(config)
+    for name, values in (local or {}).items():
+        top = ranges.get(name, 0.0)
+        arrays.append(np.asarray(encode_in_range(values, top, c), np.float64))
     ratio = settings.weight_ratio(weight)
     # beyond ±c, and NaN/Inf (which Flower's quantiser would turn into
     # arbitrary integers: a silently wrong sum): both refuse the round
     clipped = sum(int(np.count_nonzero(~(np.abs(a * ratio) <= c))) for a in arrays)
     clipped += int(weight > settings.max_weight)
     return arrays, weight, clipped
+
+
+def local_ranges(config: Mapping[str, Any]) -> dict[str, float]:
+    """Return the ranges a fit config gives local-update arrays ({} if none)."""
+    raw = config.get(wire.SECAGG_LOCAL_RANGES)
+    if not raw:
+        return {}
+    ranges = json.loads(str(raw))
+    return {str(k): float(v) for k, v in ranges.items()}
 
 
 def aggregate_problem(
@@ -328,10 +357,13 @@ class DecodedSums:
         Σω_i over the clients that clipped their update to the round's
         bound: the share of the round's weight (under uniform weighting, of
         its clients) that the bound clipped.
+    local_mean : Arrays
+        Σω_i of each local-update array (Fed-LAMB: Σω_i v_i), by name.
     """
 
     stats: RoundStatistics
     clipped_share: float
+    local_mean: Arrays = field(default_factory=dict)
 
 
 def decode_sums(
@@ -343,6 +375,7 @@ def decode_sums(
     *,
     norm_bound: float = 0.0,
     clipping_range: float = 1.0,
+    local: Mapping[str, float] | None = None,
 ) -> tuple[DecodedSums | None, str | None]:
     """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
@@ -359,10 +392,13 @@ def decode_sums(
     range fails the round once it pushes Δ̄ past what A allows.
     """
     keys = list(reference)
-    if len(aggregate) != len(keys) + EXTRA_ARRAYS:
+    local = dict(local or {})
+    expected = len(keys) + EXTRA_ARRAYS + len(local)
+    if len(aggregate) != expected:
         return None, (
             f"the aggregate has {len(aggregate)} arrays, expected "
             f"{len(keys)} model arrays + {EXTRA_ARRAYS} (norm entry, clip flag)"
+            + (f" + {len(local)} local-update arrays" if local else "")
         )
     mean: Arrays = {}
     for k, a in zip(keys, aggregate, strict=False):
@@ -371,7 +407,7 @@ def decode_sums(
             return None, f"aggregate array {k!r} has shape {np.shape(a)}, not {x.shape}"
         mean[k] = np.asarray(a, dtype=np.result_type(x.dtype, np.float32))
     entry = float(np.asarray(aggregate[len(keys)]).reshape(-1)[0])
-    a_t = decode_sq_norm(entry, norm_bound, clipping_range)
+    a_t = float(decode_in_range(entry, norm_bound**2, clipping_range))
     share = float(np.asarray(aggregate[len(keys) + 1]).reshape(-1)[0]) / clipping_range
     mean_sq = sq_norm({k: mean[k] for k in adaptive})
     d = sum(mean[k].size for k in adaptive)
@@ -390,4 +426,9 @@ def decode_sums(
             )
         )
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
-    return DecodedSums(stats, min(max(share, 0.0), 1.0)), None
+    first = len(keys) + EXTRA_ARRAYS
+    local_mean = {
+        name: np.asarray(decode_in_range(aggregate[first + j], top, clipping_range))
+        for j, (name, top) in enumerate(local.items())
+    }
+    return DecodedSums(stats, min(max(share, 0.0), 1.0), local_mean), None

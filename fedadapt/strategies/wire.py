@@ -32,6 +32,9 @@ SECAGG_UNIFORM: Final = "secagg-uniform"  #: 1: send weight 1 (uniform ω)
 #: B_t: each client clips its update to this L2 norm before masking, and its
 #: ‖Δ_i‖² travels as a coordinate of [0, B_t²] (0: no bound this round)
 SECAGG_NORM_BOUND: Final = "secagg-norm-bound"
+#: JSON {array name: top}: a local update's array (Fed-LAMB's v) travels as
+#: the coordinates of [0, top] (missing: as is, within ±c)
+SECAGG_LOCAL_RANGES: Final = "secagg-local-ranges"
 #: true: evaluate the received model on the local test split before training
 #: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`
 #: (federated evaluation folded into the train exchange)

@@ -21,9 +21,9 @@ from fedadapt.strategies import legacy, wire
 from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
-    decode_sq_norm,
+    decode_in_range,
     decode_sums,
-    encode_sq_norm,
+    encode_in_range,
     encode_update,
 )
 from tests.helpers import run_legacy_in_process
@@ -97,8 +97,8 @@ def test_a_client_clips_to_the_round_bound_and_its_norm_entry_spans_it():
     np.testing.assert_allclose(arrays[0], [0.6, 0.8, 0, 0], rtol=1e-6)
     assert arrays[2][0] == pytest.approx(8.0 * (2 * 1.0 / 4.0 - 1))
     assert arrays[3][0] == 0.0
-    assert decode_sq_norm(arrays[2][0], 2.0, 8.0) == pytest.approx(1.0)
-    assert encode_sq_norm(1.0, 0.0, 8.0) == 1.0  # no bound: as is
+    assert decode_in_range(arrays[2][0], 4.0, 8.0) == pytest.approx(1.0)
+    assert encode_in_range(1.0, 0.0, 8.0) == 1.0  # no bound: as is
 
 
 def _flower_secagg_mean(replies, settings):
@@ -167,8 +167,8 @@ def _least_squares_run(
         if secure:
             mean = _flower_secagg_mean(replies, strategy.secagg)
             exact = [np.mean([r[j] for r in replies], axis=0) for j in range(3)]
-            revealed = decode_sq_norm(float(mean[1][0]), bound, 8.0)
-            exact_a = decode_sq_norm(float(exact[1][0]), bound, 8.0)
+            revealed = float(decode_in_range(mean[1][0], bound**2, 8.0))
+            exact_a = float(decode_in_range(exact[1][0], bound**2, 8.0))
             rounds_seen.append(
                 (revealed, float(np.mean(true_sq)), bound,
                  float(np.abs(mean[0] - exact[0]).max()), abs(revealed - exact_a))
@@ -424,6 +424,108 @@ def test_results_that_differ_are_no_secagg_mean():
     assert strategy.aggregate_fit(1, first + second, []) == (None, {})
 
 
+# --- Fed-LAMB's second moments under SecAgg+ ----------------------------------------
+
+
+def test_local_arrays_travel_in_their_range_after_the_norm():
+    sent = [np.zeros(2, np.float32)]
+    trained = [np.array([0.1, 0.2], np.float32)]
+    settings = SecAggPlusSettings(clipping_range=8.0)
+    config = {
+        **settings.fit_config(True),
+        wire.SECAGG_LOCAL_RANGES: json.dumps({"v": 1e-3}),
+    }
+    v = {"v": np.array([0.0, 5e-4, 1e-3]), "u": np.array([2e-6])}
+    arrays, _, clipped = encode_update(sent, trained, 0.05, 10, config, local=v)
+    assert len(arrays) == 1 + 2 + 2 and clipped == 0
+    np.testing.assert_allclose(arrays[3], [-8.0, 0.0, 8.0])  # [0, top] → [−c, c]
+    np.testing.assert_array_equal(arrays[4], [2e-6])  # no range: as is
+    # the server decodes the mean in the same ranges, after Δ̄, A and the flag
+    decoded, problem = decode_sums(
+        {"w": sent[0]}, arrays, ["w"], 1, 1e-6, clipping_range=8.0,
+        local={"v": 1e-3, "u": 0.0},
+    )  # fmt: skip
+    assert problem is None
+    np.testing.assert_allclose(decoded.local_mean["v"], v["v"], atol=1e-12)
+    np.testing.assert_allclose(decoded.local_mean["u"], v["u"])
+    # a v above its range is counted: the round would fail, never clip silently
+    v["v"] = np.array([0.0, 0.0, 2e-3])
+    assert encode_update(sent, trained, 0.05, 10, config, local=v)[2] == 1
+
+
+def test_second_moments_from_the_revealed_mean():
+    """v̂ = max(v̂, mean), as aggregate_second_moments of the clients' own v."""
+    from fedadapt.strategies.fedlamb import (
+        MOMENT_HEADROOM,
+        SecondMoments,
+        aggregate_second_moments,
+    )
+
+    rng = np.random.default_rng(0)
+    clients = [{"w": rng.uniform(0, 1e-3, 5).astype(np.float32)} for _ in range(3)]
+    exact = aggregate_second_moments(None, clients, eps=1e-8)
+    moments = SecondMoments(max_moment_ratio=0.0)
+    moments.configure(1, {"w": np.zeros(5, np.float32)}, 3)
+    assert moments.secure_ranges() == {}  # round 1: v travels as is
+    mean = {"w": np.mean([c["w"].astype(np.float64) for c in clients], axis=0)}
+    moments.aggregate_mean(mean, 3)
+    np.testing.assert_allclose(moments.v_hat["w"], exact["w"], rtol=1e-6)
+    assert moments.v_hat["w"].dtype == np.float32
+    top = moments.secure_ranges()["w"]
+    assert top == pytest.approx(MOMENT_HEADROOM * float(exact["w"].max()))
+    # a coordinate a quantisation step below 0 is a 0; v̂ never decreases
+    before = moments.v_hat["w"].copy()
+    moments.aggregate_mean({"w": np.full(5, -1e-9)}, 3)
+    np.testing.assert_array_equal(moments.v_hat["w"], before)
+    with pytest.raises(ValueError, match="other arrays"):
+        moments.aggregate_mean({"b": np.zeros(5)}, 3)
+    np.testing.assert_array_equal(moments.v_hat["w"], before)  # state kept
+
+
+def _secure_fed_lamb():
+    strategy = legacy.FedLAMB(
+        secagg=SecAggPlusSettings(), array_names=["w"], average_last_two=False
+    )
+    strategy._sent = {"w": np.zeros(3, np.float32)}
+    strategy.local_update.configure(1, strategy._sent, 2)
+    return strategy
+
+
+def test_the_fed_lamb_strategy_steps_on_the_mean_and_keeps_v_hat():
+    strategy = _secure_fed_lamb()
+    mean, flag, a = np.array([0.01, -0.02, 0.0]), np.array([0.0]), np.array([1e-3])
+    v = np.array([1e-4, 4e-4, 2e-4])
+    names = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
+    parameters, metrics = strategy.aggregate_fit(
+        1, _results([mean, a, flag, v], [names] * 2), []
+    )
+    assert parameters is not None
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], v, rtol=1e-6)
+    assert metrics["strategy-v-hat-mean"] == pytest.approx(v.mean(), rel=1e-6)
+    # round 2 sends v̂'s range: 4 × its largest coordinate
+    assert strategy.local_update.secure_ranges() == {"w": pytest.approx(1.6e-3)}
+    # replies that name other arrays, or none, are no usable aggregate
+    strategy = _secure_fed_lamb()
+    bad = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
+    other = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["b"])}
+    assert strategy.aggregate_fit(
+        1, _results([mean, a, flag, v], [bad, other]), []
+    ) == (None, {})
+    assert strategy.local_update.v_hat is None
+
+
+def test_an_overflow_widens_the_moment_ranges_for_the_next_round():
+    strategy = _secure_fed_lamb()
+    strategy.local_update.v_hat = {"w": np.full(3, 1e-4, np.float32)}
+    strategy._range_widening = 1.0
+    over = {wire.SECAGG_CLIPPED: 2, wire.LOCAL_ARRAYS: json.dumps(["w"])}
+    flag, a, v = np.array([0.0]), np.array([1e-3]), np.zeros(3)
+    assert strategy.aggregate_fit(
+        1, _results([np.zeros(3), a, flag, v], [over] * 2), []
+    ) == (None, {})
+    assert strategy._range_widening == 4.0  # the next round's ranges are 4× wider
+
+
 # --- the run config ----------------------------------------------------------------
 
 
@@ -452,11 +554,6 @@ def test_run_config_modes_and_the_old_boolean():
     [
         ({"secagg-modulus-range": 3 << 30}, "secagg-modulus-range"),
         ({"clients-per-round": 1024}, "secagg-quantization-range"),
-        pytest.param(  # the client-optimizer choices need the app (torch)
-            {"strategy": "fed-lamb", "client-optimizer": "fed-lamb"},
-            "secure-aggregation",
-            marks=pytest.mark.app,
-        ),
         ({"local-update": "scaffold"}, "secure-aggregation"),
         ({"local-update": "mime"}, "secure-aggregation"),
     ],
@@ -617,6 +714,17 @@ def test_client_only_local_updates_run_under_secagg():
         assert cfg["local-update"] == name
 
 
+@pytest.mark.app  # the client-optimizer choices need the app (torch)
+def test_fed_lamb_and_feddyn_run_under_secagg():
+    """Fed-LAMB's server needs only the mean of the v_i; FedDyn only Δ̄."""
+    for overrides in (
+        {"strategy": "fed-lamb", "client-optimizer": "fed-lamb"},
+        {"strategy": "feddyn"},
+    ):
+        cfg = validate_run_config({"secure-aggregation": "secagg+", **overrides})
+        assert cfg["secure-aggregation"] == "secagg+"
+
+
 @pytest.mark.e2e
 @pytest.mark.deploy  # a 20-s simulation: beside the default suite in CI
 def test_the_default_apps_run_secagg_through_the_legacy_path(tmp_path, monkeypatch):
@@ -696,6 +804,56 @@ def test_secagg_dropouts_above_and_below_the_threshold(tmp_path, dropped, comple
         assert data["status"] == "failed"
         assert rounds and all(r["replies"]["used"] == 0 for r in rounds)
         assert all("SecAgg+ halted" in r["replies"]["problem"] for r in rounds)
+
+
+@pytest.mark.e2e
+@pytest.mark.deploy  # two 2-node simulations: beside the default suite in CI
+def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
+    """Issue #41 item 1: Fed-LAMB's server side under real SecAgg+.
+
+    Same seed, SecAgg+ against plain (the per-client moment clip off in the
+    plain run, as it is under SecAgg+). The strategy sees one masked mean
+    per round, no v_i; round 1's v̂ (v as is, step 2c/Q) lies within
+    e = 2c/Q of the plain run's, round 2's v̂ (v in [0, 4·max v̂]) within
+    its own bound of the plain run's v̂ plus what round 1's error changed.
+    """
+    from fedadapt.strategies.fedlamb import SecondMoments
+
+    v_hats: list[dict] = []
+    for name in ("aggregate", "aggregate_mean"):
+        original = getattr(SecondMoments, name)
+
+        def recording(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            v_hats.append({k: np.array(v) for k, v in self.v_hat.items()})
+            return out
+
+        monkeypatch.setattr(SecondMoments, name, recording)
+    seen = _spy(monkeypatch)
+    base = {"output-dir": str(tmp_path), "strategy": "fed-lamb",
+            "client-optimizer": "fed-lamb", "fed-lamb.max-moment-ratio": 0.0,
+            "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
+            "evaluate-every": 0}  # fmt: skip
+    run_legacy_in_process({**base, "run-name": "plain"}, num_supernodes=2)
+    plain, v_hats[:], seen[:] = list(v_hats), [], []
+    run_legacy_in_process(
+        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
+        num_supernodes=2,
+    )
+    data = json.loads((tmp_path / "secure" / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
+    for entry in seen:  # one masked mean for both replies, no v_i, no norm
+        first = entry["results"][0][3].tensors
+        assert all(r[3].tensors == first for r in entry["results"])
+        assert len(entry["results"][0][2]) == 2 * len(entry["sent"]) + 2
+    e = SecAggPlusSettings().step  # 2c/Q, uniform weighting
+    assert len(v_hats) == len(plain) == 2
+    for k, v in plain[0].items():
+        assert np.abs(v_hats[0][k] - v).max() <= e
+    for k, v in plain[1].items():
+        assert np.abs(v_hats[1][k] - v).max() <= 2 * e
+    assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0
 
 
 def test_the_legacy_strategy_takes_client_only_local_updates_under_secagg():
