@@ -608,6 +608,59 @@ def _spy(monkeypatch) -> list[dict]:
     return seen
 
 
+def _record_replies(monkeypatch) -> list:
+    """Record every reply message the simulation's ServerApp pulls."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    received: list = []
+    original = InMemoryGrid.pull_messages
+
+    def recording(self, message_ids):
+        replies = list(original(self, message_ids))
+        received.extend(replies)
+        return replies
+
+    monkeypatch.setattr(InMemoryGrid, "pull_messages", recording)
+    return received
+
+
+def _assert_nothing_individual(messages, client_arrays, client_norms) -> None:
+    """No message carries a client's arrays (as values or raw bytes) or norm."""
+    from flwr.app import ArrayRecord
+
+    def values(record):
+        for value in record.values():
+            yield from value if isinstance(value, list) else [value]
+
+    wanted = [
+        np.asarray(a, np.float64).ravel()
+        for arrays in client_arrays
+        for a in arrays
+        if np.size(a) > 4
+    ]
+    raw = [w.tobytes()[:64] for w in wanted]
+    raw += [w.astype(np.float32).tobytes()[:32] for w in wanted]
+    for message in messages:
+        if not message.has_content():
+            continue
+        for record in message.content.values():
+            if isinstance(record, ArrayRecord):
+                for array in record.values():
+                    got = np.asarray(array.numpy(), np.float64).ravel()
+                    assert not any(
+                        got.shape == w.shape and np.allclose(got, w, rtol=1e-6)
+                        for w in wanted
+                    ), "a client's update or model reached the server"
+                continue
+            for value in values(record):
+                if isinstance(value, bytes):
+                    assert not any(r in value for r in raw), "raw update bytes"
+                elif isinstance(value, float):
+                    assert not any(abs(value - n) <= 1e-6 * n for n in client_norms), (
+                        "a client's ‖Δ_i‖² reached the server"
+                    )
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(("strategy", "extra"), STRATEGIES)
 def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
@@ -615,7 +668,10 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
 ):
     """Same seed, SecAgg+ vs plain: round 1's sums within the stated bound.
 
-    The server-side strategy receives, in every SecAgg+ round, one and the
+    Every message the ServerApp pulls (all four SecAgg+ stages) is
+    recorded: none carries a client's update, model or ‖Δ_i‖² (as arrays,
+    raw bytes or scalars), a check that does find them in the plain run's
+    messages. The strategy receives, in every SecAgg+ round, one and the
     same array list for all clients (the mean [Δ̄…, A]) and no norm in the
     clear; it is no client's update. Round 1 starts both runs from the same
     model, so the clients' updates are the same and the secure Δ̄ and A lie
@@ -629,8 +685,10 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
             "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
             "evaluate-every": 0, **extra}  # fmt: skip
     seen = _spy(monkeypatch)
+    received = _record_replies(monkeypatch)
     run_legacy_in_process({**base, "run-name": "plain"}, num_supernodes=2)
     plain, seen[:] = list(seen), []
+    received_plain, received[:] = list(received), []
     run_legacy_in_process(
         {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
         num_supernodes=2,
@@ -696,6 +754,21 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
             max(np.abs(revealed[j] - d[j]).max() for j in range(len(keys)))
             > 100 * bound
         )
+
+    # every message the server received (the SecAgg+ stages' replies
+    # included): no client's round-1 update, model or norm, in any record
+    # (round 1's clients start from the same model in both runs, with no
+    # bound to clip to)
+    individual = (
+        [d for d in deltas]
+        + [[first_plain["sent"][k] + x for k, x in zip(keys, d, strict=True)]
+           for d in deltas],
+        [float(r[1][wire.UPDATE_SQ_NORM]) for r in first_plain["results"]],
+    )  # fmt: skip
+    assert len(received) >= 2 * 4  # 2 clients × 4 stages, round 1 alone
+    _assert_nothing_individual(received, *individual)
+    with pytest.raises(AssertionError):  # the check sees them in a plain run
+        _assert_nothing_individual(received_plain, *individual)
 
     final = {n: np.load(tmp_path / n / "final_model.npz") for n in ("plain", "secure")}
     for k in keys:
