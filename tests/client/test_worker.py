@@ -10,8 +10,11 @@ and removes its socket.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -112,6 +115,50 @@ def test_worker_errors_are_raised_again_and_idle_workers_leave(owner, monkeypatc
     (pid,) = _worker_pids(owner.pid, 8)
     assert worker.alive(pid, None)  # an error in a message ends nothing
     assert _gone(pid, within=15)  # but 2 idle seconds do
+
+
+def test_a_worker_killed_mid_message_fails_it_and_the_next_starts_anew(
+    owner, monkeypatch
+):
+    """SIGKILL during a message: that message fails at once, with the log's tail.
+
+    It is not sent again (a second worker would only repeat a sure failure,
+    e.g. out of memory); the node's next message starts a new worker over
+    the dead one's stale socket and is answered.
+    """
+    monkeypatch.setenv("FEDADAPT_WORKER_IDLE_S", "120")
+    context = _context(node=9)
+    context.run_config["local-steps"] = 200_000  # ~a minute of training
+    outcome: dict = {}
+
+    def send() -> None:
+        started = time.monotonic()
+        try:
+            worker.call("train", _train_content(1), context, owner.pid)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = error
+        outcome["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not _worker_pids(owner.pid, 9) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (pid,) = _worker_pids(owner.pid, 9)
+    time.sleep(3)  # well into the message (imports, data, the first steps)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the message did not fail with its worker"
+    error = outcome.get("error")
+    assert isinstance(error, worker.WorkerError), error
+    assert "ended during the train message" in str(error)
+    assert outcome["took"] < 40  # failed at once, not after a second worker's run
+    assert _worker_pids(owner.pid, 9) == [pid]  # and was not sent again
+
+    reply = worker.call("train", _train_content(1), _context(node=9), owner.pid)
+    assert wire.ARRAYS in reply
+    pids = _worker_pids(owner.pid, 9)
+    assert len(pids) == 2 and pids[1] != pid and worker.alive(pids[1], None)
 
 
 def test_only_flowers_one_message_process_uses_a_worker(monkeypatch):
