@@ -26,6 +26,11 @@ folder only when ``meta.json`` is there and every array matches it; a torn,
 truncated or otherwise unreadable folder is ignored and rewritten. Writing
 is best effort: a read-only or full cache folder only costs the speed-up.
 
+Folders are not kept for ever: every read marks its folder used (the
+modification time of ``meta.json``), and every write removes the folders
+not used for :data:`KEEP_DAYS` days (:func:`prune_ready`); a folder that a
+process still has mapped keeps its pages until that process lets go.
+
 Only data held as tensors can be written: a ``TensorDataset`` of (inputs,
 labels) or a ``Subset`` of one. Anything else (a dataset that augments its
 samples as it serves them) is recomputed by every process, as before.
@@ -37,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -58,6 +64,10 @@ READY_FORMAT = 1
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")
 
 META = "meta.json"
+
+#: A node folder not read or written for this many days is removed by the
+#: next write (a run config, data folder or library version no longer used)
+KEEP_DAYS = 14.0
 
 #: libraries whose versions may change a task's data for the same inputs
 #: (scikit-learn's digits and split, flwr-datasets' partitioners, …)
@@ -149,6 +159,8 @@ def read_ready(folder: Path) -> ClientData | None:
             arrays[name] = array
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None  # absent, torn, truncated or not ours: compute it
+    with contextlib.suppress(OSError):  # used now (prune_ready keeps it)
+        os.utime(folder / META)
     return ClientData(
         _tensors(arrays["train_x"], arrays["train_y"]),
         _tensors(arrays["test_x"], arrays["test_y"]),
@@ -181,7 +193,39 @@ def write_ready(folder: Path, data: ClientData) -> bool:
         atomic_write_text(folder / META, json.dumps(meta, indent=1))
     except OSError:
         return False  # read-only home, full disk: work without the files
+    prune_ready(folder.parent, keep=folder)
     return True
+
+
+def prune_ready(
+    root: Path, keep: Path | None = None, days: float = KEEP_DAYS
+) -> list[Path]:
+    """Remove the node folders under ``root`` unused for ``days``; return them.
+
+    A folder's last use is the modification time of its ``meta.json`` (a
+    read touches it), else of the folder itself (one being written has no
+    ``meta.json`` yet and a fresh folder time). ``keep`` is never removed.
+    Best effort: a folder that cannot be removed is left.
+    """
+    import shutil
+
+    cutoff = time.time() - days * 86400
+    removed = []
+    try:
+        folders = [f for f in root.iterdir() if f.is_dir() and f != keep]
+    except OSError:
+        return removed
+    for folder in folders:
+        try:
+            meta = folder / META
+            used = (meta if meta.exists() else folder).stat().st_mtime
+        except OSError:
+            continue
+        if used < cutoff:
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+    return removed
 
 
 def ready_client_data(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from fedadapt.tasks import node_data as node_data_module
 from fedadapt.tasks.node_data import load_node_data
 from fedadapt.tasks.ready_data import (
     ARRAYS,
+    KEEP_DAYS,
     META,
     dataset_arrays,
     read_ready,
@@ -230,3 +232,24 @@ def test_data_path_nodes_read_ready_files_and_see_changed_data(tmp_path):
     node_data_module._load.cache_clear()
     assert len(load_node_data(path, cfg, ready=True).train) == 8
     assert len(_folders()) == 2
+
+
+def test_folders_unused_for_two_weeks_go_with_the_next_write():
+    """A read marks a folder used; a write removes the long unused ones only."""
+    cfg = validate_run_config({"task": "digits-mlp"})
+    task = TASKS.get("digits-mlp")
+    compute = lambda: task.load_client(cfg, 0, 3)  # noqa: E731
+    ready_client_data("old", {"k": 1}, compute)
+    ready_client_data("used", {"k": 2}, compute)
+    (old,) = ready_dir().glob("old-*")
+    (used,) = ready_dir().glob("used-*")
+    half_written = ready_dir() / "half-x"  # no meta.json yet, just made
+    half_written.mkdir()
+    long_ago = time.time() - (KEEP_DAYS + 1) * 86400
+    for folder in (old, used):
+        os.utime(folder / META, (long_ago, long_ago))
+    assert read_ready(used) is not None  # read now: used again
+    ready_client_data("new", {"k": 3}, compute)  # a write prunes
+    assert not old.exists()
+    assert used.exists() and half_written.exists()
+    assert len(list(ready_dir().glob("new-*"))) == 1
