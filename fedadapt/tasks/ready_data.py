@@ -210,7 +210,7 @@ def prune_ready(
     import shutil
 
     cutoff = time.time() - days * 86400
-    removed = []
+    removed: list[Path] = []
     try:
         folders = [f for f in root.iterdir() if f.is_dir() and f != keep]
     except OSError:
