@@ -24,7 +24,7 @@ from typing import Any
 from fedadapt.errors import ConfigError
 from fedadapt.strategies import ALGORITHMS, Algorithm, Param
 from fedadapt.strategies.core.robust import required_replies
-from fedadapt.strategies.local_update import LOCAL_UPDATES
+from fedadapt.strategies.local_update import LOCAL_UPDATES, secure_problem
 
 __all__ = [
     "KEYS",
@@ -492,13 +492,13 @@ def _check_secure_aggregation(config: RunConfig) -> None:
     own = ALGORITHMS.get(config["strategy"]).local_update
     kinds = [LOCAL_UPDATES.get(config["local-update"])]
     kinds += [] if own is None else [own]
-    if not all(k.client_only() or k.summable() for k in kinds):
+    weighting_key = f"{config['strategy']}.weighting"
+    problem = secure_problem(kinds, config.get(weighting_key, "uniform"))
+    if problem is not None:
         raise ConfigError(
-            "secure-aggregation",
-            "secagg+ masks the update, its norm and arrays whose mean is all the "
-            "server needs (fed-lamb's second moments); local updates that need "
-            "each client's arrays (scaffold, mime) have no SecAgg+ encoding yet "
-            "(fedprox, moon and feddyn run under it)",
+            weighting_key if "weighting" in problem else "secure-aggregation",
+            f"secagg+ masks the update, its norm and arrays whose mean is all the "
+            f"server needs: {problem}",
         )
 
 

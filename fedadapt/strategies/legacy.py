@@ -70,8 +70,10 @@ from fedadapt.strategies.local_update import (
     LocalUpdate,
     aggregate_replies,
     legacy_names,
+    member_kinds,
     round_config,
     screen_replies,
+    secure_problem,
 )
 from fedadapt.strategies.screening import TrainReply, failed_reply
 from fedadapt.strategies.secagg import (
@@ -227,12 +229,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         super().__init__(rule, average_last_two=average_last_two, **kwargs)
         if self.secure_aggregation_mode == "secagg+":
             secagg = secagg or SecAggPlusSettings()
-            kind = None if local_update is None else type(local_update)
-            if kind is not None and not (kind.client_only() or kind.summable()):
+            problem = secure_problem(member_kinds(local_update), rule.weighting)
+            if problem is not None:
                 raise ValueError(
-                    f"local_update {kind.__name__} exchanges per-client arrays "
-                    "besides the update and needs more than their mean; it has "
-                    "no SecAgg+ encoding yet (secure_aggregation='secagg+')"
+                    f"local_update under secure_aggregation='secagg+': {problem}"
                 )
         #: SecAgg+'s settings (None: not under SecAgg+)
         self.secagg: SecAggPlusSettings | None = secagg
@@ -307,7 +307,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 )
             )
             self._local_ranges = {}
-            if self.local_update is not None and type(self.local_update).summable():
+            if self.local_update is not None and self.local_update.masks_arrays():
                 self._local_ranges = {
                     name: top * self._range_widening
                     for name, top in self.local_update.secure_ranges().items()
@@ -485,7 +485,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         the masked vector; their names travel in the clear (names only) and
         must be the same in every reply.
         """
-        if self.local_update is None or not type(self.local_update).summable():
+        if self.local_update is None or not self.local_update.masks_arrays():
             return [], None
         declared = {str(c.metrics.get(wire.LOCAL_ARRAYS)) for c in valid}
         if len(declared) > 1:

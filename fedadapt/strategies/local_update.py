@@ -46,6 +46,8 @@ __all__ = [
     "LocalUpdates",
     "build_local_update",
     "combine_local_updates",
+    "member_kinds",
+    "secure_problem",
 ]
 
 
@@ -73,6 +75,10 @@ class LocalUpdate:
     client_module: ClassVar[str | None] = None
     #: the paper of a ``local-update=`` choice (docs/algorithms.md's table)
     paper: ClassVar[Paper | None] = None
+    #: under SecAgg+, the rule weighting the revealed mean must have for
+    #: :meth:`aggregate_mean` to be exact (None: any; SCAFFOLD's unweighted
+    #: sum needs "uniform")
+    secure_weighting: ClassVar[str | None] = None
 
     @classmethod
     def key(cls, param: Param | str) -> str:
@@ -150,6 +156,14 @@ class LocalUpdate:
         arrays then travel masked beside the update under SecAgg+.
         """
         return cls.aggregate_mean is not LocalUpdate.aggregate_mean
+
+    def masks_arrays(self) -> bool:
+        """Return whether clients mask this update's arrays under SecAgg+.
+
+        True for a :meth:`summable` update (a combination: if any member's
+        is): its clients append their arrays to the masked vector.
+        """
+        return type(self).summable()
 
     @classmethod
     def client_only(cls) -> bool:
@@ -279,6 +293,33 @@ class LocalUpdates(LocalUpdate):
             diagnostics.update(update.aggregate(own, weights))
         return diagnostics
 
+    def masks_arrays(self) -> bool:
+        """Whether any member's arrays travel masked under SecAgg+."""
+        return any(u.masks_arrays() for u in self.updates)
+
+    def secure_ranges(self) -> dict[str, float]:
+        """Each member's ranges, keyed ``<name>/<key>`` as its arrays are."""
+        return {
+            f"{u.name}{MEMBER}{k}": top
+            for u in self.updates
+            for k, top in u.secure_ranges().items()
+        }
+
+    def aggregate_mean(
+        self, mean: Mapping[str, NDArray[Any]], num_replies: int
+    ) -> dict[str, float]:
+        """Each member that sends arrays folds in its part of the mean."""
+        parts, unknown = self._split(mean)
+        if unknown:
+            raise ValueError(f"array '{unknown[0]}' names none of {self.name}")
+        diagnostics: dict[str, float] = {}
+        for update in self.updates:
+            if update.masks_arrays():
+                diagnostics.update(
+                    update.aggregate_mean(parts[update.name], num_replies)
+                )
+        return diagnostics
+
     def _state(self) -> dict[str, Any]:
         return {u.name: u.state_dict() for u in self.updates}
 
@@ -295,6 +336,38 @@ class LocalUpdates(LocalUpdate):
                 {f"{own['name']}.{k}": v for k, v in own.items() if k != "name"}
             )
         return described
+
+
+def secure_problem(kinds: Sequence[type[LocalUpdate]], weighting: str) -> str | None:
+    """Why local updates of ``kinds`` cannot run under SecAgg+, or None.
+
+    Each must send nothing of its own (:meth:`LocalUpdate.client_only`) or
+    need only the mean of what its clients send
+    (:meth:`LocalUpdate.summable`), weighted as the rule's ``weighting``
+    allows (:attr:`LocalUpdate.secure_weighting`).
+    """
+    for kind in kinds:
+        if not (kind.client_only() or kind.summable()):
+            return (
+                f"{kind.name} needs each client's arrays; SecAgg+ reveals "
+                "only their mean"
+            )
+        if kind.secure_weighting not in (None, weighting):
+            return (
+                f"{kind.name} under SecAgg+ needs {kind.secure_weighting} "
+                f"weighting (the revealed mean of its arrays is weighted as "
+                f"the models), not {weighting}"
+            )
+    return None
+
+
+def member_kinds(update: LocalUpdate | None) -> list[type[LocalUpdate]]:
+    """Return the classes of ``update``'s members (itself, unless combined)."""
+    if update is None:
+        return []
+    if isinstance(update, LocalUpdates):
+        return [type(u) for u in update.updates]
+    return [type(update)]
 
 
 def combine_local_updates(*updates: LocalUpdate | None) -> LocalUpdate | None:

@@ -155,6 +155,21 @@ class MimeLite(LocalUpdate):
             f"{self.name}-momentum-norm": _norm(self.m),
         }
 
+    def aggregate_mean(
+        self, mean: Mapping[str, NDArray[Any]], num_replies: int
+    ) -> dict[str, float]:
+        """Update m ← (1 − β)·ḡ + β·m from SecAgg+'s mean of the ∇f_i(x).
+
+        :meth:`aggregate` of the one mean: ḡ is weighted as the rule weights
+        the models (uniform: the Mime paper's Algorithm 1, c = (1/|S|)
+        Σ∇f_i; num-examples: what the plain mode uses). The gradients travel
+        as they are (within ±c, step 2c/Q).
+        """
+        problem = self.check_reply(mean, {})
+        if problem is not None:
+            raise ValueError(problem)
+        return self.aggregate([mean], [1.0])
+
     def _state(self) -> dict[str, Any]:
         return {"m": self.m, "c": self.c}
 

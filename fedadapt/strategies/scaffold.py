@@ -49,6 +49,8 @@ class Scaffold(LocalUpdate):
         "option II)",
     )
     params: ClassVar[tuple[Param, ...]] = ()
+    #: under SecAgg+, c adds the unweighted Σ_{i∈S} Δc_i = |S|·(uniform mean)
+    secure_weighting: ClassVar[str | None] = "uniform"
 
     def __init__(self) -> None:
         self.c: dict[str, NDArray[Any]] | None = None
@@ -112,6 +114,22 @@ class Scaffold(LocalUpdate):
             sum(float(np.sum(np.square(a, dtype=np.float64))) for a in self.c.values())
         )
         return {"scaffold-c-norm": float(norm)}
+
+    def aggregate_mean(
+        self, mean: Mapping[str, NDArray[Any]], num_replies: int
+    ) -> dict[str, float]:
+        """C ← c + (|S|/N)·mean Δc_i from SecAgg+'s uniform mean (line 17).
+
+        Under uniform weighting (:attr:`secure_weighting`) the revealed mean
+        times the |S| clients in it is line 17's Σ_{i∈S} Δc_i, so this is
+        :meth:`aggregate` of |S| copies of the mean. Δc_i travel as they
+        are (within ±c, step 2c/Q): they are client-specific corrections
+        whose mean cancels, so no range from the last mean would hold them.
+        """
+        problem = self.check_reply(mean, {})
+        if problem is not None:
+            raise ValueError(problem)
+        return self.aggregate([mean] * num_replies, [1.0] * num_replies)
 
     def _state(self) -> dict[str, Any]:
         return {"c": self.c}

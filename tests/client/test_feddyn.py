@@ -241,8 +241,8 @@ def test_both_halves_share_alpha_in_both_apis_and_the_run_config(cfg):
         FedDyn(alpha=0.0)
     with pytest.raises(ConfigError, match="feddyn.alpha"):
         cfg(strategy="feddyn", **{"feddyn.alpha": -1.0})
-    # FedDyn's clients send only their update and its rule steps on Δ̄:
-    # it runs under SecAgg+, not with a local update that needs each reply
+    # FedDyn's clients send only their update and its rule steps on Δ̄ (and
+    # uniformly): it runs under SecAgg+, with SCAFFOLD's mean beside it too
     assert cfg(strategy="feddyn", secure_aggregation="secagg+")["strategy"] == "feddyn"
-    with pytest.raises(ConfigError, match="secure-aggregation"):
-        cfg(strategy="feddyn", secure_aggregation="secagg+", local_update="scaffold")
+    both = cfg(strategy="feddyn", secure_aggregation="secagg+", local_update="scaffold")
+    assert both["local-update"] == "scaffold"

@@ -8,6 +8,7 @@ with the same seed (the round's Δ̄ and A computed here with NumPy).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -554,8 +555,9 @@ def test_run_config_modes_and_the_old_boolean():
     [
         ({"secagg-modulus-range": 3 << 30}, "secagg-modulus-range"),
         ({"clients-per-round": 1024}, "secagg-quantization-range"),
-        ({"local-update": "scaffold"}, "secure-aggregation"),
-        ({"local-update": "mime"}, "secure-aggregation"),
+        # SCAFFOLD's Σ Δc_i is |S| × a uniform mean: not under fedavg's
+        # num-examples weighting
+        ({"local-update": "scaffold"}, "fedavg.weighting"),
     ],
 )
 def test_run_config_refuses_what_secagg_cannot_sum(overrides, key):
@@ -929,11 +931,134 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
     assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0
 
 
+@pytest.mark.e2e
+@pytest.mark.deploy  # four 2-node simulations: beside the default suite in CI
+@pytest.mark.parametrize("local_update", ["scaffold", "mime"])
+def test_scaffold_and_mime_under_secagg_track_the_plain_state(
+    tmp_path, monkeypatch, local_update
+):
+    """SCAFFOLD's c and Mime's m, c from the revealed mean of the clients' arrays.
+
+    Same seed, SecAgg+ against plain, FedExP (uniform weighting): after
+    round 1 the server half's state lies within e = 2c/Q of the plain
+    run's clients' arrays aggregated with uniform weights (c = |S|·mean/N
+    and m = (1 − β)·mean, each coordinate of the mean within e; the plain
+    Mime weights ḡ by num-examples, SecAgg+'s mean is weighted as the
+    models), and the strategy sees one masked mean per round.
+    """
+    from fedadapt.strategies.mime import MimeLite
+    from fedadapt.strategies.scaffold import Scaffold
+
+    states: list[dict] = []
+    for cls in (Scaffold, MimeLite):  # Mime inherits MimeLite's methods
+        original = cls.aggregate
+
+        def recording(self, replies, weights, _original=original):
+            # the oracle: the same replies under uniform weights (SecAgg+'s
+            # mean is weighted as FedExP weights the models)
+            uniform = copy.deepcopy(self)
+            _original(uniform, replies, [1.0] * len(replies))
+            out = _original(self, replies, weights)
+            states.append({"state": self.state_dict(),
+                           "uniform": uniform.state_dict()})  # fmt: skip
+            return out
+
+        monkeypatch.setattr(cls, "aggregate", recording)  # aggregate_mean calls it
+    seen = _spy(monkeypatch)
+    base = {"output-dir": str(tmp_path), "strategy": "fedexp",
+            "local-update": local_update, "num-server-rounds": 2,
+            "clients-per-round": 2, "local-steps": 3, "evaluate-every": 0}  # fmt: skip
+    run_legacy_in_process({**base, "run-name": "plain"}, num_supernodes=2)
+    plain, states[:], seen[:] = list(states), [], []
+    run_legacy_in_process(
+        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
+        num_supernodes=2,
+    )
+    data = json.loads((tmp_path / "secure" / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
+    for entry in seen:
+        first = entry["results"][0][3].tensors
+        assert all(r[3].tensors == first for r in entry["results"])
+    e = SecAggPlusSettings().step
+    after_round_1 = [plain[0]["uniform"], states[0]["state"]]
+    checked = 0
+    for key, value in after_round_1[0].items():
+        if value is None:
+            continue
+        for name, array in value.items():
+            got = after_round_1[1][key][name]
+            assert np.abs(np.asarray(got) - np.asarray(array)).max() <= e
+            checked += 1
+    assert checked > 0
+
+
 def test_the_legacy_strategy_takes_client_only_local_updates_under_secagg():
     from fedadapt.strategies.fedprox import FedProx
     from fedadapt.strategies.scaffold import Scaffold
 
     strategy = _secure_fedexp(local_update=FedProx(0.1))
     assert strategy.local_update is not None
-    with pytest.raises(ValueError, match="no SecAgg\\+ encoding yet"):
-        _secure_fedexp(local_update=Scaffold())
+    assert _secure_fedexp(local_update=Scaffold()).local_update is not None
+    with pytest.raises(ValueError, match="needs uniform weighting"):
+        legacy.FedAvg(secagg=SecAggPlusSettings(), local_update=Scaffold())
+
+
+def test_a_combination_masks_and_folds_each_members_arrays():
+    """Fed-LAMB's moments beside FedProx: ranges and means keyed by member."""
+    from fedadapt.strategies.fedlamb import SecondMoments
+    from fedadapt.strategies.fedprox import FedProx
+    from fedadapt.strategies.local_update import LocalUpdates
+
+    both = LocalUpdates(SecondMoments(max_moment_ratio=0.0), FedProx(0.1))
+    assert both.masks_arrays() and not LocalUpdates(FedProx(0.1), _Dyn()).masks_arrays()
+    both.configure(1, {"w": np.zeros(3, np.float32)}, 2)
+    assert both.secure_ranges() == {}
+    v = np.array([1e-4, 2e-4, 4e-4])
+    both.aggregate_mean({"fed-lamb/w": v}, 2)
+    np.testing.assert_allclose(both.updates[0].v_hat["w"], v, rtol=1e-6)
+    assert both.secure_ranges() == {"fed-lamb/w": pytest.approx(1.6e-3)}
+    with pytest.raises(ValueError, match="names none of"):
+        both.aggregate_mean({"w": v}, 2)
+    strategy = legacy.FedLAMB(
+        secagg=SecAggPlusSettings(), array_names=["w"], local_update=FedProx(0.1)
+    )
+    assert strategy.local_update.masks_arrays()
+
+
+def _Dyn():
+    from fedadapt.strategies.feddyn import FedDynLocal
+
+    return FedDynLocal()
+
+
+def test_scaffold_and_mime_from_the_revealed_mean_equal_their_plain_aggregate():
+    """Oracle: the plain aggregate of the clients' own arrays (uniform ω)."""
+    from fedadapt.strategies.mime import Mime
+    from fedadapt.strategies.scaffold import Scaffold
+
+    rng = np.random.default_rng(0)
+    model = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+    replies = [{k: rng.normal(size=v.shape) for k, v in model.items()}
+               for _ in range(3)]  # fmt: skip
+    mean = {k: np.mean([r[k] for r in replies], axis=0) for k in model}
+    for make in (Scaffold, lambda: Mime(beta=0.5)):
+        plain, secure = make(), make()
+        for update in (plain, secure):
+            update.configure(1, model, 5)  # N = 5 nodes, 3 in the round
+        for update in (plain, secure):
+            assert update.check_reply(replies[0], {}) is None
+        plain.aggregate(replies, [1.0, 1.0, 1.0])
+        secure.aggregate_mean(mean, 3)
+        for a, b in zip(
+            plain.state_dict().values(), secure.state_dict().values(), strict=True
+        ):
+            if a is None:
+                assert b is None
+                continue
+            for k in a:
+                np.testing.assert_allclose(b[k], a[k], rtol=1e-12, atol=1e-15)
+    scaffold = Scaffold()
+    scaffold.configure(1, model, 5)
+    with pytest.raises(ValueError, match="not finite"):
+        scaffold.aggregate_mean({"w": np.full(4, np.nan), "b": np.zeros(2)}, 3)
