@@ -887,8 +887,9 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
     """Issue #41 item 1: Fed-LAMB's server side under real SecAgg+.
 
     Same seed, SecAgg+ against plain (the per-client moment clip off in the
-    plain run, as it is under SecAgg+). The strategy sees one masked mean
-    per round, no v_i; round 1's v̂ (v as is, step 2c/Q) lies within
+    plain run, as it is under SecAgg+). No message the server receives
+    carries a client's model or v_i, and the strategy sees one masked mean
+    per round; round 1's v̂ (v as is, step 2c/Q) lies within
     e = 2c/Q of the plain run's, round 2's v̂ (v in [0, 4·max v̂]) within
     its own bound of the plain run's v̂ plus what round 1's error changed.
     """
@@ -905,12 +906,15 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
 
         monkeypatch.setattr(SecondMoments, name, recording)
     seen = _spy(monkeypatch)
+    received = _record_replies(monkeypatch)
     base = {"output-dir": str(tmp_path), "strategy": "fed-lamb",
             "client-optimizer": "fed-lamb", "fed-lamb.max-moment-ratio": 0.0,
             "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
             "evaluate-every": 0}  # fmt: skip
     run_legacy_in_process({**base, "run-name": "plain"}, num_supernodes=2)
-    plain, v_hats[:], seen[:] = list(v_hats), [], []
+    # round 1's clients: the same model in both runs, so the same v_i
+    own = [r[2] for r in seen[0]["results"]]  # model + v of each client
+    plain, v_hats[:], seen[:], received[:] = list(v_hats), [], [], []
     run_legacy_in_process(
         {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
         num_supernodes=2,
@@ -922,6 +926,8 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
         first = entry["results"][0][3].tensors
         assert all(r[3].tensors == first for r in entry["results"])
         assert len(entry["results"][0][2]) == 2 * len(entry["sent"]) + 2
+    # no message the server received carries a client's model or moments
+    _assert_nothing_individual(received, own, [])
     e = SecAggPlusSettings().step  # 2c/Q, uniform weighting
     assert len(v_hats) == len(plain) == 2
     for k, v in plain[0].items():
