@@ -881,6 +881,28 @@ def test_secagg_dropouts_above_and_below_the_threshold(tmp_path, dropped, comple
         assert all("SecAgg+ halted" in r["replies"]["problem"] for r in rounds)
 
 
+def _secure_run(base: dict, seen: list) -> dict:
+    """Run ``base`` under SecAgg+ on 2 nodes; check it; return its results.json.
+
+    It must complete with both clients in every round, and the strategy
+    must have received one masked mean per round (the same arrays for both
+    replies; ``seen`` from :func:`_spy`).
+    """
+    run_legacy_in_process(
+        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
+        num_supernodes=2,
+    )
+    folder = base["output-dir"]
+    with open(f"{folder}/secure/results.json") as f:
+        data = json.load(f)
+    assert data["status"] == "completed"
+    assert [r["replies"]["used"] for r in data["rounds"]] == [2] * len(data["rounds"])
+    for entry in seen:
+        first = entry["results"][0][3].tensors
+        assert all(r[3].tensors == first for r in entry["results"])
+    return data
+
+
 @pytest.mark.e2e
 @pytest.mark.deploy  # two 2-node simulations: beside the default suite in CI
 def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
@@ -915,16 +937,8 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
     # round 1's clients: the same model in both runs, so the same v_i
     own = [r[2] for r in seen[0]["results"]]  # model + v of each client
     plain, v_hats[:], seen[:], received[:] = list(v_hats), [], [], []
-    run_legacy_in_process(
-        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
-        num_supernodes=2,
-    )
-    data = json.loads((tmp_path / "secure" / "results.json").read_text())
-    assert data["status"] == "completed"
-    assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
-    for entry in seen:  # one masked mean for both replies, no v_i, no norm
-        first = entry["results"][0][3].tensors
-        assert all(r[3].tensors == first for r in entry["results"])
+    data = _secure_run(base, seen)
+    for entry in seen:  # the mean of the update, norm, flag and v: no v_i
         assert len(entry["results"][0][2]) == 2 * len(entry["sent"]) + 2
     # no message the server received carries a client's model or moments
     _assert_nothing_individual(received, own, [])
@@ -976,16 +990,7 @@ def test_scaffold_and_mime_under_secagg_track_the_plain_state(
             "clients-per-round": 2, "local-steps": 3, "evaluate-every": 0}  # fmt: skip
     run_legacy_in_process({**base, "run-name": "plain"}, num_supernodes=2)
     plain, states[:], seen[:] = list(states), [], []
-    run_legacy_in_process(
-        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
-        num_supernodes=2,
-    )
-    data = json.loads((tmp_path / "secure" / "results.json").read_text())
-    assert data["status"] == "completed"
-    assert [r["replies"]["used"] for r in data["rounds"]] == [2, 2]
-    for entry in seen:
-        first = entry["results"][0][3].tensors
-        assert all(r[3].tensors == first for r in entry["results"])
+    _secure_run(base, seen)
     e = SecAggPlusSettings().step
     after_round_1 = [plain[0]["uniform"], states[0]["state"]]
     checked = 0
