@@ -241,7 +241,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.secagg_norm_bound = self.max_update_norm
         #: the ranges of the local update's arrays sent this round (SecAgg+)
         self._local_ranges: dict[str, float] = {}
-        #: × the local update's ranges after a round that overflowed them
+        #: × the local update's ranges after rounds that overflowed them; kept
+        #: (not reset after a good round: a client whose v is a few times
+        #: v̂'s maximum would overflow every other round), costing precision only
         self._range_widening = 1.0
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
@@ -467,7 +469,6 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 diagnostics.update(
                     self.local_update.aggregate_mean(decoded.local_mean, len(valid))
                 )
-                self._range_widening = 1.0
             except ValueError as err:  # its state is kept; the model stepped
                 log(ERROR, "Round %s: %s kept its state: %s", server_round,
                     self.local_update.name, err)  # fmt: skip

@@ -381,7 +381,7 @@ def decode_sums(
 
     ``reference`` is x_t (its keys name Δ̄'s arrays, in order);
     ``norm_bound`` and ``clipping_range`` are the round's B and c (the norm
-    entry is decoded by :func:`decode_sq_norm`). Checks what an honest
+    entry is decoded by :func:`decode_in_range`). Checks what an honest
     round must satisfy, up to the quantisation errors: e per coordinate of
     Δ̄, e_A = e·B²/(2c) of A (e without a bound): A ≥ −e_A, and
     A ≥ ‖Δ̄‖² − tol over the ``adaptive`` keys (Jensen: Σω‖Δ_i‖² ≥

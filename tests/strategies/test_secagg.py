@@ -525,6 +525,12 @@ def test_an_overflow_widens_the_moment_ranges_for_the_next_round():
         1, _results([np.zeros(3), a, flag, v], [over] * 2), []
     ) == (None, {})
     assert strategy._range_widening == 4.0  # the next round's ranges are 4× wider
+    # and stay so after a good round (else the same client overflows again)
+    fine = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
+    parameters, _ = strategy.aggregate_fit(
+        2, _results([np.zeros(3), a, flag, v], [fine] * 2), []
+    )
+    assert parameters is not None and strategy._range_widening == 4.0
 
 
 # --- the run config ----------------------------------------------------------------
