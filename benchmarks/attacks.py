@@ -36,6 +36,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -51,11 +52,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._output import write_json  # noqa: E402
 from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
-from fedadapt.server.strategy_factory import build_rule, trust_kwargs  # noqa: E402
+from fedadapt.server.strategy_factory import (  # noqa: E402
+    build_rule,
+    secagg_settings,
+    trust_kwargs,
+)
 from fedadapt.strategies.adapter import apply_rule, evaluation_average  # noqa: E402
-from fedadapt.strategies.core.aggregation import norm_bound  # noqa: E402
+from fedadapt.strategies.core import RoundStatistics  # noqa: E402
+from fedadapt.strategies.core.aggregation import (  # noqa: E402
+    apply_statistics,
+    norm_bound,
+)
 from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import TrainReply, screen  # noqa: E402
+from fedadapt.strategies.secagg import (  # noqa: E402
+    SecAggPlusSettings,
+    decode_sums,
+    encode_update,
+    next_norm_bound,
+    rotated_indices,
+)
 
 Arrays = dict[str, np.ndarray]
 
@@ -97,6 +113,18 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "multi-krum": {"aggregation": "multi_krum"},
     "bulyan": {"aggregation": "bulyan"},
     "centered-clipping": {"aggregation": "centered_clipping"},
+    # Flower's SecAgg+: the server sees Δ̄ and A only; the clients clip to
+    # the bound B_t it sends (run config below, not apply_rule's options)
+    "secagg+": {},
+    "secagg+-unrotated": {},
+}  # fmt: skip
+
+#: Defences that are run-config settings rather than aggregation options.
+DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
+    "secagg+": {"secure-aggregation": "secagg+"},
+    # before the rotated block: a reply bounded only by c per coordinate
+    "secagg+-unrotated": {"secure-aggregation": "secagg+",
+                          "secagg-coordinate-bound": 0.0},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
@@ -178,8 +206,11 @@ def federate(
     rule, adapter = build_rule(cfg)
     weight_key = "num-examples"
     x, previous = x0, x0
-    clipped = mismatches = 0
+    clipped = mismatches = refused = 0
     state = AggregatorState()  # centered clipping's centre
+    secure = cfg["secure-aggregation"] == "secagg+"
+    settings = secagg_settings(cfg, rule) if secure else None
+    bound = float(cfg["max-update-norm"]) if secure else 0.0  # B_1
     for server_round in range(1, rounds + 1):
         trained = [
             train(i, x, server_round, attack == "label-flip" and i in hostile)
@@ -188,20 +219,55 @@ def federate(
         updates = [_diff(xi, x) for xi, _ in trained]
         examples = [n for _, n in trained]
         honest_ids = [i for i in range(NUM_CLIENTS) if i not in hostile or not attack]
+        if secure and bound > 0:  # what the honest clients send: clipped to B_t
+            updates = [_clip_to(u, bound) for u in updates]
         sent: dict[int, tuple[Arrays, dict[str, float]]] = {
             i: (updates[i], {}) for i in honest_ids
         }
         if attack and hostile:
             honest_sq = [_sq(updates[i]) for i in honest_ids]
+            secure_view = {}
+            if settings is not None:
+                ratios = [
+                    settings.weight_ratio(1 if rule.weighting == "uniform" else n)
+                    for n in examples
+                ]
+                secure_view = {
+                    "claim_cap": bound**2 if bound > 0 else settings.clipping_range,
+                    "weights": [ratios[i] for i in honest_ids]
+                    + [ratios[i] for i in hostile],
+                }
             view = RoundView(
                 honest=[updates[i] for i in honest_ids],
                 own=[updates[i] for i in hostile],
-                norm_cap=norm_cap(options, honest_sq, len(hostile)),
+                norm_cap=bound or math.inf
+                if secure
+                else norm_cap(options, honest_sq, len(hostile)),
                 honest_examples=[examples[i] for i in honest_ids],
                 seed=seed * 1000 + server_round,
+                **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):
                 sent[i] = (reply.update, reply.claims)
+        if settings is not None:
+            new, mean_sq = secure_round(
+                rule,
+                settings,
+                x,
+                sent,
+                examples,
+                bound,
+                set(hostile) if attack else set(),
+                server_round,
+            )
+            if new is None:
+                refused += 1
+            else:
+                previous, x = x, new
+                bound = next_norm_bound(
+                    bound, mean_sq, cfg["max-update-norm"], cfg["max-update-norm-ratio"]
+                )
+            continue
         candidates = []
         for i in range(NUM_CLIENTS):
             delta, claims = sent[i]
@@ -227,7 +293,87 @@ def federate(
         if new is not None:
             previous, x = x, new
     reported = evaluation_average(previous, x) if adapter.get("average_last_two") else x
-    return reported, {"clipped": clipped, "norm-mismatches": mismatches}
+    counts = {"clipped": clipped, "norm-mismatches": mismatches}
+    if secure:
+        counts["refused-rounds"] = refused
+    return reported, counts
+
+
+def _clip_to(delta: Arrays, bound: float) -> Arrays:
+    """An honest SecAgg+ client's update, clipped to the round's bound B_t."""
+    size = math.sqrt(_sq(delta))
+    if size <= bound:
+        return delta
+    return {
+        k: a * (bound / size) if a.dtype.kind == "f" else a for k, a in delta.items()
+    }
+
+
+def secure_round(
+    rule: Any,
+    settings: SecAggPlusSettings,
+    x: Arrays,
+    sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
+    examples: Sequence[float],
+    bound: float,
+    hostile: set[int],
+    server_round: int,
+) -> tuple[Arrays | None, float | None]:
+    """One SecAgg+ round as the server sees it; (new model or None, A).
+
+    Every client encodes with the client's own
+    :func:`~fedadapt.strategies.secagg.encode_update` (clip to B_t, the
+    rotated block under a bound, norm entry, clip flag); a hostile one
+    passes its update with the norm it claims (at most B_t², the top of
+    the entry's range: no clip) and reports nothing clipped. Flower's mod
+    multiplies each vector by r_i and clips every coordinate to ±c, and
+    the server receives Σ clip(r_i·v_i)/Σ r_i (exactly: the quantisation
+    only adds noise within the error bound the decoder allows for), which
+    :func:`~fedadapt.strategies.secagg.decode_sums` checks and splits and
+    the rule steps on, as the legacy strategy's ``_aggregate_secure`` does.
+    None when the server would refuse the round (the model is kept).
+    """
+    uniform = rule.weighting == "uniform"
+    config = settings.fit_config(uniform, bound, rotation_seed=server_round)
+    c = settings.clipping_range
+    keys = list(x)
+    trainable = [x[k].dtype.kind == "f" for k in keys]
+    vectors, ratios, overflow = [], [], 0
+    for i, (delta, claims) in sorted(sent.items()):
+        trained = [(x[k] + delta[k]).astype(x[k].dtype) for k in keys]
+        sq = _sq(delta)
+        count = examples[i]
+        if i in hostile:
+            sq = float(claims.get("update-sq-norm", sq))
+            sq = min(sq, bound**2) if bound > 0 else sq
+            count = claims.get("num-examples", count)
+        vector, weight, over = encode_update(
+            [x[k] for k in keys], trained, sq, int(count), config, trainable
+        )
+        if i not in hostile:  # an honest client's check refuses the round
+            overflow += over
+        ratio = settings.weight_ratio(weight)
+        ratios.append(ratio)
+        vectors.append([np.clip(ratio * np.asarray(v), -c, c) for v in vector])
+    if overflow:
+        return None, None
+    mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
+    adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
+    error = settings.error_bound([1.0 if uniform else n for n in examples])
+    decoded, _ = decode_sums(
+        x, mean, adaptive, len(sent), error, norm_bound=bound, clipping_range=c,
+        rotated=rotated_indices(config, trainable), rotation_seed=server_round,
+        coordinate_bound=settings.coordinate_bound,
+    )  # fmt: skip
+    if decoded is None:
+        return None, None
+    stats = decoded.stats
+    a_t = stats.mean_sq_norm
+    if not rule.needs_sq_norms:
+        stats = RoundStatistics(stats.mean_update, None, len(sent))
+    stats = dataclasses.replace(stats, num_nodes=NUM_CLIENTS)
+    new, _ = apply_statistics(rule, x, stats)
+    return new, a_t
 
 
 def _sq(delta: Mapping[str, np.ndarray]) -> float:
@@ -334,7 +480,10 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     for seed in range(args.seeds):
         for defence in args.defences:
             for name in args.strategies:
-                overrides: dict[str, Any] = {"seed": seed}
+                overrides: dict[str, Any] = {
+                    "seed": seed,
+                    **DEFENCE_CONFIG.get(defence, {}),
+                }
                 if args.level == "task":
                     overrides["num-server-rounds"] = args.rounds
                 cfg = strategy_config(name, task, overrides)

@@ -44,6 +44,7 @@ ATTACKS = (
     "label-flip",
     "quiet-flip",
     "quiet-orthogonal-flip",
+    "slack-reverse",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -75,6 +76,13 @@ class RoundView:
         The honest clients' ``num-examples``.
     seed : int
         Seed of any random direction.
+    claim_cap : float
+        The largest ‖Δ‖² a client's norm report can carry to the server
+        (``inf`` where the server computes each norm itself; under SecAgg+
+        the top of the norm entry's range, B_t²).
+    weights : sequence of float
+        The aggregation weight of every reply, the honest ones first, then
+        the hostile ones (empty: equal weights).
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -82,6 +90,8 @@ class RoundView:
     norm_cap: float = math.inf
     honest_examples: Sequence[float] = field(default_factory=tuple)
     seed: int = 0
+    claim_cap: float = math.inf
+    weights: Sequence[float] = field(default_factory=tuple)
 
     @property
     def num_clients(self) -> int:
@@ -184,6 +194,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       pointing against the others' mean does not see it either; what is
       left is the client-specific (on non-IID data: class-specific) part
       reversed.
+    - ``slack-reverse`` (against SecAgg+, where the server sees only Δ̄
+      and A): the colluders claim the largest norm the range allows
+      (``claim_cap``) and send the update that turns Δ̄ against the honest
+      contribution with ‖Δ̄‖² just under A (:func:`_slack_reverse`), the
+      most that Jensen's check A ≥ ‖Δ̄‖² lets through. Where the server
+      computes every norm (``claim_cap`` infinite) it is ``ipm``.
     """
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}; choose from {ATTACKS}")
@@ -217,6 +233,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         return [HostileReply(_with_norm(_without_mean(view, _scaled(o, -1.0)),
                                         norm(o)))
                 for o in view.own]  # fmt: skip
+    if attack == "slack-reverse":
+        if not math.isfinite(view.claim_cap):
+            return craft("ipm", view)
+        return _same_for_all(
+            view, _slack_reverse(view), {"update-sq-norm": view.claim_cap}
+        )
     return [HostileReply(_scaled(o, 1.0)) for o in view.own]  # label-flip
 
 
@@ -230,8 +252,13 @@ def _target(view: RoundView) -> float:
     return min(norm_target(view, o) for o in view.own)
 
 
-def _same_for_all(view: RoundView, update: Arrays) -> list[HostileReply]:
-    return [HostileReply({k: a.copy() for k, a in update.items()}) for _ in view.own]
+def _same_for_all(
+    view: RoundView, update: Arrays, claims: Mapping[str, float] | None = None
+) -> list[HostileReply]:
+    return [
+        HostileReply({k: a.copy() for k, a in update.items()}, dict(claims or {}))
+        for _ in view.own
+    ]
 
 
 def _without_mean(view: RoundView, arrays: Mapping[str, NDArray[Any]]) -> Arrays:
@@ -270,3 +297,47 @@ def _alie(view: RoundView) -> Arrays:
             value = value - z * stack.std(axis=0)
         out[k] = value.astype(a.dtype)
     return out
+
+
+def _slack_reverse(view: RoundView) -> Arrays:
+    """Return the colluders' common update that reverses Δ̄ within Jensen's slack.
+
+    With weights ω (summing to 1), the honest contribution H = Σ_h ω_h Δ_h,
+    A = Σ_h ω_h‖Δ_h‖² + ω_f·``claim_cap`` (ω_f the colluders' share, each
+    claiming the cap) and target Δ̄* = −s·H/‖H‖ with s = ``UNDER_BOUND``·√A,
+    every colluder sends (Δ̄* − H)/ω_f, so that Δ̄ = Δ̄* and ‖Δ̄‖² ≈ 0.98·A
+    passes the server's check A ≥ ‖Δ̄‖². Its own size is ‖Δ̄* − H‖/ω_f,
+    about √A/ω_f: ten times a typical update for one client of ten, which
+    no check on the sums can see.
+    """
+    weights = list(view.weights) or [1.0] * view.num_clients
+    total = float(sum(weights))
+    honest_w = [w / total for w in weights[: len(view.honest)]]
+    hostile_share = sum(weights[len(view.honest) :]) / total
+    first = view.honest[0]
+    keys = _float_keys(first)
+    contribution = {
+        k: sum(
+            w * np.asarray(h[k], np.float64)
+            for w, h in zip(honest_w, view.honest, strict=True)
+        )
+        for k in keys
+    }
+    honest_a = math.fsum(
+        w * norm(h) ** 2 for w, h in zip(honest_w, view.honest, strict=True)
+    )
+    size = UNDER_BOUND * math.sqrt(honest_a + hostile_share * view.claim_cap)
+    length = math.sqrt(math.fsum(float(np.vdot(v, v)) for v in contribution.values()))
+    if length > 0:
+        direction = {k: -v / length for k, v in contribution.items()}
+    else:  # nothing to reverse: push against the colluders' own updates
+        direction = _with_norm(_scaled(view.own[0], -1.0), 1.0)
+    mean = honest_mean(view)
+    return {
+        k: ((size * direction[k] - contribution[k]) / hostile_share).astype(
+            first[k].dtype
+        )
+        if k in contribution
+        else mean[k].copy()
+        for k in first
+    }

@@ -234,6 +234,12 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("secagg-modulus-range", 4294967296, "SecAgg+: M, a power of two; the "
         "masked sum is exact for up to (M − 1) // Q clients per round.",
         minimum=2, maximum=2**62),
+    Key("secagg-coordinate-bound", 2.0, "SecAgg+: κ; under the round's norm "
+        "bound B each client sends its update randomly rotated with every "
+        "coordinate within ±κ·B/√D, so no reply (honest or not) carries more "
+        "than κ·B; an honest update at B loses about 11 % of its norm at κ = 2, "
+        "one at B/2 about 1 %. 0 = not rotated (a hostile update is then bounded "
+        "only by Jensen's check on the sums).", minimum=0.0),
     Key("secagg-max-weight", 1000.0, "SecAgg+ with num-examples weighting: "
         "Flower's max_weight, at least every client's num-examples (uniform "
         "weighting sends weight 1 and uses 1).", minimum=0.0,

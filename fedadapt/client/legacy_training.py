@@ -26,7 +26,11 @@ from fedadapt.client.node import (
 from fedadapt.config import validate_run_config
 from fedadapt.strategies import wire
 from fedadapt.strategies.local_update import legacy_names
-from fedadapt.strategies.secagg import SecAggPlusSettings, encode_update
+from fedadapt.strategies.secagg import (
+    SecAggPlusSettings,
+    encode_update,
+    rotated_indices,
+)
 from fedadapt.tasks import TASKS
 
 
@@ -122,18 +126,22 @@ class FedAdaptClient(NumPyClient):
         """
         sq_norm = float(metrics.pop(wire.UPDATE_SQ_NORM))
         num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
-        trainable = set(self.names)  # what update-sq-norm was summed over
+        names = set(self.names)  # what update-sq-norm was summed over
+        trainable = [k in names for k in self.keys]
         update, weight, clipped = encode_update(
             sent,
             arrays,
             sq_norm,
             num_examples,
             config,
-            trainable=[k in trainable for k in self.keys],
+            trainable=trainable,
             local=local,
         )
         if local:
             metrics[wire.LOCAL_ARRAYS] = json.dumps(list(local))
+        rotated = rotated_indices(config, trainable)
+        if rotated:
+            metrics[wire.SECAGG_ROTATED] = json.dumps(rotated)
         metrics[wire.SECAGG_CLIPPED] = clipped
         return update, weight, metrics
 

@@ -200,6 +200,7 @@ def secagg_settings(cfg: Mapping[str, Any], rule: ServerRule) -> SecAggPlusSetti
         max_weight=1.0 if uniform else cfg["secagg-max-weight"],
         num_shares=cfg["secagg-num-shares"],
         reconstruction_threshold=cfg["secagg-reconstruction-threshold"],
+        coordinate_bound=cfg["secagg-coordinate-bound"],
     )
 
 

@@ -80,6 +80,7 @@ from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
     decode_sums,
+    next_norm_bound,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
@@ -305,7 +306,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         if self.secagg is not None:
             settings: dict[str, Scalar] = dict(
                 self.secagg.fit_config(
-                    self.rule.weighting == "uniform", self.secagg_norm_bound
+                    self.rule.weighting == "uniform",
+                    self.secagg_norm_bound,
+                    rotation_seed=server_round,
                 )
             )
             self._local_ranges = {}
@@ -428,6 +431,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             problem = "clients failed and accept_failures is False"
         local, local_problem = self._secure_local_names(valid)
         problem = problem or local_problem
+        rotated, rotated_problem = self._secure_rotated(valid)
+        problem = problem or rotated_problem
         stats = None
         decoded = None
         bound = math.inf
@@ -451,6 +456,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     norm_bound=self.secagg_norm_bound,
                     clipping_range=self.secagg.clipping_range,
                     local={name: self._local_ranges.get(name, 0.0) for name in local},
+                    rotated=rotated,
+                    rotation_seed=server_round,
+                    coordinate_bound=self.secagg.coordinate_bound,
                 )
                 if decoded is not None:
                     stats = decoded.stats
@@ -477,6 +485,43 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self.secagg_norm_bound = self._next_norm_bound(a_t)
         return self._output_of(server_round, new, diagnostics, valid)
 
+    def _secure_rotated(
+        self, valid: Sequence[TrainReply]
+    ) -> tuple[list[int], str | None]:
+        """Return the indices of the arrays sent rotated, or why the round fails.
+
+        Under a bound and κ > 0 every client sends its trainable arrays as
+        one rotated block (:func:`~fedadapt.strategies.secagg.encode_update`)
+        and names them in the clear; all must name the same floating-point
+        arrays of the model. A reply that names none, when the server asked
+        for the rotation, would have sent its update unbounded: refused.
+        """
+        assert self.secagg is not None
+        if self.secagg_norm_bound <= 0 or self.secagg.coordinate_bound <= 0:
+            return [], None
+        declared = {str(c.metrics.get(wire.SECAGG_ROTATED)) for c in valid}
+        if len(declared) != 1:
+            return [], "the replies declare different rotated arrays"
+        try:
+            rotated = [int(j) for j in json.loads(declared.pop())]
+        except (TypeError, ValueError):
+            rotated = []
+        keys = list(self._sent or {})
+        if (
+            not rotated
+            or sorted(set(rotated)) != rotated
+            or any(
+                not 0 <= j < len(keys) or (self._sent or {})[keys[j]].dtype.kind != "f"
+                for j in rotated
+            )
+        ):
+            return [], (
+                f"{wire.SECAGG_ROTATED} must list the indices of floating-point "
+                "model arrays (the client sent its update without the rotation "
+                "this round asked for)"
+            )
+        return rotated, None
+
     def _secure_local_names(
         self, valid: Sequence[TrainReply]
     ) -> tuple[list[str], str | None]:
@@ -501,21 +546,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         return names, None
 
     def _next_norm_bound(self, mean_sq_norm: float | None) -> float:
-        """Return B_{t+1} = min(C, k·√A_t) from this round's A (SecAgg+).
-
-        The server's own bound, k times the round's median norm, needs
-        every ‖Δ_i‖; under SecAgg+ it knows their root mean square √A_t
-        (≥ their weighted mean norm), so the clients of the next round clip
-        to k·√A_t (k = ``max_update_norm_ratio``), and to C =
-        ``max_update_norm`` when that is smaller. A round whose clients did
-        not move (A = 0) keeps the bound it had.
-        """
-        bounds = [self.max_update_norm] if self.max_update_norm > 0 else []
-        if self.max_update_norm_ratio > 0:
-            if mean_sq_norm is None or mean_sq_norm <= 0:
-                return self.secagg_norm_bound
-            bounds.append(self.max_update_norm_ratio * math.sqrt(mean_sq_norm))
-        return min(bounds) if bounds else 0.0
+        """Return B_{t+1} from this round's A (:func:`.secagg.next_norm_bound`)."""
+        return next_norm_bound(
+            self.secagg_norm_bound,
+            mean_sq_norm,
+            self.max_update_norm,
+            self.max_update_norm_ratio,
+        )
 
     def secagg_halted(self, server_round: int, why: str) -> None:
         """Record a round whose SecAgg+ protocol stopped before any sum.

@@ -91,6 +91,9 @@ from fedadapt.strategies.core.aggregation import Arrays, RoundStatistics, sq_nor
 #: ``secure_aggregation`` when given as a string).
 SECURE_AGGREGATION_MODES = ("off", "secagg+", "trust-reported-norms")
 
+#: κ of :class:`SecAggPlusSettings`: each rotated coordinate within ±κ·B/√D
+COORDINATE_BOUND = 2.0
+
 
 def secure_aggregation_mode(value: bool | str) -> str:
     """Return the mode of a ``secure_aggregation`` argument.
@@ -130,6 +133,12 @@ class SecAggPlusSettings:
     num_shares, reconstruction_threshold : float
         Flower's fractions: shares per client as a fraction of the sampled
         clients, and the fraction of those needed to unmask.
+    coordinate_bound : float
+        κ: under a norm bound B_t each client sends its update rotated
+        (:func:`rotate`), every coordinate within ±κ·B_t/√D, so that no
+        reply, honest or not, carries more than κ·B_t in L2 (0: not
+        rotated; a hostile update is then bounded only by c per
+        coordinate and by Jensen's check on the sums).
     """
 
     clipping_range: float = 8.0
@@ -138,10 +147,12 @@ class SecAggPlusSettings:
     max_weight: float = 1.0
     num_shares: float = 1.0
     reconstruction_threshold: float = 0.5
+    coordinate_bound: float = COORDINATE_BOUND
 
     def __post_init__(self) -> None:
         """Check the ranges as Flower's workflow would, and more strictly."""
         check_scalar("clipping_range", self.clipping_range, low=0, low_inclusive=False)
+        check_scalar("coordinate_bound", self.coordinate_bound, low=0)
         check_scalar("max_weight", self.max_weight, low=0, low_inclusive=False)
         check_scalar("num_shares", self.num_shares, low=0, high=1, low_inclusive=False)
         check_scalar(
@@ -184,20 +195,25 @@ class SecAggPlusSettings:
         return len(weights) * self.step / total if total > 0 else math.inf
 
     def fit_config(
-        self, uniform: bool, norm_bound: float = 0.0
+        self, uniform: bool, norm_bound: float = 0.0, rotation_seed: int = 0
     ) -> dict[str, float | int]:
         """Return what a client needs to encode and check its update.
 
         ``norm_bound``: B_t, the L2 norm each client clips its update to
-        (0: none this round).
+        (0: none this round); under one, the update is sent rotated with
+        ``rotation_seed`` (unless ``coordinate_bound`` is 0).
         """
-        return {
+        config: dict[str, float | int] = {
             wire.SECAGG_CLIPPING_RANGE: self.clipping_range,
             wire.SECAGG_QUANTIZATION_RANGE: self.quantization_range,
             wire.SECAGG_MAX_WEIGHT: self.max_weight,
             wire.SECAGG_UNIFORM: int(uniform),
             wire.SECAGG_NORM_BOUND: float(norm_bound),
         }
+        if norm_bound > 0 and self.coordinate_bound > 0:
+            config[wire.SECAGG_COORDINATE_BOUND] = self.coordinate_bound
+            config[wire.SECAGG_ROTATION_SEED] = int(rotation_seed)
+        return config
 
     @classmethod
     def from_fit_config(cls, config: Mapping[str, Any]) -> SecAggPlusSettings | None:
@@ -210,7 +226,97 @@ class SecAggPlusSettings:
             quantization_range=q,
             modulus_range=1 << 62,  # not the client's concern
             max_weight=float(config[wire.SECAGG_MAX_WEIGHT]),
+            coordinate_bound=float(config.get(wire.SECAGG_COORDINATE_BOUND, 0.0)),
         )
+
+
+def next_norm_bound(
+    current: float,
+    mean_sq_norm: float | None,
+    max_norm: float,
+    max_norm_ratio: float,
+) -> float:
+    """Return B_{t+1} = min(C, k·√A_t), the bound the next round's clients clip to.
+
+    The server's own bound, k times the round's median norm, needs every
+    ‖Δ_i‖; under SecAgg+ it knows their root mean square √A_t (≥ their
+    weighted mean norm), so the clients of the next round clip to k·√A_t
+    (k = ``max_norm_ratio``), and to C = ``max_norm`` when that is smaller
+    (0: none). A round whose clients did not move (A = 0, or no A) keeps
+    ``current``. 0 means no bound.
+    """
+    bounds = [max_norm] if max_norm > 0 else []
+    if max_norm_ratio > 0:
+        if mean_sq_norm is None or mean_sq_norm <= 0:
+            return current
+        bounds.append(max_norm_ratio * math.sqrt(mean_sq_norm))
+    return min(bounds) if bounds else 0.0
+
+
+def _walsh_hadamard(vector: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Return H·v/√D for a vector of length D = 2^m (orthonormal, self-inverse)."""
+    size = vector.size
+    out = vector.copy()
+    half = 1
+    while half < size:
+        pairs = out.reshape(-1, 2, half)
+        out = np.stack((pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]), axis=1)
+        half *= 2
+    return out.reshape(size) / math.sqrt(size)
+
+
+def rotated_size(size: int) -> int:
+    """Return D, the power of two a vector of ``size`` coordinates is padded to."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def _signs(seed: int, size: int) -> NDArray[np.float64]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2, size).astype(np.float64) * 2 - 1
+
+
+def rotate(vector: NDArray[Any], seed: int) -> NDArray[np.float64]:
+    """Return R·v: ``vector`` padded with zeros to D = 2^m, then H·S/√D.
+
+    S is a diagonal of random signs drawn from ``seed`` and H the
+    Walsh–Hadamard matrix: an orthogonal map (‖R·v‖ = ‖v‖) after which
+    every coordinate of a fixed v is about ‖v‖/√D, Gaussian-like (the
+    "flattening" of Kairouz, Liu and Steinke, ICML 2021, §4, before modular
+    clipping). A bound c' per rotated coordinate then bounds the L2 norm of
+    *any* vector by c'·√D, while an honest vector of norm ≤ B loses almost
+    nothing to c' = κ·B/√D (the share of its coordinates beyond κ
+    standard deviations).
+    """
+    flat = np.asarray(vector, np.float64).reshape(-1)
+    padded = np.zeros(rotated_size(flat.size))
+    padded[: flat.size] = flat
+    return _walsh_hadamard(_signs(seed, padded.size) * padded)
+
+
+def unrotate(rotated: NDArray[Any], seed: int, size: int) -> NDArray[np.float64]:
+    """Return the first ``size`` coordinates of Rᵀ·y (the inverse of :func:`rotate`)."""
+    y = np.asarray(rotated, np.float64).reshape(-1)
+    return (_signs(seed, y.size) * _walsh_hadamard(y))[:size]
+
+
+def coordinate_scale(norm_bound: float, coordinate_bound: float, size: int) -> float:
+    """Return s = κ·B/√D, the bound on each rotated coordinate of a reply."""
+    return coordinate_bound * norm_bound / math.sqrt(rotated_size(size))
+
+
+def rotated_indices(config: Mapping[str, Any], trainable: Sequence[bool]) -> list[int]:
+    """Return the indices of the arrays a client sends rotated ([]: none).
+
+    Under a bound B_t and a κ > 0 in the fit config, the ``trainable``
+    arrays (those the norm is summed over and the bound clips) travel as
+    one rotated block; the others (integer counters, float buffers) as
+    they are.
+    """
+    bound = float(config.get(wire.SECAGG_NORM_BOUND, 0.0))
+    kappa = float(config.get(wire.SECAGG_COORDINATE_BOUND, 0.0))
+    if bound <= 0 or kappa <= 0:
+        return []
+    return [j for j, counted in enumerate(trainable) if counted]
 
 
 #: Arrays after Δ_i's in a client's masked reply: its norm entry, its clip flag
@@ -264,7 +370,14 @@ def encode_update(
     ‖Δ_i‖ > B is clipped first: the ``trainable`` arrays (those
     ``update_sq_norm`` was summed over; None: every floating array) are
     multiplied by B/‖Δ_i‖ and the norm becomes B²; the flag is c then,
-    else 0. The weight is 1 under uniform weighting, else ``num_examples``.
+    else 0. Under a bound and a κ > 0 (:func:`rotated_indices`) the
+    trainable arrays then go as one block, :func:`rotate`'d with the
+    round's seed, each coordinate clipped to ±κ·B/√D
+    (:func:`coordinate_scale`: an honest update loses only the share of
+    its coordinates beyond κ standard deviations) and mapped onto ±c, in
+    place of those arrays; the client declares their indices in its clear
+    metrics (:data:`~fedadapt.strategies.wire.SECAGG_ROTATED`).
+    The weight is 1 under uniform weighting, else ``num_examples``.
     The count is the number of coordinates of r·arrays beyond ±c (plus one
     when the weight exceeds ``max_weight``): the client's own check before
     masking, since Flower clips silently.
@@ -288,6 +401,15 @@ def encode_update(
             for a, counted in zip(arrays, trainable, strict=True)
         ]
         update_sq_norm = bound**2  # exactly: its entry is c, never beyond
+    rotated = rotated_indices(config, trainable)
+    if rotated:
+        block = rotate(
+            np.concatenate([arrays[j].reshape(-1) for j in rotated]),
+            int(config[wire.SECAGG_ROTATION_SEED]),
+        )
+        scale = coordinate_scale(bound, settings.coordinate_bound, block.size)
+        others = [a for j, a in enumerate(arrays) if j not in set(rotated)]
+        arrays = [np.clip(block / scale, -1.0, 1.0) * c, *others]
     entry = encode_in_range(update_sq_norm, bound**2, c)
     arrays.append(np.array([entry], np.float64))
     arrays.append(np.array([c if clipped_to_bound else 0.0], np.float64))
@@ -376,44 +498,87 @@ def decode_sums(
     norm_bound: float = 0.0,
     clipping_range: float = 1.0,
     local: Mapping[str, float] | None = None,
+    rotated: Sequence[int] = (),
+    rotation_seed: int = 0,
+    coordinate_bound: float = 0.0,
 ) -> tuple[DecodedSums | None, str | None]:
     """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
     ``reference`` is x_t (its keys name Δ̄'s arrays, in order);
     ``norm_bound`` and ``clipping_range`` are the round's B and c (the norm
-    entry is decoded by :func:`decode_in_range`). Checks what an honest
-    round must satisfy, up to the quantisation errors: e per coordinate of
-    Δ̄, e_A = e·B²/(2c) of A (e without a bound): A ≥ −e_A, and
-    A ≥ ‖Δ̄‖² − tol over the ``adaptive`` keys (Jensen: Σω‖Δ_i‖² ≥
-    ‖ΣωΔ_i‖² for convex ω), with tol = e_A + 2e·√d·‖Δ̄‖ + d·e² (d adaptive
-    coordinates) bounding what the errors can do to both sides. Under a
-    bound A ≤ B² by construction, so Jensen's check also caps ‖Δ̄‖ at B: a
-    client whose update exceeds the bound while its norm entry stays in
-    range fails the round once it pushes Δ̄ past what A allows.
+    entry is decoded by :func:`decode_in_range`). ``rotated``: the indices
+    of the arrays the clients sent as one rotated block (first, in place of
+    those arrays; :func:`encode_update`), with the round's
+    ``rotation_seed`` and κ = ``coordinate_bound``. Checks what an honest
+    round must satisfy, up to the quantisation errors: e per revealed
+    coordinate (e·s/c per rotated one, s = :func:`coordinate_scale`), so
+    ‖error of Δ̄‖ ≤ ε = e·√d unrotated, e·(s/c)·√D rotated; e_A =
+    e·B²/(2c) of A (e without a bound): A ≥ −e_A, and A ≥ ‖Δ̄‖² − tol
+    over the ``adaptive`` keys (Jensen: Σω‖Δ_i‖² ≥ ‖ΣωΔ_i‖² for convex
+    ω), with tol = e_A + 2ε‖Δ̄‖ + ε² bounding what the errors can do to
+    both sides. Under a bound A ≤ B² by construction, so Jensen's check
+    also caps ‖Δ̄‖ at B: a client whose update exceeds the bound while its
+    norm entry stays in range fails the round once it pushes Δ̄ past what
+    A allows.
     """
     keys = list(reference)
     local = dict(local or {})
-    expected = len(keys) + EXTRA_ARRAYS + len(local)
+    in_block = [keys[j] for j in rotated]
+    plain = [k for k in keys if k not in set(in_block)]
+    model_arrays = (1 if in_block else 0) + len(plain)
+    expected = model_arrays + EXTRA_ARRAYS + len(local)
     if len(aggregate) != expected:
         return None, (
             f"the aggregate has {len(aggregate)} arrays, expected "
-            f"{len(keys)} model arrays + {EXTRA_ARRAYS} (norm entry, clip flag)"
+            f"{model_arrays} model arrays"
+            + (f" ({len(in_block)} of them rotated as one)" if in_block else "")
+            + f" + {EXTRA_ARRAYS} (norm entry, clip flag)"
             + (f" + {len(local)} local-update arrays" if local else "")
         )
     mean: Arrays = {}
-    for k, a in zip(keys, aggregate, strict=False):
-        x = reference[k]
-        if np.shape(a) != np.shape(x):
-            return None, f"aggregate array {k!r} has shape {np.shape(a)}, not {x.shape}"
-        mean[k] = np.asarray(a, dtype=np.result_type(x.dtype, np.float32))
-    entry = float(np.asarray(aggregate[len(keys)]).reshape(-1)[0])
-    a_t = float(decode_in_range(entry, norm_bound**2, clipping_range))
-    share = float(np.asarray(aggregate[len(keys) + 1]).reshape(-1)[0]) / clipping_range
-    mean_sq = sq_norm({k: mean[k] for k in adaptive})
-    d = sum(mean[k].size for k in adaptive)
     e = error_bound
+    error_sq = 0.0  # ε²: the squared L2 bound on Δ̄'s error over `adaptive`
+    if in_block:
+        size = sum(reference[k].size for k in in_block)
+        block = np.asarray(aggregate[0], np.float64).reshape(-1)
+        if block.size != rotated_size(size):
+            return None, (
+                f"the rotated block has {block.size} coordinates, "
+                f"expected {rotated_size(size)}"
+            )
+        scale = coordinate_scale(norm_bound, coordinate_bound, size)
+        flat = unrotate(block * scale / clipping_range, rotation_seed, size)
+        offset = 0
+        for k in in_block:
+            x = reference[k]
+            mean[k] = flat[offset : offset + x.size].reshape(x.shape)
+            offset += x.size
+        if set(in_block) & set(adaptive):
+            error_sq += (e * scale / clipping_range) ** 2 * block.size
+    for k, a in zip(
+        plain, aggregate[model_arrays - len(plain) : model_arrays], strict=True
+    ):
+        if np.shape(a) != np.shape(reference[k]):
+            return None, (
+                f"aggregate array {k!r} has shape {np.shape(a)}, "
+                f"not {reference[k].shape}"
+            )
+        mean[k] = np.asarray(a)
+        if k in adaptive:
+            error_sq += e * e * reference[k].size
+    mean = {
+        k: np.asarray(mean[k], dtype=np.result_type(reference[k].dtype, np.float32))
+        for k in keys
+    }
+    entry = float(np.asarray(aggregate[model_arrays]).reshape(-1)[0])
+    a_t = float(decode_in_range(entry, norm_bound**2, clipping_range))
+    share = (
+        float(np.asarray(aggregate[model_arrays + 1]).reshape(-1)[0]) / clipping_range
+    )
+    mean_sq = sq_norm({k: mean[k] for k in adaptive})
     e_a = e * norm_bound**2 / (2 * clipping_range) if norm_bound > 0 else e
-    tol = e_a + 2 * e * math.sqrt(d * mean_sq) + d * e * e
+    error = math.sqrt(error_sq)
+    tol = e_a + 2 * error * math.sqrt(mean_sq) + error_sq
     if not math.isfinite(a_t) or a_t < -e_a or a_t < mean_sq - tol:
         return None, (
             f"impossible sums: A = {a_t:.6g} but ‖Δ̄‖² = {mean_sq:.6g} "
@@ -426,7 +591,7 @@ def decode_sums(
             )
         )
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
-    first = len(keys) + EXTRA_ARRAYS
+    first = model_arrays + EXTRA_ARRAYS
     local_mean = {
         name: np.asarray(decode_in_range(aggregate[first + j], top, clipping_range))
         for j, (name, top) in enumerate(local.items())

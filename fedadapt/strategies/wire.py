@@ -35,6 +35,11 @@ SECAGG_NORM_BOUND: Final = "secagg-norm-bound"
 #: JSON {array name: top}: a local update's array (Fed-LAMB's v) travels as
 #: the coordinates of [0, top] (missing: as is, within ±c)
 SECAGG_LOCAL_RANGES: Final = "secagg-local-ranges"
+#: κ and the seed of the round's rotation: under a bound B_t, a client sends
+#: its update randomly rotated, each coordinate within ±κ·B_t/√D
+#: (fedadapt.strategies.secagg.rotate); absent or κ = 0: not rotated
+SECAGG_COORDINATE_BOUND: Final = "secagg-coordinate-bound"
+SECAGG_ROTATION_SEED: Final = "secagg-rotation-seed"
 #: true: evaluate the received model on the local test split before training
 #: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`
 #: (federated evaluation folded into the train exchange)
@@ -49,6 +54,8 @@ NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
 UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable arrays
 #: SecAgg+: coordinates the client's scaled arrays have beyond ±c (0: none)
 SECAGG_CLIPPED: Final = "secagg-clipped"
+#: SecAgg+: JSON list of the indices of the arrays sent rotated, as one block
+SECAGG_ROTATED: Final = "secagg-rotated"
 LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state reset
 
 # a node's answer to the server's query message (seeded sampling), also

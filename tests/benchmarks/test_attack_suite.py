@@ -59,3 +59,25 @@ def test_default_defence_uses_the_servers_own_norms() -> None:
     lied = [c for c in doc["cells"] if c["attack"] == "false-norm"]
     assert lied and all(c["norm-mismatches"] > 0 for c in lied)
     assert all(c["distance"] == 0.0 for c in lied)
+
+
+def test_under_secagg_the_rotation_bounds_what_one_client_can_reverse():
+    """Issue #38 item 4: the Jensen-slack attack against SecAgg+ (sums only).
+
+    One client claims the largest norm its entry allows and sends the update
+    that turns Δ̄ around within A ≥ ‖Δ̄‖². Without the rotated block nothing
+    bounds its size and it drives FedAvg's model far away (measured: the
+    loss ×375 in 10 rounds); with it (κ = 2) every reply is within κ·B and
+    the same attack moves the model a fraction of that. No round is refused
+    either way: the sums are consistent, which is the attack's point.
+    """
+    suite = _suite()
+    doc = _grid(suite, ["secagg+", "secagg+-unrotated"], ["slack-reverse"])
+    cells = {(c["defence"], c["strategy"], c["attack"]): c for c in doc["cells"]}
+    for defence in ("secagg+", "secagg+-unrotated"):
+        cell = cells[(defence, "fedavg", "slack-reverse")]
+        assert cell["refused-rounds"] == 0
+        assert cell["distance"] > 0.05
+    bounded = cells[("secagg+", "fedavg", "slack-reverse")]["distance"]
+    unbounded = cells[("secagg+-unrotated", "fedavg", "slack-reverse")]["distance"]
+    assert unbounded > 5 * bounded

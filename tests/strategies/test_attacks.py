@@ -149,3 +149,37 @@ def test_quiet_orthogonal_flip_is_orthogonal_to_the_mean_at_its_own_norm():
     expected *= np.linalg.norm(own) / np.linalg.norm(expected)
     np.testing.assert_allclose(sent, expected, rtol=1e-5, atol=1e-6)
     assert abs(sent @ mu) / (np.linalg.norm(sent) * np.linalg.norm(mu)) < 1e-5
+
+
+@pytest.mark.parametrize("f", [1, 2])
+def test_slack_reverse_turns_the_mean_around_just_inside_jensens_check(f):
+    """Under SecAgg+ (a claim cap B²): Δ̄ = −0.99·√A·H/‖H‖ with A at its largest.
+
+    Oracle: the weighted sums written out, with the colluders' claims at the
+    cap. Without a claim cap (the server computes every norm) it is IPM.
+    """
+    honest = _honest()
+    own = _honest(seed=1, n=f)
+    weights = [1.0 + i for i in range(len(honest))] + [2.0] * f
+    view = RoundView(honest, own, 5.0, [10.0] * len(honest), seed=3,
+                     claim_cap=25.0, weights=weights)  # fmt: skip
+    replies = craft("slack-reverse", view)
+    omega = np.array(weights) / sum(weights)
+    updates = [h["w"].astype(np.float64) for h in honest]
+    updates += [r.update["w"].astype(np.float64) for r in replies]
+    mean = sum(w * u for w, u in zip(omega, updates, strict=True))
+    claims = [float(u @ u) for u in updates[: len(honest)]]
+    claims += [r.claims["update-sq-norm"] for r in replies]
+    assert claims[-1] == 25.0
+    a = float(omega @ np.array(claims))
+    h = sum(w * u for w, u in zip(omega, updates[: len(honest)], strict=False))
+    np.testing.assert_allclose(
+        mean, -UNDER_BOUND * math.sqrt(a) * h / np.linalg.norm(h), rtol=1e-5
+    )
+    assert float(mean @ mean) <= a  # passes A ≥ ‖Δ̄‖²
+    assert all(r.update["steps"] == honest[0]["steps"] for r in replies)
+    plain = RoundView(honest, own, 5.0, [10.0] * len(honest), seed=3)
+    for got, ipm in zip(
+        craft("slack-reverse", plain), craft("ipm", plain), strict=True
+    ):
+        np.testing.assert_array_equal(got.update["w"], ipm.update["w"])

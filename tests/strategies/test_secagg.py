@@ -26,6 +26,9 @@ from fedadapt.strategies.secagg import (
     decode_sums,
     encode_in_range,
     encode_update,
+    rotate,
+    rotated_indices,
+    unrotate,
 )
 from tests.helpers import run_legacy_in_process
 
@@ -81,8 +84,8 @@ def test_a_client_clips_to_the_round_bound_and_its_norm_entry_spans_it():
     """Under a bound B the update is clipped to B and ‖Δ‖² maps [0, B²] → [−c, c]."""
     sent = [np.zeros(4, np.float32), np.zeros(2, np.float32)]
     trained = [np.array([3.0, 4.0, 0, 0], np.float32), np.array([7.0, 7.0], np.float32)]
-    settings = SecAggPlusSettings(clipping_range=8.0)
-    config = settings.fit_config(True, norm_bound=2.0)
+    settings = SecAggPlusSettings(clipping_range=8.0, coordinate_bound=0.0)
+    config = settings.fit_config(True, norm_bound=2.0)  # κ = 0: not rotated
     # ‖Δ‖ = 5 over the first (trainable) array only: clipped by 2/5
     arrays, _, clipped = encode_update(
         sent, trained, 25.0, 10, config, trainable=[True, False]
@@ -151,7 +154,9 @@ def _least_squares_run(
     for t in range(1, rounds + 1):
         strategy._sent = {"w": x}
         bound = strategy.secagg_norm_bound
-        config = SecAggPlusSettings().fit_config(True, bound)
+        config = (
+            strategy.secagg.fit_config(True, bound, rotation_seed=t) if secure else {}
+        )
         replies, true_sq, trained = [], [], []
         for i, (a, b) in enumerate(zip(designs, targets, strict=True)):
             y = x.astype(np.float64)
@@ -161,10 +166,11 @@ def _least_squares_run(
             trained.append(y)
             sq = float(np.sum((y.astype(np.float64) - x) ** 2))
             true_sq.append(min(sq, bound**2) if bound > 0 else sq)
-            arrays, _, _ = encode_update(
-                [x], [y], sq * (lying_factor if i == 0 else 1.0), 30, config
-            )
-            replies.append(arrays)
+            if secure:
+                arrays, _, _ = encode_update(
+                    [x], [y], sq * (lying_factor if i == 0 else 1.0), 30, config
+                )
+                replies.append(arrays)
         if secure:
             mean = _flower_secagg_mean(replies, strategy.secagg)
             exact = [np.mean([r[j] for r in replies], axis=0) for j in range(3)]
@@ -174,7 +180,9 @@ def _least_squares_run(
                 (revealed, float(np.mean(true_sq)), bound,
                  float(np.abs(mean[0] - exact[0]).max()), abs(revealed - exact_a))
             )  # fmt: skip
-            results = _results(mean, [{wire.SECAGG_CLIPPED: 0}] * n)
+            rotated = rotated_indices(config, [True])
+            declared = {wire.SECAGG_ROTATED: json.dumps(rotated)} if rotated else {}
+            results = _results(mean, [{wire.SECAGG_CLIPPED: 0, **declared}] * n)
         else:
             results = [
                 _results([y], [{}], num_examples=30)[0] for y in trained
@@ -347,9 +355,13 @@ def _results(aggregate, metrics_list, num_examples=1):
     ]
 
 
-def _secure_fedexp(**kwargs):
+def _secure_fedexp(rotate=False, **kwargs):
+    """A SecAgg+ FedExP on x_t = [1, 2, 3]; unrotated unless ``rotate``."""
+    settings = (
+        SecAggPlusSettings() if rotate else SecAggPlusSettings(coordinate_bound=0)
+    )
     strategy = legacy.FedExP(
-        secagg=SecAggPlusSettings(), array_names=["w"], average_last_two=False, **kwargs
+        secagg=settings, array_names=["w"], average_last_two=False, **kwargs
     )
     strategy._sent = {"w": np.array([1.0, 2.0, 3.0], np.float32)}
     return strategy
@@ -710,10 +722,18 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
         arrays = [r[2] for r in entry["results"]]
         assert all(r[3].tensors == entry["results"][0][3].tensors
                    for r in entry["results"])  # fmt: skip
-        assert len(arrays[0]) == len(entry["sent"]) + 2  # + norm entry, flag
         for _, metrics, _, _ in entry["results"]:
             assert wire.UPDATE_SQ_NORM not in metrics
             assert metrics[wire.SECAGG_CLIPPED] == 0
+        # round 1 (no bound yet): the arrays as they are; round 2: the
+        # trainable ones as one rotated block of 2^m coordinates
+        rotated = json.loads(entry["results"][0][1].get(wire.SECAGG_ROTATED, "[]"))
+        assert bool(rotated) == (entry is not secure[0])
+        expected = len(entry["sent"]) - len(rotated) + (1 if rotated else 0)
+        assert len(arrays[0]) == expected + 2  # + norm entry, flag
+        if rotated:
+            size = sum(list(entry["sent"].values())[j].size for j in rotated)
+            assert arrays[0][0].size == 1 << (size - 1).bit_length()
 
     first_plain, first_secure = plain[0], secure[0]
     keys = list(first_plain["sent"])
@@ -1079,3 +1099,131 @@ def test_scaffold_and_mime_from_the_revealed_mean_equal_their_plain_aggregate():
     scaffold.configure(1, model, 5)
     with pytest.raises(ValueError, match="not finite"):
         scaffold.aggregate_mean({"w": np.full(4, np.nan), "b": np.zeros(2)}, 3)
+
+
+# --- the rotated block: every reply bounded in L2 by κ·B --------------------
+
+
+def _sylvester(size):
+    """The Walsh–Hadamard matrix of order ``size`` (Sylvester's construction)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < size:
+        h = np.kron(h, np.array([[1.0, 1.0], [1.0, -1.0]]))
+    return h
+
+
+def test_rotation_is_the_orthonormal_hadamard_map_after_random_signs():
+    rng = np.random.default_rng(3)
+    v = rng.normal(size=13)  # padded to 16
+    y = rotate(v, seed=7)
+    signs = np.random.default_rng(7).integers(0, 2, 16) * 2.0 - 1
+    padded = np.concatenate([v, np.zeros(3)])
+    np.testing.assert_allclose(y, _sylvester(16) @ (signs * padded) / 4.0, atol=1e-12)
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(v))
+    np.testing.assert_allclose(unrotate(y, 7, 13), v, atol=1e-12)
+    assert rotate(np.ones(1), 0).size == 1 and rotate(np.ones(16), 0).size == 16
+
+
+def _rotated_config(bound, kappa=2.0, seed=5, uniform=True, max_weight=1.0):
+    settings = SecAggPlusSettings(coordinate_bound=kappa, max_weight=max_weight)
+    return settings, settings.fit_config(uniform, bound, rotation_seed=seed)
+
+
+def test_rotated_replies_decode_to_the_weighted_mean_of_the_clipped_updates():
+    """Oracle: NumPy's weighted mean of the updates each client clips to B."""
+    rng = np.random.default_rng(0)
+    sent = [
+        np.zeros((5, 7), np.float32),
+        np.zeros(3, np.int64),
+        np.zeros(6, np.float32),
+    ]
+    settings, config = _rotated_config(2.0, kappa=4.0, uniform=False, max_weight=100.0)
+    counts, replies, clipped_updates = [30, 50, 20], [], []
+    for n, scale in zip(counts, [0.5, 3.0, 1.0], strict=True):  # the 2nd is clipped
+        delta = [rng.normal(size=(5, 7)) * scale / 7, np.array([1, 0, 2]),
+                 rng.normal(size=6) * scale / 7]  # fmt: skip
+        sq = float(np.sum(delta[0] ** 2) + np.sum(delta[2] ** 2))
+        trained = [(s + d).astype(s.dtype) for s, d in zip(sent, delta, strict=True)]
+        arrays, weight, over = encode_update(
+            sent, trained, sq, n, config, trainable=[True, False, True]
+        )
+        assert (weight, over) == (n, 0)
+        assert len(arrays) == 1 + 1 + 2  # block, the counter, norm entry, flag
+        ratio = settings.weight_ratio(weight)
+        replies.append([ratio * np.asarray(a, np.float64) for a in arrays])
+        factor = min(1.0, 2.0 / np.sqrt(sq))
+        clipped_updates.append(
+            (ratio, [delta[0] * factor, delta[1], delta[2] * factor])
+        )
+    total = sum(r for r, _ in clipped_updates)
+    mean = [sum(r[j] for r in replies) / total for j in range(4)]
+    reference = dict(zip(["a", "n", "b"], sent, strict=True))
+    decoded, problem = decode_sums(
+        reference, mean, ["a", "b"], 3, 1e-12, norm_bound=2.0,
+        clipping_range=settings.clipping_range, rotated=[0, 2], rotation_seed=5,
+        coordinate_bound=4.0,
+    )  # fmt: skip
+    assert problem is None
+    for j, k in enumerate(["a", "n", "b"]):
+        expected = sum(r * u[j] for r, u in clipped_updates) / total
+        np.testing.assert_allclose(decoded.stats.mean_update[k], expected, atol=1e-6)
+    # the wrong seed decodes to something else
+    wrong, _ = decode_sums(
+        reference, mean, ["a", "b"], 3, 1e-12, norm_bound=2.0,
+        clipping_range=settings.clipping_range, rotated=[0, 2], rotation_seed=6,
+        coordinate_bound=4.0,
+    )  # fmt: skip
+    assert wrong is None or not np.allclose(
+        wrong.stats.mean_update["a"], decoded.stats.mean_update["a"], atol=1e-3
+    )
+
+
+def test_a_hostile_reply_carries_at_most_kappa_times_the_bound():
+    """Closed form: Flower's ±c on each rotated coordinate caps the L2 norm at κ·B.
+
+    The hostile client claims a small norm (no clip to B) and sends an update
+    a thousand times the bound; whatever it sends, what reaches the sum is
+    within κ·B = 4. An honest update at the bound loses a few percent.
+    """
+    bound, kappa = 2.0, 2.0
+    settings, config = _rotated_config(bound, kappa)
+    sent = [np.zeros(1000, np.float32)]
+    for hostile in (
+        np.full(1000, 63.0),
+        np.random.default_rng(1).normal(size=1000) * 60,
+    ):
+        arrays, _, over = encode_update(
+            sent, [hostile.astype(np.float32)], 1.0, 1, config
+        )
+        assert over == 0  # nothing beyond ±c: Flower's clip is the client's own
+        block = np.clip(arrays[0], -settings.clipping_range, settings.clipping_range)
+        scale = kappa * bound / np.sqrt(block.size)
+        sent_norm = np.linalg.norm(
+            unrotate(block * scale / settings.clipping_range, 5, 1000)
+        )
+        assert sent_norm <= kappa * bound * (1 + 1e-9)
+        assert np.linalg.norm(hostile) > 500 * sent_norm / kappa
+    for size, loss in ((bound / 2, 0.02), (bound, 0.15)):
+        honest = np.random.default_rng(2).normal(size=1000)
+        honest *= size / np.linalg.norm(honest)
+        arrays, _, _ = encode_update(
+            sent, [honest.astype(np.float32)], size**2, 1, config
+        )
+        scale = kappa * bound / np.sqrt(arrays[0].size)
+        received = unrotate(arrays[0] * scale / settings.clipping_range, 5, 1000)
+        assert np.linalg.norm(received - honest) / size < loss
+
+
+def test_a_reply_without_the_rotation_asked_for_fails_the_round():
+    """A client that sends its update unrotated (unbounded) is refused."""
+    strategy = _secure_fedexp(rotate=True, max_update_norm=1.0, max_failed_rounds=0)
+    mean = [np.zeros(4), np.array([0.0]), np.array([0.0])]  # a block of 4
+    ok = {wire.SECAGG_CLIPPED: 0, wire.SECAGG_ROTATED: json.dumps([0])}
+    assert strategy.aggregate_fit(1, _results(mean, [ok] * 2), [])[0] is not None
+    for declared in ({}, {wire.SECAGG_ROTATED: "[]"}, {wire.SECAGG_ROTATED: "[1]"}):
+        strategy = _secure_fedexp(rotate=True, max_update_norm=1.0, max_failed_rounds=0)
+        replies = [ok, {wire.SECAGG_CLIPPED: 0, **declared}]
+        parameters, _ = strategy.aggregate_fit(1, _results(mean, replies), [])
+        assert parameters is None
+        problem = strategy.round_reports[1]["train_replies"]["problem"]
+        assert "rotated" in problem
