@@ -316,10 +316,13 @@ def _slack_reverse(view: RoundView) -> Arrays:
     hostile_share = sum(weights[len(view.honest) :]) / total
     first = view.honest[0]
     keys = _float_keys(first)
-    contribution = {
-        k: sum(
-            w * np.asarray(h[k], np.float64)
-            for w, h in zip(honest_w, view.honest, strict=True)
+    contribution: dict[str, NDArray[np.float64]] = {
+        k: np.sum(
+            [
+                w * np.asarray(h[k], np.float64)
+                for w, h in zip(honest_w, view.honest, strict=True)
+            ],
+            axis=0,
         )
         for k in keys
     }
@@ -328,6 +331,7 @@ def _slack_reverse(view: RoundView) -> Arrays:
     )
     size = UNDER_BOUND * math.sqrt(honest_a + hostile_share * view.claim_cap)
     length = math.sqrt(math.fsum(float(np.vdot(v, v)) for v in contribution.values()))
+    direction: Mapping[str, NDArray[Any]]
     if length > 0:
         direction = {k: -v / length for k, v in contribution.items()}
     else:  # nothing to reverse: push against the colluders' own updates
