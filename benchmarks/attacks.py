@@ -67,9 +67,12 @@ from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import TrainReply, screen  # noqa: E402
 from fedadapt.strategies.secagg import (  # noqa: E402
     SecAggPlusSettings,
+    aggregate_problem,
     decode_sums,
     encode_update,
+    guard_on_sums,
     next_norm_bound,
+    next_weight_cap,
     rotated_indices,
 )
 
@@ -117,6 +120,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     # the bound B_t it sends (run config below, not apply_rule's options)
     "secagg+": {},
     "secagg+-unrotated": {},
+    "secagg+-guarded": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -125,6 +129,7 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     # before the rotated block: a reply bounded only by c per coordinate
     "secagg+-unrotated": {"secure-aggregation": "secagg+",
                           "secagg-coordinate-bound": 0.0},
+    "secagg+-guarded": {"secure-aggregation": "secagg+", "secagg-step-guard": True},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
@@ -211,6 +216,8 @@ def federate(
     secure = cfg["secure-aggregation"] == "secagg+"
     settings = secagg_settings(cfg, rule) if secure else None
     bound = float(cfg["max-update-norm"]) if secure else 0.0  # B_1
+    weight_cap = settings.max_weight if settings is not None else 0.0
+    uniform = rule.weighting == "uniform"
     for server_round in range(1, rounds + 1):
         trained = [
             train(i, x, server_round, attack == "label-flip" and i in hostile)
@@ -229,13 +236,14 @@ def federate(
             secure_view = {}
             if settings is not None:
                 ratios = [
-                    settings.weight_ratio(1 if rule.weighting == "uniform" else n)
+                    settings.weight_ratio(1 if uniform else min(n, weight_cap))
                     for n in examples
                 ]
                 secure_view = {
                     "claim_cap": bound**2 if bound > 0 else settings.clipping_range,
                     "weights": [ratios[i] for i in honest_ids]
                     + [ratios[i] for i in hostile],
+                    "weight_cap": math.inf if uniform else weight_cap,
                 }
             view = RoundView(
                 honest=[updates[i] for i in honest_ids],
@@ -250,16 +258,21 @@ def federate(
             for i, reply in zip(hostile, craft(attack, view), strict=True):
                 sent[i] = (reply.update, reply.claims)
         if settings is not None:
-            new, mean_sq = secure_round(
+            new, mean_sq, counts = secure_round(
                 rule,
                 settings,
                 x,
                 sent,
                 examples,
-                bound,
+                (bound, weight_cap),
                 set(hostile) if attack else set(),
                 server_round,
+                settings.step_guard,
             )
+            if not uniform:
+                weight_cap = next_weight_cap(
+                    counts, settings.max_weight, options["max_weight_ratio"]
+                )
             if new is None:
                 refused += 1
             else:
@@ -315,11 +328,15 @@ def secure_round(
     x: Arrays,
     sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
     examples: Sequence[float],
-    bound: float,
+    bounds: tuple[float, float],
     hostile: set[int],
     server_round: int,
-) -> tuple[Arrays | None, float | None]:
-    """One SecAgg+ round as the server sees it; (new model or None, A).
+    step_guard: bool = False,
+) -> tuple[Arrays | None, float | None, list[float]]:
+    """One SecAgg+ round as the server sees it; (new model or None, A, counts).
+
+    ``bounds``: the round's norm bound B_t and weight cap (what the legacy
+    strategy sends); ``counts``: the weights the clients sent in the clear.
 
     Every client encodes with the client's own
     :func:`~fedadapt.strategies.secagg.encode_update` (clip to B_t, the
@@ -330,15 +347,20 @@ def secure_round(
     the server receives Σ clip(r_i·v_i)/Σ r_i (exactly: the quantisation
     only adds noise within the error bound the decoder allows for), which
     :func:`~fedadapt.strategies.secagg.decode_sums` checks and splits and
-    the rule steps on, as the legacy strategy's ``_aggregate_secure`` does.
-    None when the server would refuse the round (the model is kept).
+    the rule steps on, as the legacy strategy's ``_aggregate_secure`` does
+    (with its checks: a clear count above the cap fails the round; the step
+    guard on the sums). None when the server would refuse the round (the
+    model is kept).
     """
+    bound, weight_cap = bounds
     uniform = rule.weighting == "uniform"
-    config = settings.fit_config(uniform, bound, rotation_seed=server_round)
+    config = settings.fit_config(
+        uniform, bound, rotation_seed=server_round, weight_cap=weight_cap
+    )
     c = settings.clipping_range
     keys = list(x)
     trainable = [x[k].dtype.kind == "f" for k in keys]
-    vectors, ratios, overflow = [], [], 0
+    vectors, ratios, counts, overflow = [], [], [], 0
     for i, (delta, claims) in sorted(sent.items()):
         trained = [(x[k] + delta[k]).astype(x[k].dtype) for k in keys]
         sq = _sq(delta)
@@ -352,11 +374,20 @@ def secure_round(
         )
         if i not in hostile:  # an honest client's check refuses the round
             overflow += over
+        elif not uniform:  # a hostile one sends the weight it claims
+            weight = int(count)
+        counts.append(float(weight))
         ratio = settings.weight_ratio(weight)
         ratios.append(ratio)
         vectors.append([np.clip(ratio * np.asarray(v), -c, c) for v in vector])
-    if overflow:
-        return None, None
+    problem = aggregate_problem(
+        settings,
+        {str(i): 0 for i in range(len(counts))},
+        {str(i): n for i, n in enumerate(counts)},
+        0.0 if uniform else weight_cap,
+    )
+    if overflow or problem:
+        return None, None, counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
     error = settings.error_bound([1.0 if uniform else n for n in examples])
@@ -366,14 +397,18 @@ def secure_round(
         coordinate_bound=settings.coordinate_bound,
     )  # fmt: skip
     if decoded is None:
-        return None, None
+        return None, None, counts
     stats = decoded.stats
     a_t = stats.mean_sq_norm
     if not rule.needs_sq_norms:
         stats = RoundStatistics(stats.mean_update, None, len(sent))
+    elif step_guard:
+        rotated = rotated_indices(config, trainable)
+        stats = guard_on_sums(stats, adaptive, ratios, bound if rotated else 0.0,
+                              settings.coordinate_bound)  # fmt: skip
     stats = dataclasses.replace(stats, num_nodes=NUM_CLIENTS)
     new, _ = apply_statistics(rule, x, stats)
-    return new, a_t
+    return new, a_t, counts
 
 
 def _sq(delta: Mapping[str, np.ndarray]) -> float:

@@ -83,6 +83,10 @@ class RoundView:
     weights : sequence of float
         The aggregation weight of every reply, the honest ones first, then
         the hostile ones (empty: equal weights).
+    weight_cap : float
+        The most ``num-examples`` the server accepts without failing the
+        round (``inf``: none, or the server caps it itself; under SecAgg+
+        the cap it sends).
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -92,6 +96,7 @@ class RoundView:
     seed: int = 0
     claim_cap: float = math.inf
     weights: Sequence[float] = field(default_factory=tuple)
+    weight_cap: float = math.inf
 
     @property
     def num_clients(self) -> int:
@@ -182,7 +187,7 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       ``FALSE_REPORT_FACTOR`` times too large (inflates A where reports are
       trusted).
     - ``false-weight``: the sign flip, claiming ``FALSE_REPORT_FACTOR``
-      times the largest honest ``num-examples``.
+      times the largest honest ``num-examples`` (at most ``weight_cap``).
     - ``label-flip``: the update honest training on labels y → C−1−y gave
       (the caller trains so; the update is sent as it is).
     - ``quiet-flip``: −Δ_own at the client's *own* honest norm, with its
@@ -225,6 +230,7 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
                 for o in view.own]  # fmt: skip
     if attack == "false-weight":
         claim = FALSE_REPORT_FACTOR * max(view.honest_examples or (1.0,))
+        claim = min(claim, view.weight_cap)
         flipped = craft("sign-flip", view)
         return [HostileReply(r.update, {"num-examples": claim}) for r in flipped]
     if attack == "quiet-flip":

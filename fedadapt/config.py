@@ -240,6 +240,11 @@ _RUN_KEYS: tuple[Key, ...] = (
         "than κ·B; an honest update at B loses about 11 % of its norm at κ = 2, "
         "one at B/2 about 1 %. 0 = not rotated (a hostile update is then bounded "
         "only by Jensen's check on the sums).", minimum=0.0),
+    Key("secagg-step-guard", False, "SecAgg+, FedExP/FedExPM/FedDuA: cap the "
+        "server step at the worst case of any one client removed, from the bounds "
+        "each reply is held to (κ·B in L2, B² for its norm): no client can raise "
+        "the extrapolation, but honest runs lose 3–12 accuracy points on "
+        "digits-mlp (docs/robustness.md), so it is off."),
     Key("secagg-max-weight", 1000.0, "SecAgg+ with num-examples weighting: "
         "Flower's max_weight, at least every client's num-examples (uniform "
         "weighting sends weight 1 and uses 1).", minimum=0.0,

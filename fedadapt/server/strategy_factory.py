@@ -201,6 +201,7 @@ def secagg_settings(cfg: Mapping[str, Any], rule: ServerRule) -> SecAggPlusSetti
         num_shares=cfg["secagg-num-shares"],
         reconstruction_threshold=cfg["secagg-reconstruction-threshold"],
         coordinate_bound=cfg["secagg-coordinate-bound"],
+        step_guard=cfg["secagg-step-guard"],
     )
 
 

@@ -80,7 +80,9 @@ from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
     decode_sums,
+    guard_on_sums,
     next_norm_bound,
+    next_weight_cap,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
@@ -240,6 +242,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         #: B_t, the L2 norm SecAgg+ clients clip to this round (0: none):
         #: ``max_update_norm`` in round 1, then :meth:`_next_norm_bound`
         self.secagg_norm_bound = self.max_update_norm
+        #: the weight each client may send (num-examples weighting): Flower's
+        #: ``max_weight`` in round 1, then :func:`~fedadapt.strategies.
+        #: secagg.next_weight_cap`
+        self.secagg_weight_cap = secagg.max_weight if secagg is not None else 0.0
         #: the ranges of the local update's arrays sent this round (SecAgg+)
         self._local_ranges: dict[str, float] = {}
         #: × the local update's ranges after rounds that overflowed them; kept
@@ -309,6 +315,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     self.rule.weighting == "uniform",
                     self.secagg_norm_bound,
                     rotation_seed=server_round,
+                    weight_cap=self.secagg_weight_cap,
                 )
             )
             self._local_ranges = {}
@@ -423,7 +430,14 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         clipped_counts = {
             str(c.node): c.metrics.get(wire.SECAGG_CLIPPED) for c in valid
         }
-        problem = aggregate_problem(self.secagg, clipped_counts)
+        uniform = self.rule.weighting == "uniform"
+        counts = {str(c.node): float(c.source[1].num_examples) for c in valid}
+        cap = 0.0 if uniform else self.secagg_weight_cap
+        problem = aggregate_problem(self.secagg, clipped_counts, counts, cap)
+        if not uniform and counts:
+            self.secagg_weight_cap = next_weight_cap(
+                list(counts.values()), self.secagg.max_weight, self.max_weight_ratio
+            )
         if any(isinstance(v, int | float) and v > 0 for v in clipped_counts.values()):
             # the local update's ranges may be what overflowed: wider next time
             self._range_widening *= RANGE_WIDENING
@@ -464,6 +478,17 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     stats = decoded.stats
                     if not self.rule.needs_sq_norms:
                         stats = RoundStatistics(stats.mean_update, None, len(valid))
+                    elif self.secagg.step_guard:
+                        stats = guard_on_sums(
+                            stats,
+                            adaptive,
+                            [
+                                self.secagg.weight_ratio(r.num_examples)
+                                for _, r in results
+                            ],
+                            self.secagg_norm_bound if rotated else 0.0,
+                            self.secagg.coordinate_bound,
+                        )
         new, diagnostics = self.run_sums(
             server_round, candidates, self._sent, stats, problem
         )

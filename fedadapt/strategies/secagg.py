@@ -74,9 +74,10 @@ from w_i / max_weight by at most 1/(2Q).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,10 @@ class SecAggPlusSettings:
         reply, honest or not, carries more than κ·B_t in L2 (0: not
         rotated; a hostile update is then bounded only by c per
         coordinate and by Jensen's check on the sums).
+    step_guard : bool
+        Cap FedExP's and FedDuA's step at the worst case of one client
+        removed (:func:`guard_on_sums`): no client within the bounds can
+        raise it, at a measured cost to honest runs (docs/robustness.md).
     """
 
     clipping_range: float = 8.0
@@ -148,6 +153,7 @@ class SecAggPlusSettings:
     num_shares: float = 1.0
     reconstruction_threshold: float = 0.5
     coordinate_bound: float = COORDINATE_BOUND
+    step_guard: bool = False
 
     def __post_init__(self) -> None:
         """Check the ranges as Flower's workflow would, and more strictly."""
@@ -195,13 +201,19 @@ class SecAggPlusSettings:
         return len(weights) * self.step / total if total > 0 else math.inf
 
     def fit_config(
-        self, uniform: bool, norm_bound: float = 0.0, rotation_seed: int = 0
+        self,
+        uniform: bool,
+        norm_bound: float = 0.0,
+        rotation_seed: int = 0,
+        weight_cap: float = 0.0,
     ) -> dict[str, float | int]:
         """Return what a client needs to encode and check its update.
 
         ``norm_bound``: B_t, the L2 norm each client clips its update to
         (0: none this round); under one, the update is sent rotated with
         ``rotation_seed`` (unless ``coordinate_bound`` is 0).
+        ``weight_cap`` (num-examples weighting; 0: none): the most weight a
+        client sends (:func:`next_weight_cap`).
         """
         config: dict[str, float | int] = {
             wire.SECAGG_CLIPPING_RANGE: self.clipping_range,
@@ -213,6 +225,8 @@ class SecAggPlusSettings:
         if norm_bound > 0 and self.coordinate_bound > 0:
             config[wire.SECAGG_COORDINATE_BOUND] = self.coordinate_bound
             config[wire.SECAGG_ROTATION_SEED] = int(rotation_seed)
+        if weight_cap > 0 and not uniform:
+            config[wire.SECAGG_WEIGHT_CAP] = float(weight_cap)
         return config
 
     @classmethod
@@ -319,6 +333,25 @@ def rotated_indices(config: Mapping[str, Any], trainable: Sequence[bool]) -> lis
     return [j for j, counted in enumerate(trainable) if counted]
 
 
+def next_weight_cap(
+    counts: Sequence[float], max_weight: float, max_weight_ratio: float
+) -> float:
+    """Return the weight cap of the next round: min(max_weight, k·median count).
+
+    Under SecAgg+ the server cannot re-weight a reply, so the weight cap of
+    the plain path (k = ``max_weight_ratio`` times the round's median
+    ``num-examples``, a client's own claim) is sent to the clients instead:
+    each sends min(num-examples, cap), and a clear count above it fails the
+    round (:func:`aggregate_problem`). ``counts`` are this round's clear
+    counts (already capped: the median of min(n_i, cap) is that of n_i while
+    cap ≥ the median). ``max_weight`` (Flower's, r_i ≤ 1) when k is 0 or no
+    count is known.
+    """
+    if max_weight_ratio <= 0 or not counts:
+        return max_weight
+    return min(max_weight, max_weight_ratio * float(np.median(counts)))
+
+
 #: Arrays after Δ_i's in a client's masked reply: its norm entry, its clip flag
 EXTRA_ARRAYS = 2
 
@@ -377,7 +410,9 @@ def encode_update(
     its coordinates beyond κ standard deviations) and mapped onto ±c, in
     place of those arrays; the client declares their indices in its clear
     metrics (:data:`~fedadapt.strategies.wire.SECAGG_ROTATED`).
-    The weight is 1 under uniform weighting, else ``num_examples``.
+    The weight is 1 under uniform weighting, else ``num_examples``, at
+    most the round's weight cap
+    (:data:`~fedadapt.strategies.wire.SECAGG_WEIGHT_CAP`).
     The count is the number of coordinates of r·arrays beyond ±c (plus one
     when the weight exceeds ``max_weight``): the client's own check before
     masking, since Flower clips silently.
@@ -386,6 +421,9 @@ def encode_update(
     if settings is None:
         raise ValueError("not a SecAgg+ fit config")
     weight = 1 if int(config[wire.SECAGG_UNIFORM]) else int(num_examples)
+    cap = float(config.get(wire.SECAGG_WEIGHT_CAP, 0.0))
+    if cap > 0:
+        weight = min(weight, max(1, math.floor(cap)))
     c = settings.clipping_range
     bound = float(config.get(wire.SECAGG_NORM_BOUND, 0.0))
     arrays = [
@@ -435,14 +473,28 @@ def local_ranges(config: Mapping[str, Any]) -> dict[str, float]:
 
 
 def aggregate_problem(
-    settings: SecAggPlusSettings, clipped: Mapping[str, Any]
+    settings: SecAggPlusSettings,
+    clipped: Mapping[str, Any],
+    counts: Mapping[str, float] | None = None,
+    weight_cap: float = 0.0,
 ) -> str | None:
     """Why a round's SecAgg+ aggregate cannot be used, or None.
 
     ``clipped`` maps each client (node) to its reported
-    :data:`~fedadapt.strategies.wire.SECAGG_CLIPPED` (None: missing).
+    :data:`~fedadapt.strategies.wire.SECAGG_CLIPPED` (None: missing);
+    ``counts`` to the weight it sent in the clear, which may not exceed
+    ``weight_cap`` (0: no cap; see :func:`next_weight_cap`).
     """
     n = len(clipped)
+    over_cap = {
+        k: v for k, v in (counts or {}).items() if weight_cap > 0 and v > weight_cap
+    }
+    if over_cap:
+        listed = ", ".join(f"node {k}: {v:g}" for k, v in sorted(over_cap.items()))
+        return (
+            f"weights above the cap {weight_cap:g} the server sent ({listed}): "
+            "an honest client sends min(num-examples, cap)"
+        )
     if n > settings.max_clients:
         return (
             f"{n} clients but the masked sum is exact only for n·Q < M "
@@ -597,3 +649,55 @@ def decode_sums(
         for j, (name, top) in enumerate(local.items())
     }
     return DecodedSums(stats, min(max(share, 0.0), 1.0), local_mean), None
+
+
+def guard_on_sums(
+    stats: RoundStatistics,
+    adaptive: Sequence[str],
+    weights: Sequence[float],
+    norm_bound: float,
+    coordinate_bound: float,
+) -> RoundStatistics:
+    """Return ``stats`` with the step guard's worst case of one client removed.
+
+    The step guard (:meth:`~fedadapt.strategies.feddua.FedDuARule.
+    guard_step_size`) caps η_t at the step the round would give without
+    any one client; under SecAgg+ no client's update is known, only what
+    one client can at most have put into the sums. With ω the largest
+    weight share (``weights``: the clients' r_i), L = κ·B the most one
+    reply can carry in L2 (the rotated block, :func:`rotate`) and B² the
+    most its norm entry can claim, leaving it out gives at worst
+
+        Δ̄_{−i} = Δ̄·(1 + ω·L/‖Δ̄‖)/(1 − ω),   A_{−i} = max(0, A − ω·B²)/(1 − ω)
+
+    (‖Δ̄_{−i}‖ ≤ (‖Δ̄‖ + ω‖Δ_i‖)/(1 − ω) along Δ̄, A_{−i} =
+    (A − ω‖Δ_i‖²)/(1 − ω)): a lower bound of every η^{(−i)} for FedExP,
+    whose step falls with ‖Δ̄_{−i}‖ and rises with A_{−i}, and for FedDuA
+    along Δ̄'s own direction. The guarded rules then step no further than
+    the most damped of these, so no client, whatever it sent within the
+    bounds, raises the extrapolation. Without a bound or a rotation
+    (round 1 unless ``max-update-norm`` is set) nothing limits a reply:
+    A_{−i} = 0, and the rules take their smallest step (FedExP: η = 1, a
+    FedAvg step).
+    """
+    total = float(sum(weights))
+    share = max(weights) / total if total > 0 and weights else 1.0
+    reach = coordinate_bound * norm_bound
+    a = stats.mean_sq_norm
+    mean = {k: np.asarray(stats.mean_update[k], np.float64) for k in adaptive}
+    length = math.sqrt(sq_norm(mean))
+    bounded = reach > 0 and share < 1 and a is not None and length > 0
+
+    def generate() -> Iterator[tuple[Arrays, float | None]]:
+        if not bounded:
+            yield mean, 0.0
+            return
+        assert a is not None
+        grow = (1 + share * reach / length) / (1 - share)
+        yield (
+            {k: v * grow for k, v in mean.items()},
+            max(0.0, a - share * norm_bound**2) / (1 - share),
+        )
+
+    without_each: Callable[[], Iterator[tuple[Arrays, float | None]]] = generate
+    return dataclasses.replace(stats, without_each=without_each)

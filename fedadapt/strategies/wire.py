@@ -39,6 +39,9 @@ SECAGG_LOCAL_RANGES: Final = "secagg-local-ranges"
 #: its update randomly rotated, each coordinate within ±κ·B_t/√D
 #: (fedadapt.strategies.secagg.rotate); absent or κ = 0: not rotated
 SECAGG_COORDINATE_BOUND: Final = "secagg-coordinate-bound"
+#: num-examples weighting: the most weight a client may send this round
+#: (it sends min(num-examples, cap); a larger clear count fails the round)
+SECAGG_WEIGHT_CAP: Final = "secagg-weight-cap"
 SECAGG_ROTATION_SEED: Final = "secagg-rotation-seed"
 #: true: evaluate the received model on the local test split before training
 #: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`

@@ -19,6 +19,8 @@ from flwr.common.secure_aggregation.quantization import dequantize, quantize
 from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.strategies import legacy, wire
+from fedadapt.strategies.core import RoundStatistics
+from fedadapt.strategies.fedexp import FedExPRule
 from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
@@ -26,6 +28,8 @@ from fedadapt.strategies.secagg import (
     decode_sums,
     encode_in_range,
     encode_update,
+    guard_on_sums,
+    next_weight_cap,
     rotate,
     rotated_indices,
     unrotate,
@@ -339,8 +343,16 @@ def test_decode_sums_rejects_an_impossible_a_and_accepts_an_honest_one():
 
 
 def _results(aggregate, metrics_list, num_examples=1):
-    """What SecAggPlusWorkflow hands aggregate_fit: one mean, clear metrics."""
+    """What SecAggPlusWorkflow hands aggregate_fit: one mean, clear metrics.
+
+    ``num_examples``: every client's clear weight, or one per client.
+    """
     parameters = ndarrays_to_parameters(aggregate)
+    counts = (
+        list(num_examples)
+        if isinstance(num_examples, list)
+        else [num_examples] * len(metrics_list)
+    )
 
     class Proxy:
         def __init__(self, cid):
@@ -349,7 +361,7 @@ def _results(aggregate, metrics_list, num_examples=1):
     return [
         (
             Proxy(str(i)),
-            FitRes(Status(Code.OK, ""), parameters, num_examples, dict(metrics)),
+            FitRes(Status(Code.OK, ""), parameters, counts[i], dict(metrics)),
         )
         for i, metrics in enumerate(metrics_list)
     ]
@@ -1227,3 +1239,69 @@ def test_a_reply_without_the_rotation_asked_for_fails_the_round():
         assert parameters is None
         problem = strategy.round_reports[1]["train_replies"]["problem"]
         assert "rotated" in problem
+
+
+# --- what a server without individual updates can still bound ---------------
+
+
+def test_the_weight_cap_follows_the_median_count_and_clients_keep_to_it():
+    """min(max_weight, k·median): the plain path's weight cap, sent instead."""
+    assert next_weight_cap([10, 20, 30, 400], 1000.0, 2.0) == 50.0
+    assert next_weight_cap([10, 20, 30, 400], 40.0, 2.0) == 40.0
+    assert next_weight_cap([10, 20], 1000.0, 0.0) == 1000.0  # k = 0: Flower's only
+    settings = SecAggPlusSettings(max_weight=1000.0)
+    config = settings.fit_config(False, weight_cap=50.0)
+    assert config[wire.SECAGG_WEIGHT_CAP] == 50.0
+    assert wire.SECAGG_WEIGHT_CAP not in settings.fit_config(True, weight_cap=50.0)
+    sent, trained = [np.zeros(2, np.float32)], [np.ones(2, np.float32)]
+    assert encode_update(sent, trained, 2.0, 400, config)[1] == 50  # capped
+    assert encode_update(sent, trained, 2.0, 30, config)[1] == 30
+    clipped = {"1": 0, "2": 0}
+    assert aggregate_problem(settings, clipped, {"1": 50.0, "2": 30.0}, 50.0) is None
+    problem = aggregate_problem(settings, clipped, {"1": 51.0, "2": 30.0}, 50.0)
+    assert problem is not None and "node 1: 51" in problem
+
+
+def test_a_client_above_the_weight_cap_fails_the_round_and_the_cap_follows():
+    strategy = legacy.FedAvg(
+        secagg=SecAggPlusSettings(max_weight=1000.0, coordinate_bound=0.0),
+        array_names=["w"], average_last_two=False, max_failed_rounds=0,
+    )  # fmt: skip
+    strategy._sent = {"w": np.array([1.0, 2.0, 3.0], np.float32)}
+    assert strategy.secagg_weight_cap == 1000.0  # round 1: Flower's max_weight
+    mean = [np.array([0.1, -0.2, 0.05]), np.array([0.25]), np.array([0.0])]
+    ok = {wire.SECAGG_CLIPPED: 0}
+    results = _results(mean, [ok] * 3, num_examples=[10, 20, 30])
+    assert strategy.aggregate_fit(1, results, [])[0] is not None
+    assert strategy.secagg_weight_cap == 40.0  # 2 × the median count
+    results = _results(mean, [ok] * 3, num_examples=[10, 20, 400])
+    assert strategy.aggregate_fit(2, results, [])[0] is None
+    assert "above the cap 40" in strategy.round_reports[2]["train_replies"]["problem"]
+    assert strategy.secagg_weight_cap == 40.0  # the median is the liar's no more
+
+
+def test_the_guard_on_sums_is_fedexps_step_with_the_worst_client_removed():
+    """Closed form: η ≤ max(1, (A − ωB²)(1 − ω) / (2(‖Δ̄‖ + ωκB)²))."""
+    mean = np.array([0.3, -0.4])  # ‖Δ̄‖ = 0.5
+    a, bound, kappa = 1.0, 1.2, 2.0
+    stats = RoundStatistics({"w": mean}, a, 10)
+    guarded = guard_on_sums(stats, ["w"], [1.0] * 10, bound, kappa)
+    ((delta, a_out),) = list(guarded.without_each())
+    omega = 0.1
+    np.testing.assert_allclose(
+        delta["w"], mean * (1 + omega * kappa * bound / 0.5) / (1 - omega)
+    )
+    assert a_out == pytest.approx((a - omega * bound**2) / (1 - omega))
+    rule = FedExPRule(epsilon=0.0)
+    new, diagnostics = rule.update({"w": np.zeros(2)}, guarded)
+    expected = (
+        (a - omega * bound**2) * (1 - omega) / (2 * (0.5 + omega * kappa * bound) ** 2)
+    )
+    assert diagnostics["server-lr"] == pytest.approx(max(1.0, expected))
+    unguarded = FedExPRule(epsilon=0.0).update({"w": np.zeros(2)}, stats)[1]
+    assert unguarded["server-lr"] == pytest.approx(a / (2 * 0.25))  # 2.0
+    # no bound (round 1): a reply may carry anything, so no extrapolation
+    loose = guard_on_sums(stats, ["w"], [1.0] * 10, 0.0, kappa)
+    assert FedExPRule(epsilon=0.0).update({"w": np.zeros(2)}, loose)[1][
+        "server-lr"
+    ] == pytest.approx(1.0)
