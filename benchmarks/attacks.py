@@ -121,6 +121,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "secagg+": {},
     "secagg+-unrotated": {},
     "secagg+-guarded": {},
+    "secagg+-C1": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -130,6 +131,8 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "secagg+-unrotated": {"secure-aggregation": "secagg+",
                           "secagg-coordinate-bound": 0.0},
     "secagg+-guarded": {"secure-aggregation": "secagg+", "secagg-step-guard": True},
+    # a fixed cap C near digits-mlp's typical update norm (0.5–0.7) from round 1
+    "secagg+-C1": {"secure-aggregation": "secagg+", "max-update-norm": 1.0},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
