@@ -221,6 +221,7 @@ def federate(
     bound = float(cfg["max-update-norm"]) if secure else 0.0  # B_1
     weight_cap = settings.max_weight if settings is not None else 0.0
     uniform = rule.weighting == "uniform"
+    calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
     for server_round in range(1, rounds + 1):
         trained = [
             train(i, x, server_round, attack == "label-flip" and i in hostile)
@@ -261,13 +262,13 @@ def federate(
             for i, reply in zip(hostile, craft(attack, view), strict=True):
                 sent[i] = (reply.update, reply.claims)
         if settings is not None:
-            new, mean_sq, counts = secure_round(
+            new, (mean_sq, median), counts = secure_round(
                 rule,
                 settings,
                 x,
                 sent,
                 examples,
-                (bound, weight_cap),
+                (bound, weight_cap, cfg["max-update-norm-ratio"] > 0),
                 set(hostile) if attack else set(),
                 server_round,
                 settings.step_guard,
@@ -278,11 +279,12 @@ def federate(
                 )
             if new is None:
                 refused += 1
-            else:
+                continue
+            if not calibrating:  # a calibration round only measures
                 previous, x = x, new
-                bound = next_norm_bound(
-                    bound, mean_sq, cfg["max-update-norm"], cfg["max-update-norm-ratio"]
-                )
+            calibrating = False
+            bound = next_norm_bound(bound, mean_sq, cfg["max-update-norm"],
+                                    cfg["max-update-norm-ratio"], median)  # fmt: skip
             continue
         candidates = []
         for i in range(NUM_CLIENTS):
@@ -331,15 +333,17 @@ def secure_round(
     x: Arrays,
     sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
     examples: Sequence[float],
-    bounds: tuple[float, float],
+    bounds: tuple[float, float, bool],
     hostile: set[int],
     server_round: int,
     step_guard: bool = False,
-) -> tuple[Arrays | None, float | None, list[float]]:
-    """One SecAgg+ round as the server sees it; (new model or None, A, counts).
+) -> tuple[Arrays | None, tuple[float | None, float | None], list[float]]:
+    """One SecAgg+ round as the server sees it: (new model or None, (A, median
+    norm), counts).
 
-    ``bounds``: the round's norm bound B_t and weight cap (what the legacy
-    strategy sends); ``counts``: the weights the clients sent in the clear.
+    ``bounds``: the round's norm bound B_t, weight cap and whether the
+    clients send their norm histogram (what the legacy strategy sends);
+    ``counts``: the weights the clients sent in the clear.
 
     Every client encodes with the client's own
     :func:`~fedadapt.strategies.secagg.encode_update` (clip to B_t, the
@@ -355,10 +359,14 @@ def secure_round(
     guard on the sums). None when the server would refuse the round (the
     model is kept).
     """
-    bound, weight_cap = bounds
+    bound, weight_cap, histogram = bounds
     uniform = rule.weighting == "uniform"
     config = settings.fit_config(
-        uniform, bound, rotation_seed=server_round, weight_cap=weight_cap
+        uniform,
+        bound,
+        rotation_seed=server_round,
+        weight_cap=weight_cap,
+        histogram=histogram,
     )
     c = settings.clipping_range
     keys = list(x)
@@ -390,17 +398,17 @@ def secure_round(
         0.0 if uniform else weight_cap,
     )
     if overflow or problem:
-        return None, None, counts
+        return None, (None, None), counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
     error = settings.error_bound([1.0 if uniform else n for n in examples])
     decoded, _ = decode_sums(
         x, mean, adaptive, len(sent), error, norm_bound=bound, clipping_range=c,
         rotated=rotated_indices(config, trainable), rotation_seed=server_round,
-        coordinate_bound=settings.coordinate_bound,
+        coordinate_bound=settings.coordinate_bound, histogram=histogram,
     )  # fmt: skip
     if decoded is None:
-        return None, None, counts
+        return None, (None, None), counts
     stats = decoded.stats
     a_t = stats.mean_sq_norm
     if not rule.needs_sq_norms:
@@ -411,7 +419,7 @@ def secure_round(
                               settings.coordinate_bound)  # fmt: skip
     stats = dataclasses.replace(stats, num_nodes=NUM_CLIENTS)
     new, _ = apply_statistics(rule, x, stats)
-    return new, a_t, counts
+    return new, (a_t, decoded.median_norm), counts
 
 
 def _sq(delta: Mapping[str, np.ndarray]) -> float:

@@ -234,12 +234,13 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("secagg-modulus-range", 4294967296, "SecAgg+: M, a power of two; the "
         "masked sum is exact for up to (M − 1) // Q clients per round.",
         minimum=2, maximum=2**62),
-    Key("secagg-coordinate-bound", 2.0, "SecAgg+: κ; under the round's norm "
+    Key("secagg-coordinate-bound", 1.0, "SecAgg+: κ; under the round's norm "
         "bound B each client sends its update randomly rotated with every "
         "coordinate within ±κ·B/√D, so no reply (honest or not) carries more "
-        "than κ·B; an honest update at B loses about 11 % of its norm at κ = 2, "
-        "one at B/2 about 1 %. 0 = not rotated (a hostile update is then bounded "
-        "only by Jensen's check on the sums).", minimum=0.0),
+        "than κ·B. At κ = 1 an update at the median norm (B/2) is perturbed by "
+        "about 11 % of its norm, one at B by about 39 % (2: 1 % and 11 %; "
+        "docs/robustness.md measures both). 0 = not rotated (a hostile update is "
+        "then bounded only by Jensen's check on the sums).", minimum=0.0),
     Key("secagg-step-guard", False, "SecAgg+, FedExP/FedExPM/FedDuA: cap the "
         "server step at the worst case of any one client removed, from the bounds "
         "each reply is held to (κ·B in L2, B² for its norm): no client can raise "
@@ -264,9 +265,10 @@ _RUN_KEYS: tuple[Key, ...] = (
         "that median before aggregation (norm-bound-mode=clip: no client weighs "
         "more than k typical ones; counted as clipped, bound in the round's "
         "strategy diagnostics); 0 = off. Under secagg+ (the server sees only "
-        "sums) each client clips to k × the previous round's root mean square "
-        "update norm √A, sent by the server; off with trust-reported-norms. "
-        "docs/robustness.md.", minimum=0.0),
+        "sums) each client clips to k × the previous round's median update "
+        "norm, from a norm histogram in the masked sums, sent by the server "
+        "(round 1 then only measures it, unless max-update-norm is set); off "
+        "with trust-reported-norms. docs/robustness.md.", minimum=0.0),
     Key("norm-bound-mode", "clip", "What norm bounding does above its bound: clip "
         "(to the bound) or flag (scale to the median norm of the other updates; "
         "the default before issue #38, which a client just under the bound "

@@ -119,7 +119,8 @@ class RuleHost:
         legacy API only; the server sees only sums and steps on them; every
         per-client defence below is off, as in the trusting mode, and the
         norm bounds become the clients': they clip to the bound the server
-        sends, ``max_update_norm`` and k·√A of the previous round).
+        sends, ``max_update_norm`` and k × the previous round's median
+        norm).
         ``"trust-reported-norms"``: nothing is masked; use the clients'
         reported ``update-sq-norm``
         as given (a secure aggregator reveals only sums, so the server cannot
@@ -155,8 +156,9 @@ class RuleHost:
         :data:`DEFAULT_NORM_RATIO` (2), or off under
         ``"trust-reported-norms"``; 0 = off. What happens above k·m is
         ``norm_bound_mode``'s. Under ``"secagg+"`` the server knows no
-        median: the clients clip to k·√A_{t−1} instead, A_{t−1} the
-        previous round's Σω_i‖Δ_i‖² (:mod:`fedadapt.strategies.secagg`).
+        individual norm: the clients clip to k × the previous round's
+        weighted median norm from the norm histogram in the masked sums
+        (:func:`~fedadapt.strategies.secagg.median_from_histogram`).
     norm_bound_mode : str (default: "clip")
         ``"clip"``: an update above k·m is clipped to k·m (each client
         weighs at most k typical ones; the default since issue #38, whose
@@ -332,8 +334,8 @@ class RuleHost:
     def _norm_ratio(self, ratio: float | None) -> float:
         """Return k of ``max_update_norm_ratio`` (None: the default, see above).
 
-        Under SecAgg+ the bound is the clients' (k·√A of the previous
-        round, :mod:`fedadapt.strategies.secagg`); with trusted reports
+        Under SecAgg+ the bound is the clients' (k × the previous round's
+        median norm, :mod:`fedadapt.strategies.secagg`); with trusted reports
         there is none.
         """
         trusting = self.secure_aggregation_mode == "trust-reported-norms"
@@ -410,6 +412,7 @@ class RuleHost:
         reference: Arrays | None,
         stats: RoundStatistics | None,
         problem: str | None,
+        step: bool = True,
     ) -> tuple[Arrays | None, dict[str, Any]]:
         """Apply the rule to a secure aggregator's sums; record the round.
 
@@ -419,7 +422,10 @@ class RuleHost:
         ``problem`` that rejects the whole aggregate: no client can be
         singled out, so every one is counted rejected. The same reports and
         failed-round count as :meth:`run_rule`. Returns the new arrays (None:
-        the model is kept) and the rule's diagnostics.
+        the model is kept) and the rule's diagnostics. ``step`` False (a
+        SecAgg+ calibration round): the sums are checked and recorded, the
+        model and the rule's state stay as they are (the reference arrays
+        are returned) and the round does not count as failed.
         """
         label = f"Round {server_round}"
         entry = self.round_reports.setdefault(server_round, {})
@@ -449,7 +455,9 @@ class RuleHost:
         new: Arrays | None = None
         diagnostics: dict[str, Any] = {}
         if problem is None and stats is not None and reference is not None:
-            if report.used:
+            if report.used and not step:
+                new, diagnostics = dict(reference), {"secagg-calibration": 1.0}
+            elif report.used:
                 stats = dataclasses.replace(stats, num_nodes=self.num_nodes)
                 new, raw = apply_statistics(self.rule, reference, stats)
                 diagnostics = {

@@ -246,6 +246,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         #: ``max_weight`` in round 1, then :func:`~fedadapt.strategies.
         #: secagg.next_weight_cap`
         self.secagg_weight_cap = secagg.max_weight if secagg is not None else 0.0
+        #: SecAgg+ with a bound wanted (k > 0) but none known yet (no
+        #: ``max_update_norm``): the first round only measures (no step)
+        self.secagg_calibrating = (
+            secagg is not None
+            and self.max_update_norm <= 0
+            and self.max_update_norm_ratio > 0
+        )
         #: the ranges of the local update's arrays sent this round (SecAgg+)
         self._local_ranges: dict[str, float] = {}
         #: × the local update's ranges after rounds that overflowed them; kept
@@ -310,14 +317,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 for proxy, ins in pairs
             ]
         if self.secagg is not None:
-            settings: dict[str, Scalar] = dict(
-                self.secagg.fit_config(
-                    self.rule.weighting == "uniform",
-                    self.secagg_norm_bound,
-                    rotation_seed=server_round,
-                    weight_cap=self.secagg_weight_cap,
-                )
-            )
+            settings: dict[str, Scalar] = dict(self.secagg_fit_config(server_round))
             self._local_ranges = {}
             if self.local_update is not None and self.local_update.masks_arrays():
                 self._local_ranges = {
@@ -473,6 +473,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     rotated=rotated,
                     rotation_seed=server_round,
                     coordinate_bound=self.secagg.coordinate_bound,
+                    histogram=self.max_update_norm_ratio > 0,
                 )
                 if decoded is not None:
                     stats = decoded.stats
@@ -489,11 +490,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                             self.secagg_norm_bound if rotated else 0.0,
                             self.secagg.coordinate_bound,
                         )
+        calibrating = self.secagg_calibrating
         new, diagnostics = self.run_sums(
-            server_round, candidates, self._sent, stats, problem
+            server_round, candidates, self._sent, stats, problem, step=not calibrating
         )
         if new is None or self._sent is None or decoded is None:
             return None, {}
+        self.secagg_calibrating = False
         diagnostics["secagg-error-bound"] = bound
         diagnostics["secagg-norm-bound"] = self.secagg_norm_bound
         diagnostics["secagg-clipped-share"] = decoded.clipped_share
@@ -506,9 +509,27 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 log(ERROR, "Round %s: %s kept its state: %s", server_round,
                     self.local_update.name, err)  # fmt: skip
                 diagnostics["local-update-problem"] = str(err)
+        if decoded.median_norm is not None:
+            diagnostics["secagg-median-norm"] = decoded.median_norm
         a_t = decoded.stats.mean_sq_norm
-        self.secagg_norm_bound = self._next_norm_bound(a_t)
+        self.secagg_norm_bound = self._next_norm_bound(a_t, decoded.median_norm)
         return self._output_of(server_round, new, diagnostics, valid)
+
+    def secagg_fit_config(self, server_round: int) -> dict[str, float | int]:
+        """Return the SecAgg+ entries of round ``server_round``'s fit config.
+
+        The quantisation settings, the norm bound B_t and the rotation's
+        seed, the weight cap, and whether the clients append their norm
+        histogram (whenever the next bound is k × their median norm).
+        """
+        assert self.secagg is not None
+        return self.secagg.fit_config(
+            self.rule.weighting == "uniform",
+            self.secagg_norm_bound,
+            rotation_seed=server_round,
+            weight_cap=self.secagg_weight_cap,
+            histogram=self.max_update_norm_ratio > 0,
+        )
 
     def _secure_rotated(
         self, valid: Sequence[TrainReply]
@@ -570,13 +591,16 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             return [], f"{self.local_update.name} expects its arrays in every reply"
         return names, None
 
-    def _next_norm_bound(self, mean_sq_norm: float | None) -> float:
-        """Return B_{t+1} from this round's A (:func:`.secagg.next_norm_bound`)."""
+    def _next_norm_bound(
+        self, mean_sq_norm: float | None, median_norm: float | None = None
+    ) -> float:
+        """Return B_{t+1} from this round's sums (:func:`.secagg.next_norm_bound`)."""
         return next_norm_bound(
             self.secagg_norm_bound,
             mean_sq_norm,
             self.max_update_norm,
             self.max_update_norm_ratio,
+            median_norm,
         )
 
     def secagg_halted(self, server_round: int, why: str) -> None:

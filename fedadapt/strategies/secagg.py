@@ -30,19 +30,25 @@ exists on the server, so per-client screening, the server's norm bound,
 the weight cap, the step guard and robust aggregation cannot run.
 
 What replaces the server's norm bound: a bound B_t the server sends
-(:data:`~fedadapt.strategies.wire.SECAGG_NORM_BOUND`; the legacy strategy
-sets B_{t+1} = k·√A_t, k = ``max_update_norm_ratio``, at most
-``max_update_norm``). An honest client clips its update to B_t before
-masking, Δ_i ← Δ_i·min(1, B_t/‖Δ_i‖), and sends its norm as the
-coordinate c·(2‖Δ_i‖²/B_t² − 1) of [−c, c] (:func:`encode_in_range`),
-whose mean decodes to A (:func:`decode_in_range`). Flower's mod clips every
-coordinate to ±c, so a client that lies about its norm moves A by at most
-ω_i·B_t² (its entry cannot leave [0, B_t²]); and since Jensen's check
-(A ≥ ‖Δ̄‖²) must still hold, a client that sends a large Δ_i with a small
-norm fails the round instead of moving the model by more than B_t. The clip
-flag (c when the client clipped, else 0) tells the server the weighted share
-of clients the bound clipped, and nothing per client. Round 1 has no A yet:
-its bound is ``max_update_norm`` (0: none, the norm then travels as is).
+(:data:`~fedadapt.strategies.wire.SECAGG_NORM_BOUND`; the legacy strategy sets
+B_{t+1} = k·m_t, k = ``max_update_norm_ratio`` and m_t the clients' weighted
+median norm from the norm histogram each appends
+(:func:`median_from_histogram`), at most ``max_update_norm``). An honest client
+clips its update to B_t before masking, Δ_i ← Δ_i·min(1, B_t/‖Δ_i‖), and sends
+its norm as the coordinate c·(2‖Δ_i‖²/B_t² − 1) of [−c, c]
+(:func:`encode_in_range`), whose mean decodes to A (:func:`decode_in_range`).
+Flower's mod clips every coordinate to ±c, so a client that lies about its norm
+moves A by at most ω_i·B_t² (its entry cannot leave [0, B_t²]); and since
+Jensen's check (A ≥ ‖Δ̄‖²) must still hold, a client that sends a large Δ_i
+with a small norm fails the round instead of moving the model by more than B_t.
+The clip flag (c when the client clipped, else 0) tells the server the weighted
+share of clients the bound clipped, and nothing per client. Round 1 has no
+median yet: its bound is ``max_update_norm``; with none (0) the norm travels as
+is, and the legacy strategy makes round 1 a calibration round that does not
+step (no reply is bounded yet). Under a bound every reply is also bounded in
+L2, by the rotated block (:func:`rotate`, ``coordinate_bound``), and under
+num-examples weighting its weight by the cap the server sends
+(:func:`next_weight_cap`).
 
 A local update whose server half needs only the mean of its clients'
 arrays (:meth:`~fedadapt.strategies.local_update.LocalUpdate.summable`:
@@ -93,7 +99,7 @@ from fedadapt.strategies.core.aggregation import Arrays, RoundStatistics, sq_nor
 SECURE_AGGREGATION_MODES = ("off", "secagg+", "trust-reported-norms")
 
 #: κ of :class:`SecAggPlusSettings`: each rotated coordinate within ±κ·B/√D
-COORDINATE_BOUND = 2.0
+COORDINATE_BOUND = 1.0
 
 
 def secure_aggregation_mode(value: bool | str) -> str:
@@ -206,6 +212,7 @@ class SecAggPlusSettings:
         norm_bound: float = 0.0,
         rotation_seed: int = 0,
         weight_cap: float = 0.0,
+        histogram: bool = False,
     ) -> dict[str, float | int]:
         """Return what a client needs to encode and check its update.
 
@@ -213,7 +220,8 @@ class SecAggPlusSettings:
         (0: none this round); under one, the update is sent rotated with
         ``rotation_seed`` (unless ``coordinate_bound`` is 0).
         ``weight_cap`` (num-examples weighting; 0: none): the most weight a
-        client sends (:func:`next_weight_cap`).
+        client sends (:func:`next_weight_cap`). ``histogram``: the clients
+        append their norm histogram (:func:`median_from_histogram`).
         """
         config: dict[str, float | int] = {
             wire.SECAGG_CLIPPING_RANGE: self.clipping_range,
@@ -227,6 +235,8 @@ class SecAggPlusSettings:
             config[wire.SECAGG_ROTATION_SEED] = int(rotation_seed)
         if weight_cap > 0 and not uniform:
             config[wire.SECAGG_WEIGHT_CAP] = float(weight_cap)
+        if histogram:
+            config[wire.SECAGG_NORM_HISTOGRAM] = 1
         return config
 
     @classmethod
@@ -249,21 +259,27 @@ def next_norm_bound(
     mean_sq_norm: float | None,
     max_norm: float,
     max_norm_ratio: float,
+    median_norm: float | None = None,
 ) -> float:
-    """Return B_{t+1} = min(C, k·√A_t), the bound the next round's clients clip to.
+    """Return B_{t+1} = min(C, k·m_t), the bound the next round's clients clip to.
 
-    The server's own bound, k times the round's median norm, needs every
-    ‖Δ_i‖; under SecAgg+ it knows their root mean square √A_t (≥ their
-    weighted mean norm), so the clients of the next round clip to k·√A_t
-    (k = ``max_norm_ratio``), and to C = ``max_norm`` when that is smaller
-    (0: none). A round whose clients did not move (A = 0, or no A) keeps
-    ``current``. 0 means no bound.
+    The plain mode's bound is k times the round's median norm; under SecAgg+
+    the server has the weighted median m_t from the norm histogram
+    (``median_norm``, :func:`median_from_histogram`), or else the root mean
+    square √A_t (≥ the clients' mean norm, and a false claim inflates it),
+    so the clients of the next round clip to k·m_t (k = ``max_norm_ratio``),
+    and to C = ``max_norm`` when that is smaller (0: none). A round whose
+    clients did not move (A = 0, or nothing known) keeps ``current``. 0
+    means no bound.
     """
     bounds = [max_norm] if max_norm > 0 else []
     if max_norm_ratio > 0:
-        if mean_sq_norm is None or mean_sq_norm <= 0:
+        typical = median_norm
+        if typical is None and mean_sq_norm is not None and mean_sq_norm > 0:
+            typical = math.sqrt(mean_sq_norm)
+        if typical is None or typical <= 0:
             return current
-        bounds.append(max_norm_ratio * math.sqrt(mean_sq_norm))
+        bounds.append(max_norm_ratio * typical)
     return min(bounds) if bounds else 0.0
 
 
@@ -353,7 +369,41 @@ def next_weight_cap(
 
 
 #: Arrays after Δ_i's in a client's masked reply: its norm entry, its clip flag
+#: (then, when the round asks for it, its norm histogram: one array more)
 EXTRA_ARRAYS = 2
+
+#: The norm histogram's thresholds τ_j = NORM_LEVEL_LOW · NORM_LEVEL_RATIO^j,
+#: j < NORM_LEVELS: ‖Δ‖ from 1e-6 to about 4e3 in steps of 2^(1/4) (19 %)
+NORM_LEVEL_LOW = 1e-6
+NORM_LEVEL_RATIO = 2**0.25
+NORM_LEVELS = 128
+
+
+def norm_levels() -> NDArray[np.float64]:
+    """Return the thresholds τ_j of the norm histogram (:func:`encode_update`)."""
+    return np.asarray(
+        NORM_LEVEL_LOW * NORM_LEVEL_RATIO ** np.arange(NORM_LEVELS), np.float64
+    )
+
+
+def median_from_histogram(shares: Sequence[float]) -> float | None:
+    """Return the weighted median update norm from the shares above each τ_j.
+
+    ``shares``: the revealed weighted share of clients whose ‖Δ_i‖ exceeds
+    τ_j, for each threshold (non-increasing for honest clients). The median
+    is the first τ_j with at most half the weight above it: within one step
+    (19 %) above the true weighted median. A client's entries lie in [0, 1]
+    (Flower's ±c), so a hostile one moves each share by at most its weight
+    ω: the estimate stays between the (50 − 100ω)-th and (50 + 100ω)-th
+    percentiles of the honest norms, whatever it sends (k·√A instead grows
+    with a false norm claim). None when no threshold has half the weight
+    below it (all norms above the last level).
+    """
+    levels = norm_levels()
+    for level, share in zip(levels, shares, strict=False):
+        if share <= 0.5:
+            return float(level)
+    return None
 
 
 def encode_in_range(value: Any, top: float, clipping_range: float) -> Any:
@@ -431,6 +481,7 @@ def encode_update(
     ]
     if trainable is None:
         trainable = [np.asarray(x).dtype.kind == "f" for x in sent]
+    true_sq_norm = update_sq_norm  # before the clip: the histogram's
     clipped_to_bound = bound > 0 and update_sq_norm > bound**2
     if clipped_to_bound:
         scale = bound / math.sqrt(update_sq_norm)
@@ -451,6 +502,9 @@ def encode_update(
     entry = encode_in_range(update_sq_norm, bound**2, c)
     arrays.append(np.array([entry], np.float64))
     arrays.append(np.array([c if clipped_to_bound else 0.0], np.float64))
+    if int(config.get(wire.SECAGG_NORM_HISTOGRAM, 0)):
+        above = (norm_levels() < math.sqrt(max(true_sq_norm, 0.0))).astype(np.float64)
+        arrays.append(np.asarray(encode_in_range(above, 1.0, c), np.float64))
     ranges = local_ranges(config)
     for name, values in (local or {}).items():
         top = ranges.get(name, 0.0)
@@ -533,11 +587,15 @@ class DecodedSums:
         its clients) that the bound clipped.
     local_mean : Arrays
         Σω_i of each local-update array (Fed-LAMB: Σω_i v_i), by name.
+    median_norm : float | None
+        The clients' weighted median ‖Δ_i‖ from their norm histogram
+        (:func:`median_from_histogram`); None without one.
     """
 
     stats: RoundStatistics
     clipped_share: float
     local_mean: Arrays = field(default_factory=dict)
+    median_norm: float | None = None
 
 
 def decode_sums(
@@ -553,6 +611,7 @@ def decode_sums(
     rotated: Sequence[int] = (),
     rotation_seed: int = 0,
     coordinate_bound: float = 0.0,
+    histogram: bool = False,
 ) -> tuple[DecodedSums | None, str | None]:
     """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
@@ -561,7 +620,8 @@ def decode_sums(
     entry is decoded by :func:`decode_in_range`). ``rotated``: the indices
     of the arrays the clients sent as one rotated block (first, in place of
     those arrays; :func:`encode_update`), with the round's
-    ``rotation_seed`` and κ = ``coordinate_bound``. Checks what an honest
+    ``rotation_seed`` and κ = ``coordinate_bound``; ``histogram``: the
+    norm histogram follows the clip flag. Checks what an honest
     round must satisfy, up to the quantisation errors: e per revealed
     coordinate (e·s/c per rotated one, s = :func:`coordinate_scale`), so
     ‖error of Δ̄‖ ≤ ε = e·√d unrotated, e·(s/c)·√D rotated; e_A =
@@ -578,13 +638,15 @@ def decode_sums(
     in_block = [keys[j] for j in rotated]
     plain = [k for k in keys if k not in set(in_block)]
     model_arrays = (1 if in_block else 0) + len(plain)
-    expected = model_arrays + EXTRA_ARRAYS + len(local)
+    extra = EXTRA_ARRAYS + (1 if histogram else 0)
+    expected = model_arrays + extra + len(local)
     if len(aggregate) != expected:
         return None, (
             f"the aggregate has {len(aggregate)} arrays, expected "
             f"{model_arrays} model arrays"
             + (f" ({len(in_block)} of them rotated as one)" if in_block else "")
-            + f" + {EXTRA_ARRAYS} (norm entry, clip flag)"
+            + f" + {extra} (norm entry, clip flag"
+            + (", norm histogram)" if histogram else ")")
             + (f" + {len(local)} local-update arrays" if local else "")
         )
     mean: Arrays = {}
@@ -643,12 +705,25 @@ def decode_sums(
             )
         )
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
-    first = model_arrays + EXTRA_ARRAYS
+    median = None
+    if histogram:
+        shares = decode_in_range(
+            np.asarray(aggregate[model_arrays + EXTRA_ARRAYS], np.float64).reshape(-1),
+            1.0,
+            clipping_range,
+        )
+        if shares.size != NORM_LEVELS:
+            return None, (
+                f"the norm histogram has {shares.size} levels, expected {NORM_LEVELS}"
+            )
+        median = median_from_histogram(list(shares))
+    first = model_arrays + extra
     local_mean = {
         name: np.asarray(decode_in_range(aggregate[first + j], top, clipping_range))
         for j, (name, top) in enumerate(local.items())
     }
-    return DecodedSums(stats, min(max(share, 0.0), 1.0), local_mean), None
+    clipped = min(max(share, 0.0), 1.0)
+    return DecodedSums(stats, clipped, local_mean, median), None
 
 
 def guard_on_sums(

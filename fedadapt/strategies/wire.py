@@ -42,6 +42,9 @@ SECAGG_COORDINATE_BOUND: Final = "secagg-coordinate-bound"
 #: num-examples weighting: the most weight a client may send this round
 #: (it sends min(num-examples, cap); a larger clear count fails the round)
 SECAGG_WEIGHT_CAP: Final = "secagg-weight-cap"
+#: 1: append the norm histogram (1 where ‖Δ_i‖ exceeds each of the levels
+#: fedadapt.strategies.secagg.norm_levels, else 0) after the clip flag
+SECAGG_NORM_HISTOGRAM: Final = "secagg-norm-histogram"
 SECAGG_ROTATION_SEED: Final = "secagg-rotation-seed"
 #: true: evaluate the received model on the local test split before training
 #: and reply with the scores as the MetricRecord :data:`EVALUATE_METRICS`

@@ -29,7 +29,10 @@ from fedadapt.strategies.secagg import (
     encode_in_range,
     encode_update,
     guard_on_sums,
+    median_from_histogram,
+    next_norm_bound,
     next_weight_cap,
+    norm_levels,
     rotate,
     rotated_indices,
     unrotate,
@@ -158,9 +161,7 @@ def _least_squares_run(
     for t in range(1, rounds + 1):
         strategy._sent = {"w": x}
         bound = strategy.secagg_norm_bound
-        config = (
-            strategy.secagg.fit_config(True, bound, rotation_seed=t) if secure else {}
-        )
+        config = strategy.secagg_fit_config(t) if secure else {}
         replies, true_sq, trained = [], [], []
         for i, (a, b) in enumerate(zip(designs, targets, strict=True)):
             y = x.astype(np.float64)
@@ -368,7 +369,12 @@ def _results(aggregate, metrics_list, num_examples=1):
 
 
 def _secure_fedexp(rotate=False, **kwargs):
-    """A SecAgg+ FedExP on x_t = [1, 2, 3]; unrotated unless ``rotate``."""
+    """A SecAgg+ FedExP on x_t = [1, 2, 3]; unrotated unless ``rotate``.
+
+    No bound ratio unless given (k = 0: no norm histogram in the aggregate,
+    no calibration round).
+    """
+    kwargs.setdefault("max_update_norm_ratio", 0.0)
     settings = (
         SecAggPlusSettings() if rotate else SecAggPlusSettings(coordinate_bound=0)
     )
@@ -399,35 +405,92 @@ def test_fedexp_steps_on_the_sums_as_its_closed_form():
                for c in report["clients"])  # fmt: skip
 
 
-def test_the_bound_sent_to_clients_follows_the_revealed_a():
-    """B_1 = max_update_norm (0: none); B_{t+1} = min(C, k·√A_t); recorded."""
-    strategy = _secure_fedexp()
-    assert strategy.secagg_norm_bound == 0.0
+def _histogram(norms, weights=None):
+    """The mean norm-histogram entry of clients with these ‖Δ_i‖ (oracle)."""
+    levels = norm_levels()
+    weights = np.ones(len(norms)) if weights is None else np.asarray(weights)
+    share = sum(w * (levels < n) for w, n in zip(weights, norms, strict=True))
+    return encode_in_range(share / weights.sum(), 1.0, 8.0)
+
+
+def test_the_bound_is_k_times_the_median_norm_after_a_calibration_round():
+    """B_1 unknown: round 1 only measures; then B_{t+1} = min(C, k·median)."""
+    strategy = _secure_fedexp(max_update_norm_ratio=2.0)
+    assert strategy.secagg_norm_bound == 0.0 and strategy.secagg_calibrating
+    config = strategy.secagg_fit_config(1)
+    assert config[wire.SECAGG_NORM_HISTOGRAM] == 1
     mean = np.array([0.1, -0.2, 0.05])
     flag = np.array([0.0])
-    results = _results([mean, np.array([0.25]), flag], [{wire.SECAGG_CLIPPED: 0}] * 2)
-    _, metrics = strategy.aggregate_fit(1, results, [])
-    assert metrics["strategy-secagg-norm-bound"] == 0.0
-    assert strategy.secagg_norm_bound == pytest.approx(2 * 0.5)  # k = 2, √A = 0.5
-    # round 2 decodes its entry with B = 1: entry 0 is A = B²/2; a flag c/2
-    # is half the weight clipped
+    ok = [{wire.SECAGG_CLIPPED: 0}] * 2
+    results = _results([mean, np.array([0.25]), flag, _histogram([0.3, 0.5])], ok)
+    parameters, metrics = strategy.aggregate_fit(1, results, [])
+    from flwr.common import parameters_to_ndarrays
+
+    # the model did not move, the rule's state neither, the round counts
+    np.testing.assert_array_equal(parameters_to_ndarrays(parameters)[0], [1, 2, 3])
+    assert metrics["strategy-secagg-calibration"] == 1.0
+    assert strategy.rule.num_updates == 0
+    assert strategy.round_reports[1]["train_replies"]["used"] == 2
+    # the median of {0.3, 0.5} on the levels: the first level above 0.3
+    levels = norm_levels()
+    median = float(levels[levels > 0.3][0])
+    assert metrics["strategy-secagg-median-norm"] == pytest.approx(median)
+    assert median / 0.3 < 2**0.25
+    assert strategy.secagg_norm_bound == pytest.approx(2 * median)
+    assert not strategy.secagg_calibrating
+    # round 2 steps; a flag c/2 is half the weight clipped
     results = _results(
-        [mean, np.array([0.0]), np.array([4.0])], [{wire.SECAGG_CLIPPED: 0}] * 2
+        [mean, np.array([0.0]), np.array([4.0]), _histogram([0.1, 0.2])], ok
     )
-    _, metrics = strategy.aggregate_fit(2, results, [])
-    assert metrics["strategy-secagg-norm-bound"] == pytest.approx(1.0)
+    parameters, metrics = strategy.aggregate_fit(2, results, [])
+    assert metrics["strategy-secagg-norm-bound"] == pytest.approx(2 * median)
     assert metrics["strategy-secagg-clipped-share"] == pytest.approx(0.5)
-    assert strategy.secagg_norm_bound == pytest.approx(2 * np.sqrt(0.5))
-    capped = _secure_fedexp(max_update_norm=0.3)
-    assert capped.secagg_norm_bound == 0.3
-    results = _results(
-        [mean / 10, np.array([0.0]), flag], [{wire.SECAGG_CLIPPED: 0}] * 2
-    )  # entry 0 under B = 0.3: A = 0.045, and 2·√A = 0.42 > C
+    assert strategy.rule.num_updates == 1
+    assert strategy.secagg_norm_bound == pytest.approx(2 * levels[levels > 0.1][0])
+    # a fixed C: no calibration, and the bound never exceeds it
+    capped = _secure_fedexp(max_update_norm=0.3, max_update_norm_ratio=2.0)
+    assert capped.secagg_norm_bound == 0.3 and not capped.secagg_calibrating
+    results = _results([mean / 10, np.array([0.0]), flag, _histogram([1, 2])], ok)
     _, metrics = capped.aggregate_fit(1, results, [])
     assert metrics["strategy-secagg-norm-bound"] == pytest.approx(0.3)
     assert capped.secagg_norm_bound == pytest.approx(0.3)
     # the fit config carries the bound to the clients
     assert strategy.secagg.fit_config(True, 0.7)[wire.SECAGG_NORM_BOUND] == 0.7
+
+
+def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
+    assert next_norm_bound(0.0, 0.25, 0.0, 2.0) == pytest.approx(1.0)  # 2·√A
+    assert next_norm_bound(0.0, 0.25, 0.0, 2.0, median_norm=0.3) == pytest.approx(0.6)
+    assert next_norm_bound(0.0, 0.25, 0.5, 2.0, median_norm=0.3) == pytest.approx(0.5)
+    assert next_norm_bound(0.7, None, 0.0, 2.0) == 0.7  # nothing known: kept
+    assert next_norm_bound(0.7, 0.25, 0.0, 0.0) == 0.0  # k = 0, no C: none
+
+
+def test_a_client_cannot_move_the_median_beyond_its_weight():
+    """Oracle: the honest norms' percentiles; √A, by contrast, follows a claim.
+
+    Nine honest clients with norms 0.1 … 0.9 and one that sets every
+    histogram entry to 1 ("above everything") or 0 (below): the estimate
+    stays between the honest 40th and 60th percentiles (one step of the
+    levels above), while the same client claiming ‖Δ‖² = B² with B = 10
+    moves √A from 0.56 to 3.2.
+    """
+    honest = np.arange(1, 10) / 10
+    levels = norm_levels()
+    for entry in (1.0, 0.0):
+        share = (sum(levels < n for n in honest) + entry) / 10
+        median = median_from_histogram(list(share))
+        assert np.quantile(honest, 0.4) <= median <= np.quantile(honest, 0.6) * 2**0.25
+    rms = np.sqrt(np.mean(honest**2))
+    assert np.sqrt((np.sum(honest**2) + 100.0) / 10) > 5 * rms
+    # the client's own entry: 1 above each level its true norm exceeds
+    sent, trained = [np.zeros(2, np.float32)], [np.array([0.3, 0.4], np.float32)]
+    config = SecAggPlusSettings(coordinate_bound=0.0).fit_config(
+        True, norm_bound=0.1, histogram=True
+    )
+    arrays, _, _ = encode_update(sent, trained, 0.25, 1, config)
+    assert len(arrays) == 1 + 3
+    np.testing.assert_array_equal(arrays[3] > 0, levels < 0.5)  # before the clip
 
 
 def test_a_clipped_client_fails_the_round_and_keeps_the_model(caplog):
@@ -509,7 +572,10 @@ def test_second_moments_from_the_revealed_mean():
 
 def _secure_fed_lamb():
     strategy = legacy.FedLAMB(
-        secagg=SecAggPlusSettings(), array_names=["w"], average_last_two=False
+        secagg=SecAggPlusSettings(),
+        array_names=["w"],
+        average_last_two=False,
+        max_update_norm_ratio=0.0,  # no norm histogram, no calibration round
     )
     strategy._sent = {"w": np.zeros(3, np.float32)}
     strategy.local_update.configure(1, strategy._sent, 2)
@@ -708,10 +774,10 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
     clear; it is no client's update. Round 1 starts both runs from the same
     model, so the clients' updates are the same and the secure Δ̄ and A lie
     within e = n·2c/Q / Σr of the plain run's weighted means (this test's
-    NumPy oracle). Later rounds drift from those errors only: the final
-    models agree to 1 % of the distance travelled (not the sum bound: FedAdam's
-    τ = 1e-9 turns noise of a coordinate that did not move into a step of
-    sign-like size, measured 0.13 % of the travel).
+    NumPy oracle). With no bound yet, round 1 is SecAgg+'s calibration
+    round: the model does not move, and round 2 (bound k × the median of
+    the clients' norm histogram) starts from the same model, its trainable
+    arrays in one rotated block.
     """
     base = {"output-dir": str(tmp_path), "strategy": strategy,
             "num-server-rounds": 2, "clients-per-round": 2, "local-steps": 3,
@@ -742,7 +808,7 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
         rotated = json.loads(entry["results"][0][1].get(wire.SECAGG_ROTATED, "[]"))
         assert bool(rotated) == (entry is not secure[0])
         expected = len(entry["sent"]) - len(rotated) + (1 if rotated else 0)
-        assert len(arrays[0]) == expected + 2  # + norm entry, flag
+        assert len(arrays[0]) == expected + 3  # + norm entry, flag, histogram
         if rotated:
             size = sum(list(entry["sent"].values())[j].size for j in rotated)
             assert arrays[0][0].size == 1 << (size - 1).bit_length()
@@ -810,12 +876,17 @@ def test_secagg_reveals_only_sums_and_tracks_the_plain_run(
     with pytest.raises(AssertionError):  # the check sees them in a plain run
         _assert_nothing_individual(received_plain, *individual)
 
-    final = {n: np.load(tmp_path / n / "final_model.npz") for n in ("plain", "secure")}
+    # round 1 calibrated (no step), round 2 stepped from the same model
+    strategy_1 = data["rounds"][0]["strategy"]
+    assert strategy_1["secagg-calibration"] == 1.0
+    assert strategy_1["secagg-median-norm"] > 0
+    bound_2 = data["rounds"][1]["strategy"]["secagg-norm-bound"]
+    assert bound_2 == pytest.approx(2 * strategy_1["secagg-median-norm"])
     for k in keys:
-        moved = np.abs(final["plain"][k] - first_plain["sent"][k]).max()
-        assert (
-            np.abs(final["secure"][k] - final["plain"][k]).max() <= 1e-2 * moved + 1e-6
-        )
+        np.testing.assert_array_equal(secure[1]["sent"][k], secure[0]["sent"][k])
+    final = np.load(tmp_path / "secure" / "final_model.npz")
+    moved = max(float(np.abs(final[k] - first_secure["sent"][k]).max()) for k in keys)
+    assert 0 < moved < 10 * bound_2
 
 
 def test_client_only_local_updates_run_under_secagg():
@@ -924,12 +995,16 @@ def _secure_run(base: dict, seen: list) -> dict:
 
     It must complete with both clients in every round, and the strategy
     must have received one masked mean per round (the same arrays for both
-    replies; ``seen`` from :func:`_spy`).
+    replies; ``seen`` from :func:`_spy`). Without a norm bound
+    (``max-update-norm-ratio`` 0): no calibration round, so every round
+    steps as the plain run's does and the two can be compared round by
+    round.
     """
     run_legacy_in_process(
-        {**base, "run-name": "secure", "secure-aggregation": "secagg+"},
+        {**base, "run-name": "secure", "secure-aggregation": "secagg+",
+         "max-update-norm-ratio": 0.0},
         num_supernodes=2,
-    )
+    )  # fmt: skip
     folder = base["output-dir"]
     with open(f"{folder}/secure/results.json") as f:
         data = json.load(f)
@@ -1266,6 +1341,7 @@ def test_a_client_above_the_weight_cap_fails_the_round_and_the_cap_follows():
     strategy = legacy.FedAvg(
         secagg=SecAggPlusSettings(max_weight=1000.0, coordinate_bound=0.0),
         array_names=["w"], average_last_two=False, max_failed_rounds=0,
+        max_update_norm_ratio=0.0,
     )  # fmt: skip
     strategy._sent = {"w": np.array([1.0, 2.0, 3.0], np.float32)}
     assert strategy.secagg_weight_cap == 1000.0  # round 1: Flower's max_weight

@@ -244,7 +244,8 @@ def test_secagg_deployment_over_tls_with_node_auth(tmp_path):
     """Issue #41 item 5: real SecAgg+ between processes, TLS and node keys.
 
     The default apps, secure-aggregation = "secagg+": two rounds of FedExP on
-    3 SuperNodes, each round the four SecAgg+ exchanges; the server steps on
+    3 SuperNodes, each round the four SecAgg+ exchanges (round 1 calibrates
+    the norm bound, round 2 sends the rotated block); the server steps on
     the revealed sums (the error bound recorded per round), clients.jsonl
     holds no norm of any client, and nothing is left running.
     """
@@ -260,6 +261,9 @@ def test_secagg_deployment_over_tls_with_node_auth(tmp_path):
         assert data["status"] == "completed"
         assert [r["replies"]["used"] for r in data["rounds"]] == [3, 3]
         assert all(r["strategy"]["secagg-error-bound"] > 0 for r in data["rounds"])
+        # round 1 measures the clients' norms (no bound yet), round 2 steps
+        assert data["rounds"][0]["strategy"]["secagg-calibration"] == 1.0
+        assert data["rounds"][1]["strategy"]["secagg-norm-bound"] > 0
         assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
         lines = outcome.results.with_name("clients.jsonl").read_text().splitlines()
         assert len(lines) == 6  # 3 replies a round
