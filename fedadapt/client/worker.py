@@ -171,8 +171,63 @@ def _connect(address: WorkerAddress) -> Connection | None:
         return None
 
 
+#: A worker's files untouched this long, whose worker is gone, are swept (s).
+STALE_AGE_S = 60.0
+
+
+def _listening_pid(log: Path) -> int | None:
+    """Return the pid a worker's log says listens (its first lines), or None."""
+    try:
+        with open(log, errors="replace") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return None
+    for line in head.splitlines():
+        if line.startswith("worker ") and ": listening on " in line:
+            with contextlib.suppress(ValueError):
+                return int(line.split()[1].rstrip(":"))
+    return None
+
+
+def sweep_stale(home: Path, min_age_s: float = STALE_AGE_S) -> list[Path]:
+    """Remove the files of workers that are gone; return what was removed.
+
+    A worker that ends cleanly removes its socket, key and log; one killed
+    with SIGKILL cannot, and its address (keyed by its owner's pid and start
+    time) is never used again. A name's files are stale when none of them
+    changed for ``min_age_s`` (a worker starting now is young) and its log
+    names no live listening process (or none at all: it died before it
+    listened). A live worker is never touched, whatever its age.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    for stem in sorted({f.with_suffix("") for f in home.glob("*.*")}):
+        files = [stem.with_suffix(s) for s in (".sock", ".key", ".log")]
+        present = [f for f in files if f.exists() or f.is_socket()]
+        try:
+            youngest = max(f.lstat().st_mtime for f in present)
+        except (OSError, ValueError):
+            continue
+        if now - youngest < min_age_s:
+            continue
+        pid = _listening_pid(stem.with_suffix(".log"))
+        if pid is not None and alive(pid, None):
+            continue
+        for f in present:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                removed.append(f)
+    return removed
+
+
 def _start(address: WorkerAddress, owner: int) -> subprocess.Popen[bytes]:
-    """Start a worker for ``address``; it listens once it has imported torch."""
+    """Start a worker for ``address``; it listens once it has imported torch.
+
+    The files of workers that are gone (killed: a clean end removes its
+    own) are swept first (:func:`sweep_stale`).
+    """
+    with contextlib.suppress(OSError):
+        sweep_stale(address.socket.parent)
     with contextlib.suppress(FileNotFoundError):
         address.socket.unlink()  # a dead worker's socket
     key = secrets.token_bytes(32)

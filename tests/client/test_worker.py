@@ -217,3 +217,32 @@ def test_a_node_data_error_comes_back_as_itself(owner, monkeypatch, tmp_path):
         worker.call("train", _train_content(1), context(), owner.pid)
     assert str(there.value) == str(here.value)
     assert str(there.value).startswith(f"node 11 data-path {missing}")
+
+
+def test_sweep_removes_only_the_files_of_workers_that_are_gone(tmp_path):
+    """A killed worker's socket, key and log go; a live or young one's stay.
+
+    Oracle: processes whose state the test controls (one that has exited,
+    this test's own) named as the listening pid in each log.
+    """
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def files(name, pid, age):
+        made = []
+        for suffix in (".sock", ".key", ".log"):
+            path = tmp_path / f"{name}{suffix}"
+            text = f"worker {pid}: listening on {path}\n" if pid else "Traceback\n"
+            path.write_text(text if suffix == ".log" else "x")
+            os.utime(path, (time.time() - age, time.time() - age))
+            made.append(path)
+        return made
+
+    killed = files("killed", gone.pid, 3600)  # SIGKILLed an hour ago
+    crashed = files("crashed", None, 3600)  # died before it listened
+    live = files("live", os.getpid(), 3600)  # a live worker, idle for long
+    young = files("young", gone.pid, 5)  # its pid gone, but just written
+    removed = worker.sweep_stale(tmp_path, min_age_s=60)
+    assert sorted(removed) == sorted(killed + crashed)
+    assert all(not p.exists() for p in killed + crashed)
+    assert all(p.exists() for p in live + young)
