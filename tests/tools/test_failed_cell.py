@@ -288,6 +288,7 @@ def test_the_report_lists_failed_missing_and_unfinished_cells(tmp_path):
 
 
 @pytest.mark.e2e  # one `flwr run` of one round, ~40-70 s
+@pytest.mark.deploy  # beside the default suite in CI, to keep its time
 def test_a_cell_that_fails_in_the_serverapp_shows_its_traceback(tmp_path):
     """A real ServerApp exception after results.json exists: the cell's
     folder holds a directory where the final model goes, so writing it
