@@ -192,8 +192,12 @@ def breakdown(clients: Path, times: list[float]) -> dict[str, Any]:
     return found
 
 
+#: The apps the process modes run (``--apps``).
+SELECTED_APPS: list[str] = list(APPS)
+
+
 def run_apps(
-    target: Any, work: Path, rounds: int, apps: tuple[str, ...] = tuple(APPS), **kw: Any
+    target: Any, work: Path, rounds: int, apps: tuple[str, ...] | None = None, **kw: Any
 ) -> dict[str, Any]:
     """Run each app of :data:`APPS` on ``target``, one after the other.
 
@@ -202,6 +206,7 @@ def run_apps(
     ratio of their median steady rounds. ``apps`` narrows the apps run.
     """
     found: dict[str, Any] = {}
+    apps = tuple(SELECTED_APPS) if apps is None else apps
     output_dir = kw.pop("output_dir", None)
     for name, (app, config) in APPS.items():
         if name not in apps:
@@ -225,14 +230,33 @@ def simulation(work: Path, rounds: int) -> dict[str, Any]:
         return run_apps(link, work, rounds, apps=("fedadapt", "minimal"))
 
 
-def processes(work: Path, rounds: int, tls: bool, auth: bool) -> dict[str, Any]:
-    """SuperLink + 3 SuperNodes as processes on loopback (``fedadapt deploy``)."""
+def processes(
+    work: Path, rounds: int, tls: bool, auth: bool, parts: str | None = None
+) -> dict[str, Any]:
+    """SuperLink + 3 SuperNodes as processes on loopback (``fedadapt deploy``).
+
+    ``parts``: None runs ``fedadapt-supernode`` as deployed (short waits and
+    the warm SuperExec); ``""`` Flower's ``flower-supernode``; ``"poll"`` or
+    ``"fork"`` one of the two changes alone (``FEDADAPT_SUPERNODE_PARTS``).
+    """
     try:
         from fedadapt.tools.deploy.local import LocalDeployment
+        from fedadapt.tools.deploy.supernode import PARTS_ENV
     except ImportError as error:
         raise Skipped(f"fedadapt.tools.deploy.local unavailable: {error}") from error
-    with LocalDeployment(work / "deploy", CLIENTS, tls=tls, auth=auth) as deployment:
-        return run_apps(deployment, work, rounds)
+    kind = "flower" if parts == "" else "fedadapt"
+    saved = os.environ.pop(PARTS_ENV, None)
+    if parts:
+        os.environ[PARTS_ENV] = parts
+    try:
+        with LocalDeployment(
+            work / "deploy", CLIENTS, tls=tls, auth=auth, supernode=kind
+        ) as deployment:
+            return run_apps(deployment, work, rounds)
+    finally:
+        os.environ.pop(PARTS_ENV, None)
+        if saved is not None:
+            os.environ[PARTS_ENV] = saved
 
 
 def client_import_s(repeats: int = 3) -> dict[str, float]:
@@ -354,6 +378,11 @@ def modes(
     return {
         "simulation": lambda w: simulation(w, rounds),
         "processes": lambda w: processes(w, rounds, tls=False, auth=False),
+        # the same on Flower's SuperNode, then with each of fedadapt-supernode's
+        # two changes alone (issue #40: each speed-up against the old, same run)
+        "processes-flower-supernode": lambda w: processes(w, rounds, False, False, ""),
+        "processes-poll-only": lambda w: processes(w, rounds, False, False, "poll"),
+        "processes-fork-only": lambda w: processes(w, rounds, False, False, "fork"),
         "processes+tls": lambda w: processes(w, rounds, tls=True, auth=False),
         "processes+tls+auth": lambda w: processes(w, rounds, tls=True, auth=True),
         "containers": lambda w: containers(w, rounds, image, start_engine),
@@ -374,7 +403,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             why = r.get("skipped") or f"failed: {r.get('failed', '')}"
             lines.append(f"| {name} | {why[:90]} | | | | | | |")
             continue
-        base = r["minimal"]
+        base = r.get("minimal")
         for app in ("fedadapt", "fedadapt-no-worker"):
             if app not in r:
                 continue
@@ -391,7 +420,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             )
             lines.append(
                 f"| {name} | {app} | {ours['median_round_s']:.2f} "
-                f"| {base['median_round_s']:.2f} | {r[f'{app}_vs_minimal']:.2f}x "
+                f"| {'n/a' if base is None else format(base['median_round_s'], '.2f')} "
+                f"| {r.get(f'{app}_vs_minimal', 'n/a')}x "
                 f"| {vs_sim} | {ours['first_round_s']:.2f} | {split} |"
             )
     return "\n".join(lines)
@@ -417,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="run-config device of both apps' clients, e.g. cuda on a GPU machine",
     )
+    parser.add_argument(
+        "--apps", nargs="+", choices=list(APPS), default=list(APPS),
+        help="apps each deployment mode runs (default: all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    SELECTED_APPS[:] = args.apps
     CONFIG["device"] = MINIMAL_CONFIG["device"] = args.device
     # SIGTERM → SystemExit, so that every mode stops what it started
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))

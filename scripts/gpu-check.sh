@@ -12,7 +12,10 @@
 # (flwr 1.42, flwr-datasets and what the image lacks: flower-notes §13;
 # digits' Dirichlet split needs flwr-datasets). Output: $OUT.
 # CHECKS="pytest startup deployment" (the default) picks which of 1-3 run;
-# ROUNDS (default 4) is the deployment benchmark's rounds.
+# ROUNDS (default 4) is the deployment benchmark's rounds; DEPLOY_MODES and
+# DEPLOY_APPS its --modes and --apps (e.g. "processes-flower-supernode
+# processes" and "fedadapt minimal": Flower's SuperNode against
+# fedadapt-supernode, same run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -23,6 +26,7 @@ if ! "$PY" -c "import flwr, flwr_datasets" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || exit 2
 fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fedadapt-supernode runs from here
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" | tee -a "$OUT/gpu.txt"
 CHECKS=${CHECKS:-pytest startup deployment}
@@ -38,7 +42,8 @@ timeout 150 "$PY" benchmarks/clientapp_startup.py --repo . ${OLD:+--repo "$OLD"}
 tail -25 "$OUT/clientapp-startup.txt"
 fi
 if [[ " $CHECKS " == *" deployment "* ]]; then
-timeout "${DEPLOY_TIMEOUT:-220}" "$PY" benchmarks/deployment.py --modes processes \
+timeout "${DEPLOY_TIMEOUT:-220}" "$PY" benchmarks/deployment.py \
+    --modes ${DEPLOY_MODES:-processes} --apps ${DEPLOY_APPS:-fedadapt fedadapt-no-worker minimal} \
     --rounds "${ROUNDS:-4}" --device cuda \
     --output "$OUT/deployment-gpu.json" > "$OUT/deployment.txt" 2>&1 || status=1
 tail -25 "$OUT/deployment.txt"

@@ -211,6 +211,7 @@ def deploy(args: argparse.Namespace) -> int:
         auth=args.auth,
         port=args.port,
         data_paths=data_paths,
+        supernode=args.supernode,
     )
     return report(_supervised(deployment, run, args.timeout))
 
@@ -334,6 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     dep.add_argument("--auth", action="store_true", help="SuperNode authentication")
     dep.add_argument(
         "--workdir", help="logs, state, certificates (default: <app>/.flwr-deploy)"
+    )
+    dep.add_argument(
+        "--supernode",
+        choices=("fedadapt", "flower"),  # fedadapt.tools.deploy.local.SUPERNODES
+        default="fedadapt",
+        help="fedadapt (default): fedadapt-supernode, Flower's SuperNode with a "
+        "short wait for the next message and ClientApp processes forked with "
+        "Flower imported; flower: flower-supernode unchanged",
     )
     dep.add_argument(
         "--data-path",

@@ -15,6 +15,7 @@ multi-host deployment (docs/deployment.md).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from fedadapt.tools.deploy.process import (
 )
 
 CONNECTION = "fedadapt-deploy"
+#: Which SuperNode program runs each node: see :class:`LocalDeployment`.
+SUPERNODES = ("fedadapt", "flower")
 
 
 def data_path_node_config(path: str | Path) -> str:
@@ -73,6 +76,12 @@ class LocalDeployment:
         One per SuperNode: node ``i`` reads its own data from
         ``data_paths[i]`` (node-config ``data-path``) instead of a partition
         of the task's data.
+    supernode : {"fedadapt", "flower"}
+        ``fedadapt`` (default) runs each SuperNode as ``fedadapt-supernode``
+        (:mod:`fedadapt.tools.deploy.supernode`: Flower's SuperNode with a
+        wait for messages that starts short after each message, and a
+        SuperExec that forks each ClientApp process with Flower imported);
+        ``flower`` runs Flower's ``flower-supernode`` unchanged.
     """
 
     simulation = False
@@ -85,7 +94,14 @@ class LocalDeployment:
         auth: bool = False,
         port: int | None = None,
         data_paths: Sequence[Path] | None = None,
+        supernode: str = "fedadapt",
     ) -> None:
+        if supernode not in SUPERNODES:
+            raise ValueError(
+                f"deploy: supernode={supernode!r}; choose one of "
+                f"{', '.join(SUPERNODES)}"
+            )
+        self.supernode_kind = supernode
         if num_supernodes < 1:
             raise ValueError(f"deploy: invalid num_supernodes={num_supernodes}")
         if data_paths is not None and len(data_paths) != num_supernodes:
@@ -204,8 +220,12 @@ class LocalDeployment:
             node_config = f"partition-id={index} num-partitions={self.num_supernodes}"
         else:  # a TOML value: the path must be a quoted string
             node_config = data_path_node_config(self.data_paths[index])
+        if self.supernode_kind == "fedadapt":
+            start = [sys.executable, "-m", "fedadapt.tools.deploy.supernode"]
+        else:
+            start = [program("flower-supernode")]
         command = [
-            program("flower-supernode"),
+            *start,
             f"--superlink={self.address}",
             f"--port={free_port()}",
             f"--node-config={node_config}",
