@@ -50,6 +50,9 @@ CLIENTAPP_COMMAND = "flwr-clientapp"
 PRELOAD = ("flwr.supernode.cli", "flwr.app", "flwr.clientapp")
 
 
+#: A folder: each forked ClientApp process writes its cProfile there
+#: (``clientapp-<pid>.prof``), to see where a message's start-up goes.
+PROFILE_ENV = "FEDADAPT_CLIENTAPP_PROFILE_DIR"
 #: Where Flower 1.41/1.42's SuperExec launches task processes.
 EXECUTOR_MODULE = "flwr.supercore.superexec.executor.subprocess_executor"
 
@@ -88,6 +91,13 @@ def _run_task(entry: Callable[[], None], argv: Sequence[str], quiet: bool) -> in
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
     sys.argv = list(argv)
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         entry()
         code = 0
@@ -96,6 +106,9 @@ def _run_task(entry: Callable[[], None], argv: Sequence[str], quiet: bool) -> in
     except BaseException:  # noqa: BLE001 - a task's crash ends the task only
         traceback.print_exc()
         code = 1
+    if profiler is not None and profile_dir:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(profile_dir, f"clientapp-{os.getpid()}.prof"))
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

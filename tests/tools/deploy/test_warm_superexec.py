@@ -143,3 +143,41 @@ def test_flowers_executor_launches_through_its_subprocess_global():
     assert subprocess_executor.subprocess is subprocess
     assert TASK_TYPE_TO_COMMAND[TaskType.CLIENT_APP] == superexec.CLIENTAPP_COMMAND
     assert "subprocess.Popen(" in inspect.getsource(subprocess_executor)
+
+
+def test_the_server_ends_when_its_superexec_is_killed():
+    """SIGKILL leaves no fork server behind: the socket's EOF ends it."""
+    code = (
+        "import time\n"
+        "from fedadapt.tools.deploy.superexec import ForkServer\n"
+        "server = ForkServer(preload=()).start()\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert _pid_alive(server_pid)
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+    assert _wait_for(lambda: not _pid_alive(server_pid))
+
+
+def test_a_profile_folder_gets_each_tasks_profile(tmp_path, monkeypatch):
+    import pstats
+
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    monkeypatch.setenv(superexec.PROFILE_ENV, str(profiles))
+    fork = ForkServer(preload=(), entry=_report_task).start()
+    try:
+        pid, _ = _launch(fork, tmp_path, "profiled")
+    finally:
+        fork.close()
+    written = profiles / f"clientapp-{pid}.prof"
+    assert _wait_for(lambda: not _pid_alive(pid))  # written before it exits
+    assert written.exists()
+    functions = {name for _, _, name in pstats.Stats(str(written)).stats}
+    assert "_report_task" in functions
