@@ -574,6 +574,11 @@ def run_suite(
                             num_gpus=sized.get(ray_cluster.INIT_GPUS),
                             name=f"ray-slot-{slot}",
                             host=f"127.0.0.{2 + slot}",
+                            worker_ports=(
+                                ray_cluster.worker_port_ranges(slots)[slot]
+                                if slots > 1
+                                else None
+                            ),
                         )
                     ).address
                 # each slot's SuperLink its own FLWR_HOME: the connection in

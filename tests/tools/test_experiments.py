@@ -360,6 +360,62 @@ def test_run_through_flower_then_resume_skips_finished_cells(tmp_path):
     assert "2 cells, 2 already done" in again.stdout
 
 
+SLOTS_SUITE = """\
+name: slots
+num-supernodes: 3
+rounds: 3
+seeds: [0]
+metric: eval-loss
+base: {task: synthetic-linreg, clients-per-round: 3, local-steps: 2}
+methods:
+  a: {strategy: fedavg}
+  b: {strategy: fedexp}
+  c: {strategy: feddua}
+timeout: 400
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.deploy  # ~2.5 min on 2 cores: three Ray clusters
+def test_three_cells_at_once_on_three_private_clusters_all_complete(tmp_path):
+    """Three slots on one machine (issue #39): before each cluster had its
+    own worker ports, one cell of three died in every run here (Ray's
+    driver: "Failed to start the grpc server. The specified port is 10002";
+    Flower: "No heartbeat received from the task" or a ServerApp ended after
+    0 rounds); on an H200 two of three, twice."""
+    from tests.helpers import pids_under
+
+    path = _write(tmp_path, SLOTS_SUITE)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            str(VENV_BIN / "fedadapt-exp"),
+            "run",
+            str(path),
+            "--output",
+            str(out),
+            "--app",
+            str(ROOT),
+            "--parallel",
+            "3",
+            "--federation-config",
+            "init-args-num-cpus=3 client-resources-num-cpus=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    text = done.stdout[-4000:] + done.stderr[-4000:]
+    assert "3 cell(s) at once on 3 Ray cluster(s)" in done.stdout, text
+    assert done.returncode == 0, text
+    statuses = {
+        r.parent.name: json.loads(r.read_text())["status"]
+        for r in (out / "slots").glob("*/results.json")
+    }
+    assert statuses == {f"{m}__default__seed0": "completed" for m in "abc"}, text
+    assert pids_under(out) == {}
+
+
 @pytest.mark.parametrize(
     "path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.stem
 )

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 
 from fedadapt.tools.deploy.ray_cluster import (
+    RAY_WORKER_PORTS,
     client_resources,
     parse_federation_config,
     slot_federation_config,
     suite_slots,
+    worker_port_ranges,
 )
 
 
@@ -88,3 +90,42 @@ def test_bad_federation_configs_fail_naming_the_key(config, pattern):
 
 def test_parse_keeps_the_order():
     assert list(parse_federation_config("b=1 a=2")) == ["b", "a"]
+
+
+@pytest.mark.parametrize("clusters", [1, 2, 3, 4, 7])
+def test_side_by_side_clusters_get_disjoint_worker_ports(clusters):
+    ranges = worker_port_ranges(clusters)
+    assert len(ranges) == clusters
+    first, last = RAY_WORKER_PORTS
+    ports = [set(range(lo, hi + 1)) for lo, hi in ranges]
+    for i, mine in enumerate(ports):
+        assert min(mine) >= first and max(mine) <= last
+        assert len(mine) >= (last - first + 1) // clusters >= 1000
+        for other in ports[i + 1 :]:
+            assert not mine & other
+    with pytest.raises(ValueError):
+        worker_port_ranges(0)
+
+
+def test_a_private_cluster_starts_with_its_worker_ports(tmp_path, monkeypatch):
+    import subprocess
+
+    from fedadapt.tools.deploy import ray_cluster
+
+    commands: list[list[str]] = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(ray_cluster.subprocess, "run", fake_run)
+    monkeypatch.setattr(ray_cluster, "program", lambda name: name)
+    with ray_cluster.PrivateRayCluster(
+        tmp_path, num_cpus=1, worker_ports=(12000, 12999)
+    ):
+        pass
+    with ray_cluster.PrivateRayCluster(tmp_path, num_cpus=1):
+        pass
+    assert "--min-worker-port=12000" in commands[0]
+    assert "--max-worker-port=12999" in commands[0]
+    assert not any("worker-port" in part for part in commands[1])  # Ray's default

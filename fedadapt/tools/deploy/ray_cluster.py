@@ -128,6 +128,29 @@ def suite_slots(
     return best
 
 
+#: Ray's default range for the ports its workers and drivers bind.
+RAY_WORKER_PORTS = (10002, 19999)
+
+
+def worker_port_ranges(clusters: int) -> list[tuple[int, int]]:
+    """Split Ray's worker port range into ``clusters`` disjoint ranges.
+
+    Every Ray node binds each new worker's (and each driver's) gRPC server
+    to a port of its range, starting from the bottom, and does not retry
+    on a port another node on the machine holds: with two private clusters
+    on one machine, a ServerApp's driver died with "Failed to start the grpc
+    server. The specified port is 10002" (Ray 2.55), and its cell failed
+    with Flower's "No heartbeat received from the task". Slot ``i`` gets the
+    ``i``-th of ``clusters`` equal parts (a part holds hundreds of ports; a
+    cluster needs one per worker and driver).
+    """
+    if clusters < 1:
+        raise ValueError(f"worker_port_ranges: clusters must be >= 1, got {clusters}")
+    first, last = RAY_WORKER_PORTS
+    width = (last - first + 1) // clusters
+    return [(first + i * width, first + (i + 1) * width - 1) for i in range(clusters)]
+
+
 def _plain(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
@@ -159,7 +182,10 @@ class PrivateRayCluster:
 
     ``num_cpus`` defaults to the machine's cores; ``num_gpus`` to what Ray
     detects. ``name`` names its log (``<log_dir>/<name>.log``); ``host`` is
-    its loopback address (one per cluster on a machine).
+    its loopback address (one per cluster on a machine). ``worker_ports``
+    (first, last) is the range its workers and drivers bind (Ray's default,
+    10002–19999, when None): clusters started side by side need disjoint
+    ranges (:func:`worker_port_ranges`).
     """
 
     def __init__(
@@ -169,8 +195,10 @@ class PrivateRayCluster:
         num_gpus: float | None = None,
         name: str = "ray-head",
         host: str = RAY_HOST,
+        worker_ports: tuple[int, int] | None = None,
     ) -> None:
         self.log_dir = log_dir
+        self.worker_ports = worker_ports
         self.num_cpus = num_cpus if num_cpus is not None else float(os.cpu_count() or 1)
         self.num_gpus = num_gpus
         self.name = name
@@ -203,6 +231,9 @@ class PrivateRayCluster:
         ]
         if self.num_gpus is not None:
             command.append(f"--num-gpus={_plain(self.num_gpus)}")
+        if self.worker_ports is not None:
+            first, last = self.worker_ports
+            command += [f"--min-worker-port={first}", f"--max-worker-port={last}"]
         env = flower_env(self.log_dir, RAY_USAGE_STATS_ENABLED="0")
         log_path = self.log_dir / f"{self.name}.log"
         try:
