@@ -290,8 +290,43 @@ class Terminated(SystemExit):
         self.reason = f"{signal.Signals(signum).name} received"
 
 
+#: Set by the first stop signal: the command is unwinding, stopping what it
+#: started; later signals must not interrupt that (see :func:`raise_on_termination`).
+_STOPPING = threading.Event()
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    if _STOPPING.is_set():
+        _say_already_stopping(signum)
+        return
+    _STOPPING.set()
     raise Terminated(signum)
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    if _STOPPING.is_set():
+        _say_already_stopping(signum)
+        return
+    _STOPPING.set()
+    raise KeyboardInterrupt
+
+
+_SAID_ALREADY_STOPPING = threading.Event()
+
+
+def _say_already_stopping(signum: int) -> None:
+    if _SAID_ALREADY_STOPPING.is_set():  # once: a barrage must not flood stderr
+        return
+    _SAID_ALREADY_STOPPING.set()
+    try:
+        print(
+            f"fedadapt: {signal.Signals(signum).name} again: already stopping "
+            "every process started (kill -9 leaves them running)",
+            file=sys.stderr,
+            flush=True,
+        )
+    except (OSError, ValueError):  # a closed stderr must not break the unwinding
+        pass
 
 
 def raise_on_termination() -> None:
@@ -301,9 +336,20 @@ def raise_on_termination() -> None:
     a closed terminal unwinds its ``with`` blocks (which stop and verify
     what they started) like Ctrl-C does, instead of ending the command and
     leaving its SuperLink, ServerApps and Ray behind.
+
+    Only the first stop signal (SIGTERM, SIGHUP or SIGINT) raises: a second
+    one (an impatient Ctrl-C, ``timeout`` forwarding the TERM that ``pkill``
+    also sent, a supervisor's repeated TERM) would otherwise raise again in
+    the middle of the unwinding, between two ``__exit__`` calls of an
+    ``ExitStack`` say, and skip the stops still due: a SuperLink left
+    running was seen so. Later signals are reported and ignored.
     """
+    _STOPPING.clear()
+    _SAID_ALREADY_STOPPING.clear()
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_interrupted)
 
 
 class Cancelled(Exception):
