@@ -75,6 +75,8 @@ CLIENT_MODULES = {
     "minimal": "minimal_app.client_app",
 }
 CLIENTS = 3
+#: The deployment's size (``--clients``; the containers mode has 3 services).
+SIZE = {"clients": CLIENTS}
 TIMEOUT = 1800.0
 # processes that skew timings when they run beside the benchmark
 HEAVY = "flower|flwr-|dockerd|containerd-shim|raylet|gcs_server|pytest|pip |make "
@@ -214,7 +216,7 @@ def run_apps(
         out = output_dir or str(work / name)
         cfg = {**config, "num-server-rounds": rounds, "output-dir": out}
         found[name] = round_times(
-            submit_run(target, app, cfg, CLIENTS, TIMEOUT, **kw), rounds
+            submit_run(target, app, cfg, SIZE["clients"], TIMEOUT, **kw), rounds
         )
     for name in ("fedadapt", "fedadapt-no-worker"):
         if name in found and "minimal" in found:
@@ -250,7 +252,7 @@ def processes(
         os.environ[PARTS_ENV] = parts
     try:
         with LocalDeployment(
-            work / "deploy", CLIENTS, tls=tls, auth=auth, supernode=kind
+            work / "deploy", SIZE["clients"], tls=tls, auth=auth, supernode=kind
         ) as deployment:
             return run_apps(deployment, work, rounds)
     finally:
@@ -358,7 +360,7 @@ def _containers(work: Path, rounds: int, image: str) -> dict[str, Any]:
     try:
         project("up", "-d")
         connection = project.connection()
-        project.wait_online(connection, CLIENTS)
+        project.wait_online(connection, SIZE["clients"])
         result = run_apps(
             connection, work, rounds, output_dir="/results",
             results_dir=project.results,
@@ -451,8 +453,19 @@ def main(argv: list[str] | None = None) -> int:
         "--apps", nargs="+", choices=list(APPS), default=list(APPS),
         help="apps each deployment mode runs (default: all)",
     )  # fmt: skip
+    parser.add_argument(
+        "--clients", type=int, default=CLIENTS,
+        help="SuperNodes of the process modes (issue #40's protocol: 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--local-steps", type=int, default=CONFIG["local-steps"],
+        help="local steps of both apps' clients (issue #40's protocol: 8)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     SELECTED_APPS[:] = args.apps
+    SIZE["clients"] = args.clients
+    CONFIG["clients-per-round"] = args.clients
+    CONFIG["local-steps"] = MINIMAL_CONFIG["local-steps"] = args.local_steps
     CONFIG["device"] = MINIMAL_CONFIG["device"] = args.device
     # SIGTERM → SystemExit, so that every mode stops what it started
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
@@ -487,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
-        "config": {**CONFIG, "num-server-rounds": args.rounds, "clients": CLIENTS},
+        "config": {**CONFIG, "num-server-rounds": args.rounds,
+                   "clients": SIZE["clients"]},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "client_import_s": imports,

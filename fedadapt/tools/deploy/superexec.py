@@ -44,10 +44,12 @@ LOGGER = logging.getLogger(__name__)
 
 #: The task command the fork server runs (Flower's ``TASK_TYPE_TO_COMMAND``).
 CLIENTAPP_COMMAND = "flwr-clientapp"
-#: What the fork server imports once: Flower's ClientApp process and the
-#: Message-API modules every ClientApp imports (not the app itself: Flower
-#: loads that from the run's FAB, as in a new process).
-PRELOAD = ("flwr.supernode.cli", "flwr.app", "flwr.clientapp")
+#: What the fork server imports once: Flower's ClientApp process, the
+#: Message-API modules every ClientApp imports and httpx's httpcore, which Flower's
+#: Runtime API client imports on its first connection (0.1–0.2 s a message
+#: in the profiles); not the app itself: Flower loads that from the run's
+#: FAB, as in a new process.
+PRELOAD = ("flwr.supernode.cli", "flwr.app", "flwr.clientapp", "httpx", "httpcore")
 
 
 #: A folder: each forked ClientApp process writes its cProfile there
