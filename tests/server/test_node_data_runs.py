@@ -73,6 +73,7 @@ def test_a_bad_central_data_path_names_the_key(tmp_path, cfg):
 
 
 @pytest.mark.e2e
+@pytest.mark.deploy  # ~22 s through Flower: make test-deploy, for the default suite
 def test_server_without_data_and_a_node_with_a_corrupt_path(tmp_path, cfg):
     """Two good nodes (hf, npz), one corrupt; the server evaluates nothing itself."""
     from fedadapt.tasks.node_data import write_node_datasets

@@ -271,6 +271,7 @@ def test_each_client_optimizer_improves_the_loss(
             assert comm["received"][node]["arrays"] == model + moments
 
 
+@pytest.mark.deploy  # ~22 s through Flower: make test-deploy, for the default suite
 def test_legacy_run_that_stops_early_is_marked_failed(tmp_path, monkeypatch):
     """A legacy run whose loop raises in round 2 ends ``failed``, not ``running``,
     with the error that ended it (as the Message-API ServerApp records it)."""

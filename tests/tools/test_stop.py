@@ -136,6 +136,9 @@ def cleanup():
             os.kill(pid, signal.SIGKILL)
 
 
+# make test-deploy (in CI): the default suite's repeated-signal suite test sends
+# Ctrl-C too, and the default suite must stay within CI's 20 minutes
+@pytest.mark.deploy
 def test_ctrl_c_stops_every_process_and_marks_the_run_stopped(tmp_path, cleanup):
     watch = TreeWatch(tmp_path)
     cleanup(watch)
