@@ -18,17 +18,9 @@
 # fedadapt-supernode, same run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu-check}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-if ! "$PY" -c "import flwr, flwr_datasets" 2>/dev/null; then
-    ls .gpu-wheels/*.whl >/dev/null 2>&1 || { echo "no flwr and no .gpu-wheels/"; exit 2; }
-    "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || exit 2
-fi
-export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fedadapt-supernode runs from here
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, flwr; print('torch', torch.__version__, 'flwr', flwr.__version__)" | tee -a "$OUT/gpu.txt"
+GPU_OUT_DEFAULT=/tmp/gpu-check
+source scripts/gpu-env.sh
+gpu_versions torch flwr
 CHECKS=${CHECKS:-pytest startup deployment}
 status=0
 if [[ " $CHECKS " == *" pytest "* ]]; then

@@ -11,12 +11,8 @@
 # jsonschema and its dependencies). Output: $OUT (suite folders, timings.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu-ray}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-if ! "$PY" -c "import flwr, flwr_datasets" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || exit 2
-fi
+GPU_OUT_DEFAULT=/tmp/gpu-ray
+source scripts/gpu-env.sh
 if ! "$PY" -c "import ray" 2>/dev/null; then
     site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     tar xJf .gpu-ray/ray-stripped.tar.xz -C "$site" || exit 2
@@ -25,10 +21,7 @@ if ! "$PY" -c "import ray" 2>/dev/null; then
     printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' \
         "$(command -v "$PY")" > "$bin/ray" && chmod +x "$bin/ray"
 fi
-export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, flwr, ray; print('torch', torch.__version__, 'flwr', flwr.__version__, 'ray', ray.__version__)" | tee -a "$OUT/gpu.txt"
+gpu_versions torch flwr ray
 SUITE=${SUITE:-conf/demo.yaml}
 status=0
 echo "{" > "$OUT/timings.json"
