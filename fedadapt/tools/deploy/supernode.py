@@ -225,7 +225,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # our warnings on stderr, without a root handler: Flower's loggers
+    # propagate to the root, and one there would print each of their lines twice
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    LOGGER.addHandler(handler)
+    LOGGER.propagate = False
     parts = parts_from_env()
     if "poll" in parts:
         install(start_client_internal)
