@@ -89,10 +89,19 @@ STRATEGIES = (
 DEFENCES: dict[str, dict[str, Any]] = {
     "default": {},
     "off": {"max_norm_ratio": 0.0, "aggregation": "mean", "max_weight_ratio": 0.0,
+            "max_contribution_ratio": 0.0, "project_opposing": False,
             "step_guard": False},
     # the default before issue #38: flag above 5x the median, nothing else
     "before-38": {"max_norm_ratio": 5.0, "clip_mode": "flag", "aggregation": "mean",
-                  "max_weight_ratio": 0.0, "step_guard": False},
+                  "max_weight_ratio": 0.0, "max_contribution_ratio": 0.0,
+                  "project_opposing": False, "step_guard": False},
+    # the default of stops 43-48: clip 2x, weight cap 2x, step guard
+    "clip-wcap-guard": {"max_contribution_ratio": 0.0, "project_opposing": False},
+    # each of this default's two newer parts alone
+    "pull-cap": {"project_opposing": False},
+    "projection": {"max_contribution_ratio": 0.0},
+    # the projection for every rule, FedDuAdam and FedExPM included
+    "projection-everywhere": {"project_opposing": True},
     "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
     "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                          "aggregation": "mean", "max_weight_ratio": 1.0},
@@ -159,6 +168,10 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "trim_fraction": trust["trim_fraction"],
         "clip_mode": trust["norm_bound_mode"],
         "max_weight_ratio": trust["max_weight_ratio"],
+        "max_contribution_ratio": trust["max_contribution_ratio"],
+        "project_opposing": build_rule(cfg)[0].project_opposing_by_default
+        if trust["project_opposing"] is None
+        else trust["project_opposing"],
         "step_guard": trust["step_guard"],
     }
 

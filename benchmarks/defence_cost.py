@@ -7,13 +7,16 @@ arrays, per strategy, with
 
 - ``off``: no defence (the papers' mean);
 - ``before``: the default before issue #38 (flag above 5x the median norm);
-- ``default``: today's default (clip to 2x the median norm, the weight cap,
-  the step guard);
+- ``clip-wcap-guard``: the default of stops 43–48 (clip to 2x the median
+  norm, the weight cap, the step guard);
+- ``default``: today's default (the same, plus the pull cap and, where the
+  rule has it on, the opposing projection);
 
 interleaved round-robin, the median of ``--repeats`` calls, and prints each
-time as a ratio to ``off`` measured in the same run. The replies are honest
-(norms within 2x of each other except one at 3x, so ``default`` clips one
-update and the guard runs every round).
+time as a ratio to ``off`` measured in the same run. The replies share a
+direction plus noise (norms within 2x of each other except one at 3x, so
+the defaults clip one update and the guard runs every round; two point
+against the others, so the projection acts on them).
 
 Usage (from the repository root)::
 
@@ -43,8 +46,11 @@ from fedadapt.strategies.screening import ScreenReport, TrainReply  # noqa: E402
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {},
     "before": {"max_norm_ratio": 5.0, "clip_mode": "flag"},
+    "clip-wcap-guard": {"max_norm_ratio": 2.0, "clip_mode": "clip",
+                        "max_weight_ratio": 2.0, "step_guard": True},
     "default": {"max_norm_ratio": 2.0, "clip_mode": "clip",
-                "max_weight_ratio": 2.0, "step_guard": True},
+                "max_weight_ratio": 2.0, "step_guard": True,
+                "max_contribution_ratio": 2.0, "project_opposing": None},
 }  # fmt: skip
 
 
@@ -55,10 +61,16 @@ def replies(params: int, seed: int = 0) -> tuple[dict, list[TrainReply]]:
     x = {f"layer{i}.weight": rng.normal(size=s).astype(np.float32)
          for i, s in enumerate(sizes)}  # fmt: skip
     out = []
+    shared = {k: rng.normal(size=v.shape) for k, v in x.items()}
     for i in range(10):
         scale = 3.0 if i == 9 else 1.0 + 0.1 * i
-        arrays = {k: (v + scale * 0.01 * rng.normal(size=v.shape)).astype(np.float32)
-                  for k, v in x.items()}  # fmt: skip
+        sign = -1.0 if i in (3, 7) else 1.0  # two oppose the others: projected
+        arrays = {
+            k: (
+                v + scale * 0.01 * (sign * shared[k] + rng.normal(size=v.shape))
+            ).astype(np.float32)
+            for k, v in x.items()
+        }
         out.append(TrainReply(i, {"num-examples": 50 + 10 * i}, arrays=arrays))
     return x, out
 
@@ -81,6 +93,11 @@ def main() -> None:
                 report = ScreenReport(received=10, used=10)
                 for c in candidates:
                     report.note(c, "used")
+                if options.get("project_opposing", False) is None:
+                    options = {
+                        **options,
+                        "project_opposing": rule.project_opposing_by_default,
+                    }
                 started = time.perf_counter()
                 apply_rule(fresh, x, candidates, "num-examples", report, "bench",
                            **options)  # fmt: skip

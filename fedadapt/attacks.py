@@ -44,6 +44,7 @@ ATTACKS = (
     "label-flip",
     "quiet-flip",
     "quiet-orthogonal-flip",
+    "orthogonal-flip",
     "slack-reverse",
 )
 
@@ -199,6 +200,10 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       pointing against the others' mean does not see it either; what is
       left is the client-specific (on non-IID data: class-specific) part
       reversed.
+    - ``orthogonal-flip``: the same at the target norm (the bound): the sign
+      flip of an attacker that knows the opposing projection
+      (:func:`~fedadapt.strategies.core.aggregation.opposing_projection`)
+      and sends only what it leaves, as large as the norm bound allows.
     - ``slack-reverse`` (against SecAgg+, where the server sees only Δ̄
       and A): the colluders claim the largest norm the range allows
       (``claim_cap``) and send the update that turns Δ̄ against the honest
@@ -238,6 +243,10 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
     if attack == "quiet-orthogonal-flip":
         return [HostileReply(_with_norm(_without_mean(view, _scaled(o, -1.0)),
                                         norm(o)))
+                for o in view.own]  # fmt: skip
+    if attack == "orthogonal-flip":
+        return [HostileReply(_with_norm(_without_mean(view, _scaled(o, -1.0)),
+                                        norm_target(view, o)))
                 for o in view.own]  # fmt: skip
     if attack == "slack-reverse":
         if not math.isfinite(view.claim_cap):

@@ -276,6 +276,21 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("max-weight-ratio", 2.0, "Cap on a reply's num-examples, as a multiple of "
         "the round's median count, before weighting (a count is the client's "
         "claim); 0 = off. Only under num-examples weighting.", minimum=0.0),
+    Key("max-contribution-ratio", 2.0, "Cap on a reply's pull on the mean update "
+        "(its weight times its clipped update norm), as a multiple of the round's "
+        "median pull; above it the update is scaled down (counted as clipped). "
+        "The norm bound and the weight cap alone let one client pull like 4 "
+        "typical ones. 0 = off; adds nothing under uniform weighting; inactive "
+        "with secure-aggregation and robust aggregation. docs/robustness.md.",
+        minimum=0.0),
+    Key("project-opposing", "auto", "Remove from each update its component "
+        "against the weighted mean of the other updates, where it has one: no "
+        "client pulls the round back along what the others agree on (sign flip, "
+        "inner-product manipulation). auto = on, except FedDuA's adam variant and "
+        "FedExPM (server momentum), where the attack suite measured it doing harm. "
+        "clients.jsonl has each reply's consensus_cos. Inactive with "
+        "secure-aggregation and robust aggregation. docs/robustness.md.",
+        choices=("auto", "on", "off")),
     Key("step-guard", True, "FedExP/FedExPM/FedDuA: cap the server step size at "
         "the smallest one the round gives without any one client (leave-one-out), "
         "so no single client raises the extrapolation. Inactive with "

@@ -18,7 +18,9 @@ Each line (:func:`flatten`)::
     clip_scale, clipped, selected (Krum/multi-Krum/Bulyan kept the update),
     center_clip_scale (centered clipping's factor), server_lr_without and
     step_guard (the server step without this client; whether it capped the
-    round's step), optimizer ({"eta-mean":
+    round's step), consensus_cos and projected (the cosine of its update
+    with the others' mean; whether its part against that mean was
+    removed), optimizer ({"eta-mean":
     ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
     sizes), metrics (every
     other scalar metric the reply carried)
@@ -97,6 +99,8 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         center_clip_scale=record.get("center_clip_scale"),
         server_lr_without=record.get("server_lr_without"),
         step_guard=record.get("step_guard"),
+        consensus_cos=record.get("consensus_cos"),
+        projected=record.get("projected"),
         optimizer={
             k[len(_OPTIMIZER_PREFIX) :]: metrics.pop(k)
             for k in sorted(metrics)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from logging import ERROR, WARNING
+from logging import DEBUG, ERROR, WARNING
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
@@ -79,6 +79,12 @@ DEFAULT_NORM_RATIO = 2.0
 #: takes the whole weight: docs/robustness.md, attack ``false-weight``).
 DEFAULT_WEIGHT_RATIO = 2.0
 
+#: Default of ``max_contribution_ratio``: a client's pull on Δ̄ (its weight
+#: times its clipped norm) is at most 2x the round's median pull; the norm
+#: bound and the weight cap alone let one client pull like 4 typical ones
+#: (docs/robustness.md, attack ``false-weight``: FedAvg lost 27 points).
+DEFAULT_CONTRIBUTION_RATIO = 2.0
+
 #: The key of the aggregator's state (centered clipping's centre) in
 #: :meth:`RuleHost.state_dict`.
 AGGREGATOR_STATE = "aggregator"
@@ -92,6 +98,8 @@ class ScreeningKwargs(TypedDict, total=False):
     max_update_norm_ratio: float | None
     norm_bound_mode: str
     max_weight_ratio: float
+    max_contribution_ratio: float
+    project_opposing: bool | None
     step_guard: bool
     aggregation: str
     trim_fraction: float
@@ -170,6 +178,23 @@ class RuleHost:
         c > 0 caps each reply's ``num-examples`` at c times the round's
         median count before weighting (a count is the client's claim);
         0 = off. No effect under uniform weighting.
+    max_contribution_ratio : float (default: 2.0)
+        k > 0 bounds each reply's pull on Δ̄, its weight times its
+        (clipped) update norm, to k times the round's median pull
+        (:func:`~fedadapt.strategies.core.aggregation.contribution_scales`;
+        counted as clipped); 0 = off. Under uniform weighting it adds
+        nothing to the norm bound. Needs the individual updates.
+    project_opposing : bool | None (default: None)
+        Remove from each update its component against the weighted mean of
+        the other updates, where it has one
+        (:func:`~fedadapt.strategies.core.aggregation.opposing_projection`):
+        no client pulls Δ̄ back along what the others agree on (sign flip,
+        inner-product manipulation). Each reply's record has its
+        ``consensus_cos``. Needs the individual updates, as the step guard.
+        None = the rule's ``project_opposing_by_default``: on, except for
+        FedDuAdam and FedExPM, where the suite measured it doing harm
+        (:attr:`FedDuARule.project_opposing_by_default
+        <fedadapt.strategies.feddua.FedDuARule.project_opposing_by_default>`).
     step_guard : bool (default: True)
         FedExP / FedExPM / FedDuA: cap the server step size η_t at the
         smallest step the round would give without any one client
@@ -249,6 +274,8 @@ class RuleHost:
         max_update_norm_ratio: float | None = None,
         norm_bound_mode: str = "clip",
         max_weight_ratio: float = DEFAULT_WEIGHT_RATIO,
+        max_contribution_ratio: float = DEFAULT_CONTRIBUTION_RATIO,
+        project_opposing: bool | None = None,
         step_guard: bool = True,
         aggregation: str = "mean",
         trim_fraction: float = 0.2,
@@ -291,6 +318,12 @@ class RuleHost:
         self.max_weight_ratio = check_scalar(
             "max_weight_ratio", max_weight_ratio, low=0
         )
+        self.max_contribution_ratio = check_scalar(
+            "max_contribution_ratio", max_contribution_ratio, low=0
+        )
+        if project_opposing is None:
+            project_opposing = rule.project_opposing_by_default
+        self.project_opposing = bool(project_opposing)
         self.step_guard = bool(step_guard)
         self.aggregation = check_choice("aggregation", aggregation, AGGREGATIONS)
         self.trim_fraction = check_scalar(
@@ -391,6 +424,8 @@ class RuleHost:
                 trim_fraction=self.trim_fraction,
                 clip_mode=self.norm_bound_mode,
                 max_weight_ratio=self.max_weight_ratio,
+                max_contribution_ratio=self.max_contribution_ratio,
+                project_opposing=self.project_opposing,
                 step_guard=self.step_guard,
                 robust_options=self.robust_options,
                 aggregator_state=self.aggregator_state,
@@ -573,6 +608,8 @@ def apply_rule(
     trim_fraction: float = 0.2,
     clip_mode: str = "flag",
     max_weight_ratio: float = 0.0,
+    max_contribution_ratio: float = 0.0,
+    project_opposing: bool = False,
     step_guard: bool = False,
     robust_options: RobustOptions | None = None,
     aggregator_state: AggregatorState | None = None,
@@ -630,6 +667,8 @@ def apply_rule(
                 step_guard=step_guard,
                 robust_options=robust_options,
                 center=center,
+                max_contribution_ratio=max_contribution_ratio,
+                project_opposing=project_opposing,
             )
         except ReplyError as error:
             bad = [c for c in ordered if c.arrays is error.arrays]
@@ -659,6 +698,10 @@ def apply_rule(
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
     _record_step_guard(ordered, rule.leave_one_out_steps, diagnostics, report)
+    if stats.consensus_cos is not None:
+        diagnostics["projected-updates"] = _record_projection(
+            ordered, stats.consensus_cos, report, round_label
+        )
     if stats.defence is not None:
         diagnostics.update(_record_defence(ordered, stats.defence, report, round_label))
         centered = stats.defence.aggregation == "centered_clipping"
@@ -749,6 +792,37 @@ def _record_step_guard(
         record = report.record_of(candidate)
         record["server_lr_without"] = step
         record["step_guard"] = capped and step == lowest
+
+
+def _record_projection(
+    used: Sequence[TrainReply],
+    cosines: Sequence[float],
+    report: ScreenReport,
+    round_label: str,
+) -> int:
+    """Write each reply's ``consensus_cos``; log the projected ones; count them.
+
+    ``consensus_cos``: cos of the client's (clipped) update with the
+    weighted mean of the others'; below 0 its opposing part was removed
+    (``projected`` = true). An operator sees a client that keeps pulling
+    against the others round after round.
+    """
+    projected = 0
+    for candidate, cos in zip(used, cosines, strict=True):
+        record = report.record_of(candidate)
+        record["consensus_cos"] = cos
+        record["projected"] = cos < 0
+        if cos < 0:
+            projected += 1
+            log(
+                DEBUG,
+                "%s: removed the part of node %s's update against the others' "
+                "mean (cos %.3f)",
+                round_label,
+                candidate.node,
+                cos,
+            )
+    return projected
 
 
 def _count_clipped(

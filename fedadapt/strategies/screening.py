@@ -220,7 +220,10 @@ def reply_record(
     got in the last iteration); None where that aggregator is not in use.
     ``server_lr_without`` / ``step_guard``: the step guard's server step
     size without this client, and whether that one capped the round's step
-    (FedExP/FedExPM/FedDuA; None otherwise).
+    (FedExP/FedExPM/FedDuA; None otherwise). ``consensus_cos`` /
+    ``projected``: the cosine of its (clipped) update with the others' mean,
+    and whether its part against that mean was removed (None when the
+    opposing projection is off).
     """
     if isinstance(candidate, str):
         node: int | str | None = None
@@ -246,6 +249,8 @@ def reply_record(
         "center_clip_scale": None,
         "server_lr_without": None,
         "step_guard": None,
+        "consensus_cos": None,
+        "projected": None,
     }
 
 

@@ -33,9 +33,12 @@ def test_three_clients_three_rounds_learn(tmp_path):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:
-        assert r["replies"] == {
+        # an honest reply may be clipped: the pull cap (2x the median weight
+        # × norm of three) can reach the client with the most data
+        assert r["replies"]["clipped"] <= 1
+        assert {k: v for k, v in r["replies"].items() if k != "clipped"} == {
             "received": 3, "failed": 0, "rejected": 0, "used": 3, "rejections": [],
-            "norm_mismatches": 0, "clipped": 0, "errors": [],
+            "norm_mismatches": 0, "errors": [],
         }  # fmt: skip
         assert r["evaluate_replies"]["used"] == 3  # the training clients
         assert r["federated_eval"]["eval-loss"] > 0

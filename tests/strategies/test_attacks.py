@@ -151,6 +151,19 @@ def test_quiet_orthogonal_flip_is_orthogonal_to_the_mean_at_its_own_norm():
     assert abs(sent @ mu) / (np.linalg.norm(sent) * np.linalg.norm(mu)) < 1e-5
 
 
+def test_orthogonal_flip_is_the_quiet_one_at_the_bound():
+    # the sign flip of a client that knows the opposing projection: nothing
+    # of it points against μ, and it is as large as the bound allows
+    view = _view(cap=2.5)
+    (reply,) = craft("orthogonal-flip", view)
+    sent = reply.update["w"].astype(np.float64)
+    own = view.own[0]["w"].astype(np.float64)
+    mu = _mu(view)
+    expected = -own - (-own @ mu) / (mu @ mu) * mu
+    expected *= 0.99 * 2.5 / np.linalg.norm(expected)
+    np.testing.assert_allclose(sent, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("f", [1, 2])
 def test_slack_reverse_turns_the_mean_around_just_inside_jensens_check(f):
     """Under SecAgg+ (a claim cap B²): Δ̄ = −0.99·√A·H/‖H‖ with A at its largest.

@@ -238,6 +238,7 @@ def test_secagg_against_plain_for_ten_rounds(strategy_cls, options, drift):
     off = {"max_update_norm_ratio": 0.0, **options}
     guard = {"step_guard": False} if strategy_cls in (
         legacy.FedExP, legacy.FedExPM, legacy.FedDuA) else {}  # fmt: skip
+    guard.update(max_contribution_ratio=0.0, project_opposing=False)
     x0, plain, _, _ = _least_squares_run(
         strategy_cls, 1.0, 0, rounds=10, secure=False, **off, **guard
     )

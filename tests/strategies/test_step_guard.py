@@ -173,12 +173,17 @@ def test_a_false_weight_claim_counts_as_at_most_twice_the_median(api):
     clients = [x + up] * 4 + [x - up]
     counts = [10, 10, 10, 10, 1_000_000]
     module = ours if api == "message" else legacy
-    strategy = module.FedAvg()
+    # the weight cap alone (the pull cap and the projection also act here)
+    strategy = module.FedAvg(max_contribution_ratio=0.0, project_opposing=False)
     # Execute
     new = _round(api, strategy, x, clients, counts)
     # Assert: the claim is capped at 2 x the median count (20): Δ̄ =
     # (4·10·up − 20·up)/60 = up/3; uncapped the liar's −up would win
     np.testing.assert_allclose(new, up / 3, rtol=1e-6)
+    # with every default on, the liar's −up points straight against the
+    # others' mean: the projection removes all of it, Δ̄ = 4·10·up/60
+    new = _round(api, module.FedAvg(), x, clients, counts)
+    np.testing.assert_allclose(new, 2 * up / 3, rtol=1e-6)
 
 
 def _round(api, strategy, x, clients, counts):

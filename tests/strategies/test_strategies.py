@@ -235,7 +235,8 @@ def test_fedexp_adapter_closed_form_step(with_norms, kwargs, eta):
     """
     x0 = {"w": np.array([10.0, 20.0], np.float32)}
     deltas = [np.array([2.0, 0.0]), np.array([-2.0, 2.0])]
-    strategy = ours.FedExP(epsilon=0.5, **kwargs)
+    # the two updates oppose (⟨Δ_1, Δ_2⟩ < 0): the projection would act
+    strategy = ours.FedExP(epsilon=0.5, project_opposing=False, **kwargs)
     list(strategy.configure_train(1, _record(x0), ConfigRecord(), _grid()))
     replies = [
         make_reply(
