@@ -114,8 +114,11 @@ def test_rounds_with_partial_participation_match_a_float64_reference(eta_g):
                       RecordDict(), dict(LINREG))
         for node in range(1, num + 1)
     }  # fmt: skip
+    # the reference averages the two sampled updates as they are: the
+    # projection (two clients that disagree) and the pull cap off
     kwargs = dict(local_update=Scaffold(), fraction_train=0.5, min_train_nodes=2,
-                  min_available_nodes=num)  # fmt: skip
+                  min_available_nodes=num, project_opposing=False,
+                  max_contribution_ratio=0.0)  # fmt: skip
     strategy = (
         FedAvg(**kwargs) if eta_g == 1
         else FedAvgM(server_learning_rate=eta_g, server_momentum=0.0, **kwargs)
