@@ -96,12 +96,12 @@ DEFENCES: dict[str, dict[str, Any]] = {
                   "max_weight_ratio": 0.0, "max_contribution_ratio": 0.0,
                   "project_opposing": False, "step_guard": False},
     # the default of stops 43-48: clip 2x, weight cap 2x, step guard
-    "clip-wcap-guard": {"max_contribution_ratio": 0.0, "project_opposing": False},
-    # each of this default's two newer parts alone
+    "clip-wcap-guard": {"max_contribution_ratio": 0.0},
+    # the default (with the pull cap), said explicitly
     "pull-cap": {"project_opposing": False},
-    "projection": {"max_contribution_ratio": 0.0},
-    # the projection for every rule, FedDuAdam and FedExPM included
-    "projection-everywhere": {"project_opposing": True},
+    # the default plus the opposing projection (opt-in)
+    "pull-cap-projection": {"project_opposing": True},
+    "projection": {"max_contribution_ratio": 0.0, "project_opposing": True},
     "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
     "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                          "aggregation": "mean", "max_weight_ratio": 1.0},
@@ -169,9 +169,7 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "clip_mode": trust["norm_bound_mode"],
         "max_weight_ratio": trust["max_weight_ratio"],
         "max_contribution_ratio": trust["max_contribution_ratio"],
-        "project_opposing": build_rule(cfg)[0].project_opposing_by_default
-        if trust["project_opposing"] is None
-        else trust["project_opposing"],
+        "project_opposing": trust["project_opposing"],
         "step_guard": trust["step_guard"],
     }
 

@@ -9,8 +9,8 @@ arrays, per strategy, with
 - ``before``: the default before issue #38 (flag above 5x the median norm);
 - ``clip-wcap-guard``: the default of stops 43–48 (clip to 2x the median
   norm, the weight cap, the step guard);
-- ``default``: today's default (the same, plus the pull cap and, where the
-  rule has it on, the opposing projection);
+- ``default``: today's default (the same, plus the pull cap);
+- ``default+projection``: with the opt-in opposing projection as well;
 
 interleaved round-robin, the median of ``--repeats`` calls, and prints each
 time as a ratio to ``off`` measured in the same run. The replies share a
@@ -50,7 +50,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
                         "max_weight_ratio": 2.0, "step_guard": True},
     "default": {"max_norm_ratio": 2.0, "clip_mode": "clip",
                 "max_weight_ratio": 2.0, "step_guard": True,
-                "max_contribution_ratio": 2.0, "project_opposing": None},
+                "max_contribution_ratio": 2.0},
+    "default+projection": {"max_norm_ratio": 2.0, "clip_mode": "clip",
+                           "max_weight_ratio": 2.0, "step_guard": True,
+                           "max_contribution_ratio": 2.0, "project_opposing": True},
 }  # fmt: skip
 
 
@@ -93,11 +96,6 @@ def main() -> None:
                 report = ScreenReport(received=10, used=10)
                 for c in candidates:
                     report.note(c, "used")
-                if options.get("project_opposing", False) is None:
-                    options = {
-                        **options,
-                        "project_opposing": rule.project_opposing_by_default,
-                    }
                 started = time.perf_counter()
                 apply_rule(fresh, x, candidates, "num-examples", report, "bench",
                            **options)  # fmt: skip

@@ -283,14 +283,14 @@ _RUN_KEYS: tuple[Key, ...] = (
         "typical ones. 0 = off; adds nothing under uniform weighting; inactive "
         "with secure-aggregation and robust aggregation. docs/robustness.md.",
         minimum=0.0),
-    Key("project-opposing", "auto", "Remove from each update its component "
+    Key("project-opposing", False, "Remove from each update its component "
         "against the weighted mean of the other updates, where it has one: no "
         "client pulls the round back along what the others agree on (sign flip, "
-        "inner-product manipulation). auto = on, except FedDuA's adam variant and "
-        "FedExPM (server momentum), where the attack suite measured it doing harm. "
-        "clients.jsonl has each reply's consensus_cos. Inactive with "
-        "secure-aggregation and robust aggregation. docs/robustness.md.",
-        choices=("auto", "on", "off")),
+        "inner-product manipulation; on non-IID digits FedAvg's loss to a sign "
+        "flip 12.8 -> 5.4 points). Off by default: where clients hold one class "
+        "each, honest updates oppose one another and it moved honest runs by up "
+        "to 6 points. clients.jsonl has each reply's consensus_cos. Inactive with "
+        "secure-aggregation and robust aggregation. docs/robustness.md."),
     Key("step-guard", True, "FedExP/FedExPM/FedDuA: cap the server step size at "
         "the smallest one the round gives without any one client (leave-one-out), "
         "so no single client raises the extrapolation. Inactive with "

@@ -63,7 +63,7 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "norm_bound_mode": cfg["norm-bound-mode"],
         "max_weight_ratio": cfg["max-weight-ratio"],
         "max_contribution_ratio": cfg["max-contribution-ratio"],
-        "project_opposing": {"on": True, "off": False}.get(cfg["project-opposing"]),
+        "project_opposing": cfg["project-opposing"],
         "step_guard": cfg["step-guard"],
         "aggregation": cfg["aggregation"].replace("-", "_"),
         "trim_fraction": cfg["trim-fraction"],

@@ -185,23 +185,6 @@ class FedDuARule(ServerRule):
         }
         return new, diagnostics
 
-    @property
-    def project_opposing_by_default(self) -> bool:  # type: ignore[override]
-        """False with a momentum of Δ̄ (FedDuAdam, FedExPM: β1 > 0).
-
-        Issue #38's suite (digits-mlp, 10 seeds, one hostile client of ten):
-        removing the sign-flipped part of a hostile update raised what a
-        sign flip costs FedDuAdam from 3.1–3.7 to 5.9–6.2 accuracy points
-        and FedExPM from 5.2–7.1 to 5.9–8.9, and turned IPM, which the
-        unprojected update damps on these runs, into a 3.8–7.7-point loss;
-        FedDuAdagrad and FedExP (no momentum) gained (docs/robustness.md).
-        Why is not established (FedAvgM, also a momentum, gained): the
-        honest runs of these two are the least stable of the suite (82 and
-        86 % against 93 % for FedExP), and an unprojected reversed update
-        damps their step, which the projection gives back.
-        """
-        return self.variant == "adagrad" or self.beta_1 == 0
-
     def guard_step_size(self, stats: RoundStatistics) -> float | None:
         """Return min_i η_t^{(−i)}: the step size were any one client absent.
 

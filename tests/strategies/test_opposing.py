@@ -18,7 +18,6 @@ from fedadapt.strategies.core.aggregation import (
     contribution_scales,
     round_statistics,
 )
-from fedadapt.strategies.feddua import FedDuARule
 from tests.strategies.test_step_guard import _round
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -175,29 +174,22 @@ def test_a_client_that_knows_the_projection_cannot_pull_against_the_others(
     assert worst[False] < share - 0.1
 
 
-def test_projection_defaults_per_rule():
-    # on, except with a momentum of Δ̄ in DUA's step (FedDuAdam, FedExPM),
-    # where the attack suite measured it doing harm
-    assert FedAvgRule().project_opposing_by_default
-    assert FedExPRule().project_opposing_by_default
-    assert FedDuARule(variant="adagrad").project_opposing_by_default
-    assert not FedDuARule().project_opposing_by_default
-    assert not FedExPRule(server_momentum=0.9).project_opposing_by_default
-    assert ours.FedAvg().project_opposing and legacy.FedExP().project_opposing
-    assert not ours.FedDuA().project_opposing
+def test_the_pull_cap_is_on_and_the_projection_off_by_default():
+    for strategy in (ours.FedAvg(), legacy.FedExP(), ours.FedDuA()):
+        assert strategy.max_contribution_ratio == 2.0
+        assert not strategy.project_opposing
     assert ours.FedDuA(project_opposing=True).project_opposing
-    assert not ours.FedExP(project_opposing=False).project_opposing
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
-def test_projection_is_on_by_default_and_recorded_per_client(api):
+def test_projection_acts_when_on_and_is_recorded_per_client(api):
     # Prepare: four clients along +up, a fifth sends −up: it opposes the
-    # others' mean entirely, so the default removes all of it
+    # others' mean entirely, so the projection removes all of it
     x = np.zeros(8, dtype=np.float32)
     up = np.full(8, 0.1, dtype=np.float32)
     clients = [x + up * (1 + 0.1 * i) for i in range(4)] + [x - up]
     module = ours if api == "message" else legacy
-    strategy = module.FedAvg()
+    strategy = module.FedAvg(project_opposing=True)
     # Execute
     new = _round(api, strategy, x, clients, [10] * 5)
     # Assert: Δ̄ = Σ_{i<4} (1 + 0.1 i)·up / 5 = 0.92·up; the records say who

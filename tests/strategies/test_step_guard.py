@@ -174,15 +174,19 @@ def test_a_false_weight_claim_counts_as_at_most_twice_the_median(api):
     counts = [10, 10, 10, 10, 1_000_000]
     module = ours if api == "message" else legacy
     # the weight cap alone (the pull cap and the projection also act here)
-    strategy = module.FedAvg(max_contribution_ratio=0.0, project_opposing=False)
+    strategy = module.FedAvg(max_contribution_ratio=0.0)
     # Execute
     new = _round(api, strategy, x, clients, counts)
     # Assert: the claim is capped at 2 x the median count (20): Δ̄ =
     # (4·10·up − 20·up)/60 = up/3; uncapped the liar's −up would win
     np.testing.assert_allclose(new, up / 3, rtol=1e-6)
-    # with every default on, the liar's −up points straight against the
-    # others' mean: the projection removes all of it, Δ̄ = 4·10·up/60
-    new = _round(api, module.FedAvg(), x, clients, counts)
+    # with the defaults (the pull cap: the liar's pull 20·‖up‖ is 2x the
+    # median 10·‖up‖, at the cap, untouched) the same; with the projection
+    # the liar's −up, straight against the others' mean, is removed:
+    # Δ̄ = 4·10·up/60
+    np.testing.assert_allclose(_round(api, module.FedAvg(), x, clients, counts),
+                               up / 3, rtol=1e-6)  # fmt: skip
+    new = _round(api, module.FedAvg(project_opposing=True), x, clients, counts)
     np.testing.assert_allclose(new, 2 * up / 3, rtol=1e-6)
 
 

@@ -109,12 +109,6 @@ class ServerRule(ABC):
     #: whether :meth:`update` uses A_t (per-client squared update norms)
     needs_sq_norms: bool = False
 
-    #: whether the strategies remove each update's part against the others'
-    #: mean by default (``project_opposing=None``; :func:`~fedadapt.strategies.
-    #: core.aggregation.opposing_projection`): issue #38's suite measured it
-    #: for every rule (docs/robustness.md); a rule where it did harm says no
-    project_opposing_by_default: bool = True
-
     #: the step guard's leave-one-out step sizes of the last update, one per
     #: client in the order of the round's replies (None: no guard ran); the
     #: adapters write them to each reply's record (clients.jsonl)
