@@ -138,30 +138,27 @@ def test_quiet_flip_is_the_own_update_reversed_at_its_own_norm():
     assert reply.claims == {}
 
 
-def test_quiet_orthogonal_flip_is_orthogonal_to_the_mean_at_its_own_norm():
+@pytest.mark.parametrize(
+    ("attack", "size"),
+    [
+        # cos 0 with μ at the client's own norm
+        ("quiet-orthogonal-flip", lambda own: np.linalg.norm(own)),
+        # the sign flip of a client that knows the opposing projection:
+        # nothing of it points against μ, as large as the bound allows
+        ("orthogonal-flip", lambda own: UNDER_BOUND * 2.5),
+    ],
+)
+def test_orthogonal_flips_are_the_reversed_update_without_the_mean(attack, size):
     view = _view(cap=2.5)
-    (reply,) = craft("quiet-orthogonal-flip", view)
+    (reply,) = craft(attack, view)
     sent = reply.update["w"].astype(np.float64)
     own = view.own[0]["w"].astype(np.float64)
     mu = _mu(view)
-    # oracle: Gram-Schmidt of -own against mu, rescaled to ||own||
+    # oracle: Gram-Schmidt of -own against mu, rescaled
     expected = -own - (-own @ mu) / (mu @ mu) * mu
-    expected *= np.linalg.norm(own) / np.linalg.norm(expected)
+    expected *= size(own) / np.linalg.norm(expected)
     np.testing.assert_allclose(sent, expected, rtol=1e-5, atol=1e-6)
     assert abs(sent @ mu) / (np.linalg.norm(sent) * np.linalg.norm(mu)) < 1e-5
-
-
-def test_orthogonal_flip_is_the_quiet_one_at_the_bound():
-    # the sign flip of a client that knows the opposing projection: nothing
-    # of it points against μ, and it is as large as the bound allows
-    view = _view(cap=2.5)
-    (reply,) = craft("orthogonal-flip", view)
-    sent = reply.update["w"].astype(np.float64)
-    own = view.own[0]["w"].astype(np.float64)
-    mu = _mu(view)
-    expected = -own - (-own @ mu) / (mu @ mu) * mu
-    expected *= 0.99 * 2.5 / np.linalg.norm(expected)
-    np.testing.assert_allclose(sent, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("f", [1, 2])
