@@ -302,9 +302,9 @@ def contribution_scales(
     """
     norms = np.sqrt(np.asarray(sq_norms, dtype=np.float64))
     base = np.ones_like(norms) if scales is None else np.asarray(scales, np.float64)
-    pulls = np.asarray(weights, dtype=np.float64) * base * norms
-    bound = max_contribution_ratio * float(np.median(pulls))
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
+        pulls = np.asarray(weights, dtype=np.float64) * base * norms
+        bound = max_contribution_ratio * float(np.median(pulls))
         factors = np.where(pulls > bound, bound / pulls, 1.0)
     return base * factors
 
