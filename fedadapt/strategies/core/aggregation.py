@@ -375,8 +375,12 @@ def opposing_projection(
     (cos² of its energy). Our choice (issue #38): on digits-mlp it cut
     what one sign-flipping client of ten costs FedAvg from 12.4 to 5.4
     accuracy points and IPM from 11.6 to 1.4, honest runs within 0.3
-    points (docs/robustness.md). The others' mean is the reference, not a
-    robust estimate of it: colluders shift each other's reference.
+    points (docs/robustness.md). Opt-in all the same: where clients hold
+    one class each, honest updates oppose one another and it moved the
+    smoke suites' honest runs by up to 6.6 points. The others' mean is the
+    reference, not a robust estimate of it: colluders shift each other's
+    reference. Only ``keys`` (the rule's adaptive arrays, as the norm
+    bound) are projected.
 
     Costs one more pass over the clients' ``keys`` (the inner products
     ⟨Δ_i, Δ̄⟩) and one over the projected ones; the rest is closed form
