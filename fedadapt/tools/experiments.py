@@ -439,13 +439,70 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def cell_done(results: Path, rounds: int) -> bool:
-    """Whether a cell's results.json says it completed all its rounds."""
+#: Run-config keys that say where a cell's results go and how it is run,
+#: not what it computes: a suite moved to another folder, tracked elsewhere,
+#: checkpointed or given longer timeouts is not rerun for it.
+PLACEMENT_KEYS = frozenset(
+    {"output-dir", "run-name", "overwrite", "tracker", "tracker-dir",
+     "tracker-group", "checkpoint-every", "node-wait-timeout", "round-timeout"}
+)  # fmt: skip
+
+
+def config_changes(
+    recorded: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> list[str]:
+    """List what differs between a results.json's ``config`` and a cell's now.
+
+    The cell's config is ``overrides`` resolved as the ServerApp resolves
+    them (every default filled in), so a default changed since the results
+    were made counts, e.g. ``max-contribution-ratio: absent -> 2.0``. Keys
+    of :data:`PLACEMENT_KEYS` are left out. Empty: the same run.
+    """
+    # the JSON round trip makes tuples lists, as in the recorded file
+    now = json.loads(json.dumps(dict(validate_run_config(overrides)), default=str))
+    absent = object()
+    changes = []
+    for key in sorted((set(recorded) | set(now)) - PLACEMENT_KEYS):
+        then, wanted = recorded.get(key, absent), now.get(key, absent)
+        if then != wanted:
+            shown = ["absent" if v is absent else repr(v) for v in (then, wanted)]
+            changes.append(f"{key}: {shown[0]} -> {shown[1]}")
+    return changes
+
+
+def cell_done(
+    results: Path, rounds: int, overrides: Mapping[str, Any] | None = None
+) -> bool:
+    """Whether a cell's results.json says it completed all its rounds.
+
+    With ``overrides`` (the cell's run config), also that it was made with
+    that config (:func:`stale_reason`).
+    """
     try:
         data = json.loads(results.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return data.get("status") == "completed" and len(data.get("rounds", [])) == rounds
+    if data.get("status") != "completed" or len(data.get("rounds", [])) != rounds:
+        return False
+    return overrides is None or stale_reason(data, overrides) is None
+
+
+def stale_reason(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> str | None:
+    """Say why a results.json (``data``) is not the cell ``overrides`` asks for.
+
+    None when it is. A file without a recorded ``config`` (made by hand, or
+    before results.json had one) cannot be compared and counts as current.
+    """
+    recorded = data.get("config")
+    if not isinstance(recorded, Mapping):
+        return None
+    changes = config_changes(recorded, overrides)
+    if not changes:
+        return None
+    shown = "; ".join(changes[:3]) + (
+        f"; {len(changes) - 3} more" if changes[3:] else ""
+    )
+    return f"made with another config ({shown})"
 
 
 def run_suite(
@@ -495,8 +552,12 @@ def run_suite(
     todo = [
         c
         for c in cells
-        if not cell_done(out / c.run_name / "results.json", suite.rounds)
+        if not cell_done(out / c.run_name / "results.json", suite.rounds, c.overrides)
     ]
+    for cell in todo:  # a completed cell is redone only for a stated reason
+        entry = failed_cell(cell, out / cell.run_name, suite.rounds)
+        if entry["status"] == "stale":
+            print(f"{cell.run_name}: redone, {entry['error']}", flush=True)
     print(
         f"{suite.name}: {len(cells)} cells, {len(cells) - len(todo)} already done; "
         f"Flower's logs in {out / '.flwr'}",
@@ -751,7 +812,7 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
     failed: list[dict[str, Any]] = []
     for cell in suite.cells(out):
         path = out / cell.run_name / "results.json"
-        if not cell_done(path, suite.rounds):
+        if not cell_done(path, suite.rounds, cell.overrides):
             failed.append(failed_cell(cell, path.parent, suite.rounds))
             continue
         results = json.loads(path.read_text())
@@ -807,7 +868,9 @@ def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
 
     ``status`` is results.json's (``failed``, ``stopped``; ``unfinished``
     for a run still marked ``running``, or ``completed`` with fewer rounds
-    than the suite's) or ``missing`` (no readable results.json); ``error``
+    than the suite's; ``stale`` for one completed with another config than
+    the cell's now, :func:`stale_reason`) or ``missing`` (no readable
+    results.json); ``error``
     is results.json's, or for a cell without one the error in the Flower
     log saved in its folder (``flower.log``).
     """
@@ -840,6 +903,8 @@ def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
     elif status == "completed" and done != rounds:
         status = "unfinished"
         error = error or f"completed {done} of {rounds} rounds"
+    elif status == "completed" and (stale := stale_reason(data, cell.overrides)):
+        status, error = "stale", stale
     return {**entry, "status": status, "rounds": done, "error": error}
 
 
@@ -973,7 +1038,8 @@ def _failed_section(summary: Mapping[str, Any], cells: int) -> list[str]:
         "",
         "## Failed cells",
         "",
-        f"{len(failed)} of {cells} cells did not complete and are left out of the "
+        f"{len(failed)} of {cells} cells did not complete (or, `stale`, completed "
+        "with another config than the suite's now) and are left out of the "
         "numbers above; `fedadapt-exp run` reruns them (Flower's log of a "
         "failed run: `flower.log` in its folder).",
         "",

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fedadapt.config import ConfigError
+from fedadapt.config import ConfigError, validate_run_config
 from fedadapt.tools.experiments import (
     SuiteError,
     cell_done,
@@ -333,6 +333,95 @@ def test_only_completed_cells_count_as_done(tmp_path):
     assert not cell_done(tmp_path / "b" / "results.json", 2)
     assert not cell_done(tmp_path / "c" / "results.json", 2)
     assert not cell_done(tmp_path / "missing" / "results.json", 2)
+
+
+def _results_as_made(folder, overrides, **edits):
+    """A completed 2-round results.json whose ``config`` is what the ServerApp
+    records for ``overrides`` (every default filled in), with ``edits`` (a
+    value of None: the key absent, as in results made before it existed)."""
+    config = json.loads(json.dumps(dict(validate_run_config(overrides)), default=str))
+    for key, value in edits.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    folder.mkdir(parents=True)
+    rounds = [{"round": i + 1, "eval": {"loss": 1.0 / (i + 1)}} for i in range(2)]
+    data = {"status": "completed", "rounds": rounds, "config": config}
+    (folder / "results.json").write_text(json.dumps(data))
+
+
+def test_a_cell_made_with_another_config_is_stale_not_done(tmp_path):
+    """Results made before a default changed (here: before the pull cap of
+    #38 existed, or with another step size) are not taken for the cell now;
+    where its results go, and how it was run, do not count."""
+    suite = load_suite(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]")))
+    out = tmp_path / "out" / "tiny"
+    cells = {c.method + str(c.overrides.get("client-lr")): c for c in suite.cells(out)}
+    current, before_cap, other_lr = cells["sgd0.05"], cells["sgd0.1"], cells["adam0.01"]
+    _results_as_made(
+        out / current.run_name,
+        current.overrides,
+        **{"output-dir": "/elsewhere", "overwrite": True, "round-timeout": 99.0},
+    )
+    _results_as_made(
+        out / before_cap.run_name,
+        before_cap.overrides,
+        **{"max-contribution-ratio": None},
+    )
+    _results_as_made(out / other_lr.run_name, other_lr.overrides, **{"client-lr": 0.02})
+    path = {c.run_name: out / c.run_name / "results.json" for c in cells.values()}
+    assert cell_done(path[current.run_name], 2, current.overrides)
+    assert not cell_done(path[before_cap.run_name], 2, before_cap.overrides)
+    assert not cell_done(path[other_lr.run_name], 2, other_lr.overrides)
+    assert cell_done(path[other_lr.run_name], 2)  # without the cell: status only
+    summary = summarise(suite, tmp_path / "out")
+    stale = {entry["cell"]: entry for entry in summary["failed_cells"]}
+    assert set(stale) == {before_cap.run_name, other_lr.run_name}
+    assert {entry["status"] for entry in stale.values()} == {"stale"}
+    assert (
+        "max-contribution-ratio: absent -> 2.0" in stale[before_cap.run_name]["error"]
+    )
+    assert "client-lr: 0.02 -> 0.01" in stale[other_lr.run_name]["error"]
+    assert list(summary["methods"]) == ["sgd"]  # the current cell's numbers only
+
+
+def test_a_suite_run_redoes_stale_cells_and_says_why(tmp_path, monkeypatch, capsys):
+    from fedadapt.tools import submission as cli
+
+    suite = load_suite(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]")))
+    out = tmp_path / "out" / "tiny"
+    cells = suite.cells(out)
+    for cell in cells[1:]:
+        _results_as_made(out / cell.run_name, cell.overrides)
+    _results_as_made(out / cells[0].run_name, cells[0].overrides, **{"seed": 7})
+    submitted = []
+
+    def fake_flwr(args, env, **kw):
+        if args[0] == "run":
+            submitted.append(args[args.index("--run-config") + 1])
+            return json.dumps({"run-id": len(submitted)})
+        if args[0] == "log":
+            return ""
+        raise AssertionError(args)
+
+    fake_ray(monkeypatch)
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(
+        cli,
+        "run_status",
+        lambda *a: {"status": "finished:failed", "status-details": ""},
+    )
+    main(["run", str(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))),
+          "--output", str(tmp_path / "out")])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert len(submitted) == 1 and cells[0].run_name in submitted[0]
+    assert (
+        f"{cells[0].run_name}: redone, made with another config (seed: 7 -> 0)"
+        in printed
+    )
+    assert "3 cells, 2 already done" in printed
 
 
 @pytest.mark.e2e
