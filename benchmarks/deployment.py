@@ -261,6 +261,21 @@ def processes(
             os.environ[PARTS_ENV] = saved
 
 
+def flower_pull(mode: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """Run ``mode`` with Flower's 1-s first retry of a missing object in every
+    process it starts (``FEDADAPT_OBJECT_PULL=flower``; fedadapt.server.object_pull)."""
+    from fedadapt.server.object_pull import ENV
+
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "flower"
+    try:
+        return mode(*args)
+    finally:
+        os.environ.pop(ENV, None)
+        if saved is not None:
+            os.environ[ENV] = saved
+
+
 def client_import_s(repeats: int = 3) -> dict[str, float]:
     """Median seconds a fresh Python process takes to import each ClientApp.
 
@@ -385,6 +400,10 @@ def modes(
         "processes-flower-supernode": lambda w: processes(w, rounds, False, False, ""),
         "processes-poll-only": lambda w: processes(w, rounds, False, False, "poll"),
         "processes-fork-only": lambda w: processes(w, rounds, False, False, "fork"),
+        # fedadapt-supernode with Flower's 1-s first retry of a missing object
+        "processes-flower-pull": lambda w: flower_pull(
+            processes, w, rounds, False, False
+        ),
         "processes+tls": lambda w: processes(w, rounds, tls=True, auth=False),
         "processes+tls+auth": lambda w: processes(w, rounds, tls=True, auth=True),
         "containers": lambda w: containers(w, rounds, image, start_engine),

@@ -51,3 +51,25 @@ def keep_pythonpath():
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(autouse=True)
+def keep_flower_object_pull():
+    """Undo a test's ServerApp shortening Flower's object-pull retry.
+
+    ``fedadapt.server.exchange.fast_pull`` sets the first retry of Flower's
+    object pulls for the whole process (``fedadapt.server.object_pull``); a
+    test that builds a deployment ServerApp must not change it for the next.
+    """
+    try:
+        from flwr.supercore.inflatable import inflatable_utils as utils
+    except ImportError:  # another Flower: nothing of ours to undo
+        yield
+        return
+    functions = (utils.pull_objects, utils.pull_and_inflate_object_from_tree)
+    saved = [dict(f.__kwdefaults__ or {}) for f in functions]
+    yield
+    for function, defaults in zip(functions, saved, strict=True):
+        if function.__kwdefaults__ is not None:
+            function.__kwdefaults__.clear()
+            function.__kwdefaults__.update(defaults)

@@ -232,8 +232,13 @@ def fast_pull(grid: Grid) -> Grid:
     A deployment grid (any :class:`~flwr.serverapp.Grid` but Flower's
     ``InMemoryGrid``) comes back wrapped in a :class:`PullingGrid`; the
     simulation's ``InMemoryGrid``, a grid already wrapped, and stand-ins that
-    are no Grid come back unchanged.
+    are no Grid come back unchanged. In deployment it also has this process
+    retry a reply's missing objects after 0.05 s instead of Flower's 1 s
+    (:mod:`fedadapt.server.object_pull`).
     """
     if not isinstance(grid, Grid) or isinstance(grid, InMemoryGrid | PullingGrid):
         return grid
+    from fedadapt.server.object_pull import shorten_object_pull_retry
+
+    shorten_object_pull_retry()  # a reply's objects trail its metadata by ms
     return PullingGrid(grid)

@@ -282,15 +282,22 @@ class DeployedGrid(Grid):
         self.closed = True
 
 
-def test_fast_pull_wraps_deployment_grids_only():
+def test_fast_pull_wraps_deployment_grids_only(monkeypatch):
+    from flwr.supercore.inflatable import inflatable_utils
+
+    retry = inflatable_utils.pull_objects.__kwdefaults__
+    monkeypatch.setitem(retry, "initial_backoff", 1)  # Flower's
+    simulated = InMemoryGrid.__new__(InMemoryGrid)
+    assert ex.fast_pull(simulated) is simulated  # the simulation keeps Flower's
+    assert retry["initial_backoff"] == 1
     deployed = DeployedGrid()
     wrapped = ex.fast_pull(deployed)
+    # a reply's objects missing at the first pull are asked for after 0.05 s
+    assert retry["initial_backoff"] == 0.05
     assert isinstance(wrapped, ex.PullingGrid) and wrapped.grid is deployed
     assert ex.fast_pull(wrapped) is wrapped  # never twice
     wrapped.close()  # what the wrapper lacks is the grid's
     assert deployed.closed and list(wrapped.get_node_ids()) == [1, 2]
-    simulated = InMemoryGrid.__new__(InMemoryGrid)
-    assert ex.fast_pull(simulated) is simulated  # the simulation keeps Flower's
     stand_in = object()
     assert ex.fast_pull(stand_in) is stand_in  # type: ignore[arg-type]
 

@@ -132,6 +132,11 @@ def _serve(
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the task imports it again and reports
             traceback.print_exc()
+    from fedadapt.server.object_pull import shorten_object_pull_retry
+
+    # each fork asks for its message's objects at once, often before the
+    # SuperNode has them: retry after 0.05 s, not 1 s (fedadapt.server.object_pull)
+    shorten_object_pull_retry()
     stream = connection.makefile("rwb")
     for line in stream:  # EOF: the SuperExec closed the socket or died
         request = json.loads(line)

@@ -236,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         install(start_client_internal)
     if "fork" in parts:
         use_warm_superexec(start_client_internal)
+    from fedadapt.server.object_pull import shorten_object_pull_retry
+
+    shorten_object_pull_retry()  # a message's objects trail it by ms
     sys.argv = ["flower-supernode", *(sys.argv[1:] if argv is None else argv)]
     flower_supernode()
 

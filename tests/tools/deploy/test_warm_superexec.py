@@ -36,6 +36,14 @@ def _wait_for(predicate, timeout: float = 20.0) -> bool:
     return predicate()
 
 
+def _first_object_pull_retry() -> float | None:
+    """The first retry of Flower's object pull as this process has it."""
+    utils = sys.modules.get("flwr.supercore.inflatable.inflatable_utils")
+    if utils is None:
+        return None
+    return utils.pull_and_inflate_object_from_tree.__kwdefaults__["initial_backoff"]
+
+
 def _report_task() -> None:
     """A task: records its argv, pid, parent and the modules it found imported."""
     out = Path(sys.argv[sys.argv.index("--out") + 1])
@@ -45,6 +53,7 @@ def _report_task() -> None:
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "preloaded": "email.mime.text" in sys.modules,
+        "object_pull_retry_s": _first_object_pull_retry(),
     }
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
@@ -80,6 +89,9 @@ def test_each_launch_is_a_new_process_with_the_preload_done(server, tmp_path):
     assert first["ppid"] == second["ppid"] == server.pid  # forked by the server
     assert first["argv"][:3] == ["flwr-clientapp", "--token", "a"]
     assert first["preloaded"] and second["preloaded"]
+    # each task asks again for a missing object of its message after 0.05 s,
+    # not Flower's 1 s (fedadapt.server.object_pull)
+    assert first["object_pull_retry_s"] == second["object_pull_retry_s"] == 0.05
     # both exit and are reaped (no zombies pile up under the server)
     assert _wait_for(lambda: not _pid_alive(first_pid) and not _pid_alive(second_pid))
 
