@@ -15,7 +15,8 @@ Each line (:func:`flatten`)::
     rejected | failed), reason,
     num_examples, train_loss, train_accuracy, train_time_s (client wall
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
-    clip_scale, clipped, selected (Krum/multi-Krum/Bulyan kept the update),
+    clip_scale, clipped, clipped_by (norm-bound, pull-cap, or both joined
+    by +), selected (Krum/multi-Krum/Bulyan kept the update),
     center_clip_scale (centered clipping's factor), server_lr_without and
     step_guard (the server step without this client; whether it capped the
     round's step), consensus_cos and projected (the cosine of its update
@@ -95,6 +96,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         norm_mismatch=record.get("norm_mismatch"),
         clip_scale=scale,
         clipped=scale is not None and scale < 1,
+        clipped_by=record.get("clipped_by"),
         selected=record.get("selected"),
         center_clip_scale=record.get("center_clip_scale"),
         server_lr_without=record.get("server_lr_without"),

@@ -690,7 +690,12 @@ def apply_rule(
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)
         if stats.clip_scales is not None:
             _count_clipped(
-                ordered, stats.client_sq_norms, stats.clip_scales, report, round_label
+                ordered,
+                stats.client_sq_norms,
+                stats.clip_scales,
+                stats.pull_scales,
+                report,
+                round_label,
             )
     rule.leave_one_out_steps = None
     stats = dataclasses.replace(stats, num_nodes=num_nodes)
@@ -829,21 +834,38 @@ def _count_clipped(
     used: Sequence[TrainReply],
     sq_norms: Sequence[float],
     scales: Sequence[float],
+    pull_scales: Sequence[float] | None,
     report: ScreenReport,
     round_label: str,
 ) -> None:
-    """Count and log each clipped update (naming its node and both norms)."""
-    for candidate, sq, scale in zip(used, sq_norms, scales, strict=True):
-        report.record_of(candidate)["clip_scale"] = scale
+    """Count and log each clipped update: its node, both norms and which bound.
+
+    ``clipped_by`` in its record is ``"norm-bound"``, ``"pull-cap"`` (its
+    weight times its norm was above the cap,
+    :func:`~fedadapt.strategies.core.aggregation.contribution_scales`), both
+    joined by ``+``, or None when not clipped.
+    """
+    pulls = [1.0] * len(scales) if pull_scales is None else pull_scales
+    for candidate, sq, scale, pull in zip(used, sq_norms, scales, pulls, strict=True):
+        record = report.record_of(candidate)
+        record["clip_scale"] = scale
         if scale < 1:
+            by_norm = pull > 0 and scale / pull < 1  # the norm bound's own factor
+            by = [
+                name
+                for name, acted in (("norm-bound", by_norm), ("pull-cap", pull < 1))
+                if acted
+            ]
+            record["clipped_by"] = "+".join(by) or None
             report.clipped += 1
             log(
                 WARNING,
-                "%s: clipped the update of node %s from norm %.6g to %.6g",
+                "%s: clipped the update of node %s from norm %.6g to %.6g (%s)",
                 round_label,
                 candidate.node,
                 math.sqrt(sq),
                 scale * math.sqrt(sq),
+                " and ".join(by).replace("-", " "),
             )
 
 

@@ -213,7 +213,8 @@ def reply_record(
     ``str`` of :func:`failed_reply`; its node id is parsed back from it).
     ``metrics`` keeps the reply's scalar metrics as sent (non-finite values
     as None); ``server_sq_norm`` (the server's ‖Δ_i‖², None when it computed
-    none), ``norm_mismatch`` and ``clip_scale`` are filled in by aggregation
+    none), ``norm_mismatch``, ``clip_scale`` and ``clipped_by`` (which
+    bound clipped it: ``norm-bound``, ``pull-cap`` or both) are filled in by aggregation
     (:func:`~fedadapt.strategies.adapter.apply_rule`), and so are
     ``selected`` (Krum, multi-Krum, Bulyan: whether the update entered Δ̄)
     and ``center_clip_scale`` (centered clipping: the factor its Δ_i − v
@@ -245,6 +246,7 @@ def reply_record(
         "server_sq_norm": None,
         "norm_mismatch": None,
         "clip_scale": None,
+        "clipped_by": None,
         "selected": None,
         "center_clip_scale": None,
         "server_lr_without": None,

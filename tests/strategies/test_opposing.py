@@ -213,3 +213,36 @@ def test_projection_and_pull_cap_are_inactive_where_the_server_sees_sums():
     )  # fmt: skip
     assert stats.consensus_cos is None
     np.testing.assert_allclose(stats.mean_update["w"], [0.5, 0, 0])
+
+
+@pytest.mark.parametrize(
+    ("count", "size", "clipped_by", "scale"),
+    [
+        # pull 20·1.9 above 2 × the median pull 10·1: the pull cap alone
+        (20, 1.9, "pull-cap", 20 / 38),
+        # norm 5 above 2 × the median norm 1: the norm bound alone (its pull
+        # at the bound, 10·2, is 2 × the median pull, not above)
+        (10, 5.0, "norm-bound", 2 / 5),
+        # both: clipped to norm 2, then its pull 20·2 halved
+        (20, 5.0, "norm-bound+pull-cap", 2 / 5 * 0.5),
+    ],
+)
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_each_clipped_reply_says_which_bound_clipped_it(
+    api, count, size, clipped_by, scale
+):
+    # Prepare: four clients of 10 examples with updates of norm 1 along up;
+    # a fifth with ``count`` examples and an update of norm ``size``
+    x = np.zeros(4, dtype=np.float32)
+    up = np.full(4, 0.5, dtype=np.float32)
+    clients = [x + up] * 4 + [x + np.float32(size) * up]
+    module = ours if api == "message" else legacy
+    strategy = module.FedAvg()  # the defaults: norm bound 2, weight and pull caps 2
+    # Execute
+    _round(api, strategy, x, clients, [10, 10, 10, 10, count])
+    # Assert: the others untouched; the fifth clipped by the factor and bound named
+    records = strategy.round_reports[1]["clients"]
+    assert [r["clipped_by"] for r in records[:4]] == [None] * 4
+    assert [r["clip_scale"] for r in records[:4]] == [1.0] * 4
+    assert records[4]["clipped_by"] == clipped_by
+    assert records[4]["clip_scale"] == pytest.approx(scale, rel=1e-5)

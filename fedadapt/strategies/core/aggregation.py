@@ -93,6 +93,11 @@ class RoundStatistics:
     clip_scales : tuple[float, ...] | None
         The factor each client's adaptive update was multiplied by (1 when
         not clipped); None when clipping was off.
+    pull_scales : tuple[float, ...] | None
+        The pull cap's part of ``clip_scales`` (:func:`contribution_scales`:
+        the factor on top of the norm bound's; 1 where it did not act), so
+        that a record can say which of the two clipped a reply; None when
+        the pull cap was off.
     without_each : Callable[[], Iterator[tuple[Arrays, float | None]]] | None
         The step guard's leave-one-out statistics (:func:`leave_one_out`):
         called, it yields (Δ̄_{−i}, A_{−i}) client by client; None when the
@@ -120,6 +125,7 @@ class RoundStatistics:
     client_sq_norms: tuple[float, ...] | None = None
     norm_bound: float | None = None
     clip_scales: tuple[float, ...] | None = None
+    pull_scales: tuple[float, ...] | None = None
     without_each: Callable[[], Iterator[tuple[Arrays, float | None]]] | None = None
     defence: Defence | None = None
     num_nodes: int | None = None
@@ -278,6 +284,10 @@ def clip_scales(
     return scales
 
 
+#: Relative tolerance of the pull cap: pulls within it of the bound are not cut.
+PULL_RTOL = 1e-9
+
+
 def contribution_scales(
     weights: Sequence[float] | NDArray[Any],
     sq_norms: Sequence[float] | NDArray[Any],
@@ -305,7 +315,9 @@ def contribution_scales(
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
         pulls = np.asarray(weights, dtype=np.float64) * base * norms
         bound = max_contribution_ratio * float(np.median(pulls))
-        factors = np.where(pulls > bound, bound / pulls, 1.0)
+        # a pull at the bound up to rounding (an update the norm bound clipped
+        # to the median's multiple, at a median weight) is not above it
+        factors = np.where(pulls > bound * (1 + PULL_RTOL), bound / pulls, 1.0)
     return base * factors
 
 
@@ -607,9 +619,13 @@ def round_statistics(
         assert norms is not None, "clipping computes the clients' norms"
         bound = norm_bound(norms, max_norm, max_norm_ratio)
         scales = clip_scales(norms, max_norm, max_norm_ratio, clip_mode)
+    pull_factors = None
     if limit_pull:
         assert norms is not None, "the pull bound computes the clients' norms"
+        before_pull = np.ones(len(clients)) if scales is None else scales
         scales = contribution_scales(weights, norms, scales, max_contribution_ratio)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pull_factors = np.where(before_pull > 0, scales / before_pull, 1.0)
     defence, robust_a = None, None
     if aggregation in robust.AGGREGATIONS:
         mean_update, robust_a, defence = robust.robust_statistics(
@@ -685,6 +701,7 @@ def round_statistics(
         None if norms is None else tuple(norms.tolist()),
         bound,
         None if scales is None else tuple(scales.tolist()),
+        None if pull_factors is None else tuple(pull_factors.tolist()),
         without_each,
         defence,
         consensus_cos=None if projection is None else projection.cosines,
