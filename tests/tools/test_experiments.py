@@ -335,6 +335,42 @@ def test_only_completed_cells_count_as_done(tmp_path):
     assert not cell_done(tmp_path / "missing" / "results.json", 2)
 
 
+def _flower_whose_runs_fail(monkeypatch, cpus=2, gpus=0, during_run=None):
+    """Fake Flower and Ray (a machine of ``cpus`` and ``gpus``) for a suite:
+    every ``flwr run`` is recorded in the list returned (filled as the suite
+    runs; ``during_run()`` is called inside each) and its run ends failed.
+    The fake cluster class is the list's ``cluster`` attribute."""
+    import threading
+
+    from fedadapt.tools import submission as cli
+
+    class Commands(list):
+        cluster = fake_ray(monkeypatch, cpus, gpus)
+
+    commands, lock = Commands(), threading.Lock()
+
+    def fake_flwr(args, env, **kw):
+        if args[0] == "run":
+            with lock:
+                commands.append(list(args))
+                run_id = len(commands)
+            if during_run is not None:
+                during_run()
+            return json.dumps({"run-id": run_id})
+        if args[0] == "log":  # a failed run's log is fetched: an empty one
+            return ""
+        raise AssertionError(args)
+
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(
+        cli,
+        "run_status",
+        lambda *a: {"status": "finished:failed", "status-details": ""},
+    )
+    return commands
+
+
 def _results_as_made(folder, overrides, **edits):
     """A completed 2-round results.json whose ``config`` is what the ServerApp
     records for ``overrides`` (every default filled in), with ``edits`` (a
@@ -387,7 +423,6 @@ def test_a_cell_made_with_another_config_is_stale_not_done(tmp_path):
 
 
 def test_a_suite_run_redoes_stale_cells_and_says_why(tmp_path, monkeypatch, capsys):
-    from fedadapt.tools import submission as cli
 
     suite = load_suite(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]")))
     out = tmp_path / "out" / "tiny"
@@ -395,27 +430,11 @@ def test_a_suite_run_redoes_stale_cells_and_says_why(tmp_path, monkeypatch, caps
     for cell in cells[1:]:
         _results_as_made(out / cell.run_name, cell.overrides)
     _results_as_made(out / cells[0].run_name, cells[0].overrides, **{"seed": 7})
-    submitted = []
-
-    def fake_flwr(args, env, **kw):
-        if args[0] == "run":
-            submitted.append(args[args.index("--run-config") + 1])
-            return json.dumps({"run-id": len(submitted)})
-        if args[0] == "log":
-            return ""
-        raise AssertionError(args)
-
-    fake_ray(monkeypatch)
-    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
-    monkeypatch.setattr(cli, "flwr", fake_flwr)
-    monkeypatch.setattr(
-        cli,
-        "run_status",
-        lambda *a: {"status": "finished:failed", "status-details": ""},
-    )
+    commands = _flower_whose_runs_fail(monkeypatch)
     main(["run", str(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))),
           "--output", str(tmp_path / "out")])  # fmt: skip
     printed = capsys.readouterr().out
+    submitted = [c[c.index("--run-config") + 1] for c in commands]
     assert len(submitted) == 1 and cells[0].run_name in submitted[0]
     assert (
         f"{cells[0].run_name}: redone, made with another config (seed: 7 -> 0)"
@@ -516,26 +535,8 @@ def test_shipped_suites_are_valid(path):
 def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
     """``--federation-config`` (client resources on a GPU machine) is passed to
     each cell's ``flwr run --federation-config`` beside num-supernodes."""
-    from fedadapt.tools import submission as cli
 
-    commands = []
-
-    def fake_flwr(args, env, **kw):
-        if args[0] == "run":
-            commands.append(list(args))
-            return json.dumps({"run-id": len(commands)})
-        if args[0] == "log":  # a failed run's log is fetched: an empty one
-            return ""
-        raise AssertionError(args)
-
-    fake_ray(monkeypatch)
-    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
-    monkeypatch.setattr(cli, "flwr", fake_flwr)
-    monkeypatch.setattr(
-        cli,
-        "run_status",
-        lambda *a: {"status": "finished:failed", "status-details": ""},
-    )
+    commands = _flower_whose_runs_fail(monkeypatch)
     path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
     code = main(
         [
@@ -586,36 +587,21 @@ def _fake_suite_run(tmp_path, monkeypatch, cpus, gpus, *flags):
     that were running at once)."""
     import threading
 
-    from fedadapt.tools import submission as cli
+    lock, running = threading.Lock(), {"now": 0, "most": 0}
 
-    configs, lock = [], threading.Lock()
-    running = {"now": 0, "most": 0}
+    def one_run_lasts_a_while():
+        with lock:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+        time.sleep(0.3)
+        with lock:
+            running["now"] -= 1
 
-    def fake_flwr(args, env, **kw):
-        if args[0] == "run":
-            with lock:
-                configs.append(args[args.index("--federation-config") + 1])
-                running["now"] += 1
-                running["most"] = max(running["most"], running["now"])
-            time.sleep(0.3)
-            with lock:
-                running["now"] -= 1
-            return json.dumps({"run-id": len(configs)})
-        if args[0] == "log":  # a failed run's log is fetched
-            return ""
-        raise AssertionError(args)
-
-    cluster = fake_ray(monkeypatch, cpus, gpus)
-    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
-    monkeypatch.setattr(cli, "flwr", fake_flwr)
-    monkeypatch.setattr(
-        cli,
-        "run_status",
-        lambda *a: {"status": "finished:failed", "status-details": ""},
-    )
+    commands = _flower_whose_runs_fail(monkeypatch, cpus, gpus, one_run_lasts_a_while)
     path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
     code = main(["run", str(path), "--output", str(tmp_path / "out"), *flags])
-    return code, configs, cluster, running["most"]
+    configs = [c[c.index("--federation-config") + 1] for c in commands]
+    return code, configs, commands.cluster, running["most"]
 
 
 def test_a_suite_starts_its_clusters_once_not_once_per_cell(tmp_path, monkeypatch):
@@ -732,19 +718,8 @@ def test_each_slot_has_its_own_superlink_home(tmp_path, monkeypatch):
             super().__init__(flwr_home, *args, **kwargs)
             homes.append(flwr_home)
 
-    def fake_flwr(args, env, **kw):
-        if args[0] == "run":
-            return json.dumps({"run-id": 1})
-        return ""
-
-    fake_ray(monkeypatch, 12, 0)
+    _flower_whose_runs_fail(monkeypatch, 12, 0)
     monkeypatch.setattr(cli, "SimulationSuperLink", Recording)
-    monkeypatch.setattr(cli, "flwr", fake_flwr)
-    monkeypatch.setattr(
-        cli,
-        "run_status",
-        lambda *a: {"status": "finished:failed", "status-details": ""},
-    )
     path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
     main(["run", str(path), "--output", str(tmp_path / "out"),
           "--federation-config", "client-resources-num-cpus=1"])  # fmt: skip
