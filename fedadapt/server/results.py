@@ -103,6 +103,32 @@ def model_round(entry: Mapping[str, Any]) -> int:
 _ROUNDS_MARK = "\x00fedadapt-rounds\x00"
 
 
+class StartupPhases:
+    """Seconds each step of a ServerApp's start-up took (results.json ``startup``).
+
+    ``process_to_main``: the ServerApp process's age when its ``main`` began
+    (interpreter, Flower's own start, the app's imports; Linux's /proc, else
+    None); then each :meth:`done` step, timed from the one before. Issue
+    #39: a cell's start-up is its wall time minus its rounds, and this says
+    which part of it is the ServerApp's own.
+    """
+
+    def __init__(self) -> None:
+        from fedadapt.client.process_info import process_age_s
+
+        age = process_age_s()
+        self.seconds: dict[str, float | None] = {
+            "process_to_main": None if age is None else round(age, 3)
+        }
+        self._last = time.monotonic()
+
+    def done(self, step: str) -> None:
+        """Record ``step`` as ended now."""
+        now = time.monotonic()
+        self.seconds[step] = round(now - self._last, 3)
+        self._last = now
+
+
 class RunRecorder:
     """Collects per-round records and writes them as JSON and plots."""
 
@@ -181,6 +207,11 @@ class RunRecorder:
             step = int(scores["model-round"])
             group = "final_federated_eval"
             self._track("log_round", step, round_metrics({group: scores}, (group,)))
+
+    def record_startup(self, seconds: Mapping[str, float | None]) -> None:
+        """Record the ServerApp's start-up steps (:class:`StartupPhases`)."""
+        self.data["startup"] = dict(seconds)
+        self.write()
 
     def record_initial(self, evaluation: Mapping[str, float] | None) -> None:
         """Record the central evaluation of the initial model (round 0)."""

@@ -35,6 +35,7 @@ from fedadapt.server.partition_query import (
     Refused,
     query_partition_ids,
 )
+from fedadapt.server.results import StartupPhases
 from fedadapt.server.run import (
     RoundHook,
     central_evaluator,
@@ -213,6 +214,7 @@ def main(grid: Grid, context: Context) -> None:
     ``model-round``), and one evaluate exchange after the last round scores
     the final model (``final_federated_eval``).
     """
+    phases = StartupPhases()
     log_user_errors_in_one_line()
     cfg = validate_run_config(context.run_config)
     if cfg["secure-aggregation"] == "secagg+":
@@ -225,18 +227,29 @@ def main(grid: Grid, context: Context) -> None:
         return
     check_names(cfg)
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
+    phases.done("config")
     try:
-        _run(grid, context, cfg, folder)
+        _run(grid, context, cfg, folder, phases)
     finally:
         folder.release()  # also when the run fails before results.json
 
 
-def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -> None:
-    """Run :func:`main`'s rounds in its claimed ``folder``."""
+def _run(
+    grid: Grid,
+    context: Context,
+    cfg: dict[str, Any],
+    folder: RunFolder,
+    phases: StartupPhases,
+) -> None:
+    """Run :func:`main`'s rounds in its claimed ``folder``.
+
+    ``phases`` times the start-up (results.json ``startup``).
+    """
     task = TASKS.get(cfg["task"])
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     # loads the test set (data checked now); None: central evaluation off
     evaluate = central_evaluator(task, cfg)
+    phases.done("central_data")
     simulation = isinstance(grid, InMemoryGrid)
     # deployment: every exchange (train, evaluate) waits for its replies with
     # a short, backing-off pull instead of Flower's fixed 3 s (#40); the
@@ -247,6 +260,7 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
     )
     if simulation:  # one federation, one data-dir: check the split feeds it
         check_partition(task, cfg, num_nodes)
+    phases.done("nodes")
     if cfg["clients-per-round"] == 0:
         log(
             logging.INFO,
@@ -263,15 +277,18 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         round_offset=first_round,
         deployment=not simulation,  # federated-eval-exchange=auto: with-train
     )
+    phases.done("strategy")
     wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])
     if cfg["seeded-sampling"] and any(0 < k < num_nodes for k in wanted):
         # a real sample: order the nodes by partition-id (all of them, or fail)
         strategy.node_keys = node_partitions(grid, cfg["round-timeout"])
+    phases.done("partition_query")
     state = initial_state(task, cfg)
     if resume is not None:
         state = resume["arrays"]
         strategy.load_state_dict(resume["strategy"])
     initial = ArrayRecord({k: Array(v) for k, v in state.items()})
+    phases.done("initial_model")
 
     recorder = open_recorder(
         folder, cfg, context.run_id, previous=resume["results"] if resume else None
@@ -291,8 +308,13 @@ def _run(grid: Grid, context: Context, cfg: dict[str, Any], folder: RunFolder) -
         latest=lambda: _numpy(strategy.training_arrays or initial),
     )
 
+    phases.done("recorder")
+
     def on_round_end(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         scores = hook(server_round, _numpy(arrays))
+        if "startup" not in recorder.data:  # the first call: the initial model's
+            phases.done("initial_evaluation")
+            recorder.record_startup(phases.seconds)
         return MetricRecord(scores) if scores else None
 
     try:

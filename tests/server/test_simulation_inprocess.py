@@ -54,6 +54,15 @@ def test_three_clients_three_rounds_learn(tmp_path):
     assert test_losses == sorted(test_losses, reverse=True), test_losses
     assert rounds[-1]["train"]["train-loss"] < rounds[0]["train"]["train-loss"]
     assert (tmp_path / "inproc" / "curves.png").stat().st_size > 5000
+    # the ServerApp's start-up, step by step (#39: which part of a cell's
+    # start-up is ours); here the "process" is pytest's own, so only > 0
+    startup = data["startup"]
+    assert list(startup) == [
+        "process_to_main", "config", "central_data", "nodes", "strategy",
+        "partition_query", "initial_model", "recorder", "initial_evaluation",
+    ]  # fmt: skip
+    assert all(isinstance(v, float) and v >= 0 for v in startup.values()), startup
+    assert startup["process_to_main"] > 0
 
 
 @pytest.mark.parametrize(
