@@ -18,6 +18,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ __all__ = [
     "SuperLinkTarget",
     "fetch_failure_log",
     "free_port",
+    "lean_app",
     "run_log",
     "settle_run",
     "submit_run",
@@ -408,6 +410,54 @@ class RunOutcome:
         return self.status == "finished:completed" and not self.problems
 
 
+#: Characters that make a path pattern's first component match more than one name.
+_WILDCARDS = frozenset("*?[!\\")
+
+
+def lean_app(app: Path, into: Path) -> Path:
+    """Copy into ``into`` only what ``app``'s FAB can hold; return the folder to run.
+
+    ``flwr run APP`` (Flower 1.41/1.42) builds the FAB by walking every file
+    under ``APP`` and matching each against the app's patterns, so a
+    checkout's ``.venv``, ``build`` and ``outputs`` (tens of thousands of
+    files, growing with every suite run) cost each submission about 10 s on
+    2 cores (the minimal Flower app's folder: 1 s): issue #39's start-up
+    breakdown. With ``fab-include`` patterns whose first component is a
+    plain name (fedadapt's: ``fedadapt/**/*.py``, ``LICENSE``) nothing else
+    can be in the FAB, so those entries, ``pyproject.toml`` and
+    ``.gitignore`` are copied (symlinks as links, which Flower skips, as it
+    does in ``APP``) and Flower builds the same FAB from the copy, byte for
+    byte (tests/tools/test_lean_app.py). Without such patterns (none, or one
+    that starts with a wildcard) ``app`` itself is returned, untouched.
+    """
+    import shutil
+    import tomllib
+
+    try:
+        config = tomllib.loads((app / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return app
+    patterns = config.get("tool", {}).get("flwr", {}).get("app", {}).get("fab-include")
+    if not isinstance(patterns, list) or not patterns:
+        return app
+    roots = set()
+    for pattern in patterns:
+        first = str(pattern).lstrip("/").split("/", 1)[0]
+        if not first or first in (".", "..") or _WILDCARDS & set(first):
+            return app
+        roots.add(first)
+    into.mkdir(parents=True, exist_ok=True)
+    for name in sorted(roots | {"pyproject.toml", ".gitignore"}):
+        source = app / name
+        if source.is_symlink() or not source.exists():
+            continue
+        if source.is_dir():
+            shutil.copytree(source, into / name, symlinks=True)
+        else:
+            shutil.copy2(source, into / name)
+    return into
+
+
 def submit_run(
     superlink: SuperLinkTarget,
     app: Path,
@@ -454,12 +504,15 @@ def submit_run(
         superlink.flwr_home, conn, superlink.address, superlink.root_certificates
     )
     run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
-    command = ["run", str(app), conn, "--format", "json", "--run-config", run_config]
-    if superlink.simulation:
-        federation = f"num-supernodes={num_supernodes} {federation_config}"
-        command += ["--federation-config", federation.strip()]
     started, submitted_at = time.monotonic(), time.time()
-    submitted = json.loads(flwr(command, env))
+    with tempfile.TemporaryDirectory(prefix="app-", dir=superlink.flwr_home) as lean:
+        built_from = lean_app(Path(app), Path(lean) / "app")
+        command = ["run", str(built_from), conn, "--format", "json"]
+        command += ["--run-config", run_config]
+        if superlink.simulation:
+            federation = f"num-supernodes={num_supernodes} {federation_config}"
+            command += ["--federation-config", federation.strip()]
+        submitted = json.loads(flwr(command, env))
     if "run-id" not in submitted:  # Flower's {"success": false, "error-message"}
         reason = submitted.get("error-message") or json.dumps(submitted)
         raise RuntimeError(f"Flower refused the run:\n{reason.strip()}")
