@@ -7,6 +7,8 @@ the FAB built from the app folder itself, byte for byte.
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
@@ -91,3 +93,33 @@ def test_fedadapts_own_fab_is_the_same_from_the_lean_copy(tmp_path):
     lean = lean_app(ROOT, tmp_path / "lean")
     assert lean != ROOT
     assert _sha(build_fab_from_disk(lean)) == _sha(build_fab_from_disk(ROOT))
+
+
+def test_a_submission_hands_flwr_run_the_lean_copy_and_removes_it(
+    tmp_path, monkeypatch
+):
+    from fedadapt.tools import submission
+    from tests.helpers import FakeSuperLink
+
+    app = _toy_app(tmp_path / "app")
+    seen = {}
+
+    def fake_flwr(args, env, **kw):
+        given = Path(args[1])
+        seen["app"] = given
+        seen["files"] = sorted(
+            p.relative_to(given).as_posix() for p in given.rglob("*") if p.is_file()
+        )
+        return json.dumps({"success": False, "error-message": "refused here"})
+
+    monkeypatch.setattr(submission, "flwr", fake_flwr)
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.raises(RuntimeError, match="refused here"):
+        submission.submit_run(
+            FakeSuperLink(home), app, {"output-dir": str(tmp_path / "out")}, 3, 10.0
+        )
+    assert seen["app"] != app and seen["app"].is_relative_to(home)
+    assert "pkg/server.py" in seen["files"]
+    assert not any(f.startswith((".venv", "outputs", "docs")) for f in seen["files"])
+    assert not seen["app"].exists()  # the copy goes once Flower has built the FAB
