@@ -170,6 +170,28 @@ def _acc_dtype(x_t: NDArray[Any]) -> np.dtype[Any]:
 SUM_BLOCK = 1 << 16
 
 
+def _client_differences(
+    x_t: NDArray[Any], columns: Sequence[NDArray[Any]]
+) -> Iterator[tuple[slice, int, NDArray[Any]]]:
+    """Yield (block, i, x_i − x_t over the block), block by block.
+
+    Every client in turn per block, so x_t, a running result and the one
+    scratch block stay in cache (memory traffic: one read of each client
+    array). The difference lives in that scratch block, overwritten by the
+    next yield.
+    """
+    flat_x = np.ascontiguousarray(x_t).reshape(-1)
+    flat_cols = [np.ascontiguousarray(c).reshape(-1) for c in columns]
+    size = flat_x.size
+    scratch = np.empty(min(size, SUM_BLOCK), dtype=_acc_dtype(x_t))
+    for lo in range(0, size, SUM_BLOCK):
+        hi = min(lo + SUM_BLOCK, size)
+        block, x_block, delta = slice(lo, hi), flat_x[lo:hi], scratch[: hi - lo]
+        for i, column in enumerate(flat_cols):
+            np.subtract(column[lo:hi], x_block, out=delta)
+            yield block, i, delta
+
+
 def _weighted_sum(
     x_t: NDArray[Any],
     columns: Sequence[NDArray[Any]],
@@ -180,29 +202,21 @@ def _weighted_sum(
 
     ``columns[i]`` is client i's array for the key. Weighted *differences*
     (better accuracy than Σω_i x_i − x_t when updates are small relative to
-    the weights) are formed block by block, every client's block in turn, so
-    the sum, x_t and the one scratch block stay in cache: memory traffic is
-    one read of each client array, as for a plain sum. Per element the
-    arithmetic is the same in the same order as a whole-array loop; each
-    ‖Δ_i‖² is summed from per-block float32 dot products in float64.
-    Python-float weights keep float32 arrays float32 (NumPy 2 would promote
-    them with np.float64).
+    the weights) are formed block by block (:func:`_client_differences`).
+    Per element the arithmetic is the same in the same order as a
+    whole-array loop; each ‖Δ_i‖² is summed from per-block float32 dot
+    products in float64. Python-float weights keep float32 arrays float32
+    (NumPy 2 would promote them with np.float64).
     """
+    if len(weights) != len(columns):
+        raise ValueError(f"{len(weights)} weights for {len(columns)} clients")
     acc = np.zeros(x_t.shape, dtype=_acc_dtype(x_t))
     flat_acc = acc.reshape(-1)
-    flat_x = np.ascontiguousarray(x_t).reshape(-1)
-    flat_cols = [np.ascontiguousarray(c).reshape(-1) for c in columns]
-    size = flat_acc.size
-    scratch = np.empty(min(size, SUM_BLOCK), dtype=acc.dtype)
-    for lo in range(0, size, SUM_BLOCK):
-        hi = min(lo + SUM_BLOCK, size)
-        block, x_block, delta = flat_acc[lo:hi], flat_x[lo:hi], scratch[: hi - lo]
-        for i, (column, w) in enumerate(zip(flat_cols, weights, strict=True)):
-            np.subtract(column[lo:hi], x_block, out=delta)
-            if norms is not None:
-                norms[i] += float(np.vdot(delta, delta))
-            delta *= w
-            block += delta
+    for block, i, delta in _client_differences(x_t, columns):
+        if norms is not None:
+            norms[i] += float(np.vdot(delta, delta))
+        delta *= weights[i]
+        flat_acc[block] += delta
     return acc
 
 
@@ -329,21 +343,14 @@ def _dots_with(
 ) -> NDArray[Any]:
     """Return ⟨x_i − x_t, d⟩ per client over ``keys`` (float64 totals).
 
-    Block by block as :func:`_weighted_sum`, so no client's difference is
-    held whole.
+    Block by block (:func:`_client_differences`), so no client's difference
+    is held whole.
     """
     dots = np.zeros(len(clients))
     for k in keys:
-        flat_x = np.ascontiguousarray(current[k]).reshape(-1)
         flat_d = np.ascontiguousarray(direction[k]).reshape(-1)
-        scratch = np.empty(min(flat_x.size, SUM_BLOCK), dtype=_acc_dtype(current[k]))
-        for i, client in enumerate(clients):
-            column = np.ascontiguousarray(client[k]).reshape(-1)
-            for lo in range(0, flat_x.size, SUM_BLOCK):
-                hi = min(lo + SUM_BLOCK, flat_x.size)
-                delta = scratch[: hi - lo]
-                np.subtract(column[lo:hi], flat_x[lo:hi], out=delta)
-                dots[i] += float(np.vdot(delta, flat_d[lo:hi]))
+        for block, i, delta in _client_differences(current[k], [c[k] for c in clients]):
+            dots[i] += float(np.vdot(delta, flat_d[block]))
     return dots
 
 
