@@ -448,18 +448,56 @@ PLACEMENT_KEYS = frozenset(
 )  # fmt: skip
 
 
+def app_run_config(app: Path | None) -> dict[str, Any]:
+    """Return the run config ``app`` declares (pyproject's ``[tool.flwr.app.config]``).
+
+    Flower gives a run these values under the suite's overrides. Nested
+    tables become dotted keys, as Flower flattens them; {} when there is no
+    readable pyproject.toml (then the library's defaults stand in).
+    """
+    import tomllib
+
+    if app is None:
+        return {}
+    try:
+        table = tomllib.loads((app / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    config = table.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(f"{prefix}{key}.", value)
+            else:
+                flat[prefix + key] = value
+
+    walk("", config if isinstance(config, Mapping) else {})
+    return flat
+
+
 def config_changes(
-    recorded: Mapping[str, Any], overrides: Mapping[str, Any]
+    recorded: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    app_config: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """List what differs between a results.json's ``config`` and a cell's now.
 
-    The cell's config is ``overrides`` resolved as the ServerApp resolves
-    them (every default filled in), so a default changed since the results
-    were made counts, e.g. ``max-contribution-ratio: absent -> 2.0``. Keys
-    of :data:`PLACEMENT_KEYS` are left out. Empty: the same run.
+    The cell's config is ``overrides`` over the app's declared run config
+    (``app_config``, :func:`app_run_config`), resolved as the ServerApp
+    resolves them (every default filled in), so a default changed since the
+    results were made counts, e.g. ``max-contribution-ratio: absent -> 2.0``.
+    Keys of :data:`PLACEMENT_KEYS` are left out. Empty: the same run, or a
+    config this version cannot resolve (an app with keys of its own): such
+    results cannot be compared and stand, as before this check existed.
     """
+    try:
+        resolved = validate_run_config({**(app_config or {}), **overrides})
+    except (ConfigError, ValueError, TypeError):
+        return []
     # the JSON round trip makes tuples lists, as in the recorded file
-    now = json.loads(json.dumps(dict(validate_run_config(overrides)), default=str))
+    now = json.loads(json.dumps(dict(resolved), default=str))
     absent = object()
     changes = []
     for key in sorted((set(recorded) | set(now)) - PLACEMENT_KEYS):
@@ -471,12 +509,16 @@ def config_changes(
 
 
 def cell_done(
-    results: Path, rounds: int, overrides: Mapping[str, Any] | None = None
+    results: Path,
+    rounds: int,
+    overrides: Mapping[str, Any] | None = None,
+    app_config: Mapping[str, Any] | None = None,
 ) -> bool:
     """Whether a cell's results.json says it completed all its rounds.
 
-    With ``overrides`` (the cell's run config), also that it was made with
-    that config (:func:`stale_reason`).
+    With ``overrides`` (the cell's run config, over the app's declared
+    ``app_config``), also that it was made with that config
+    (:func:`stale_reason`).
     """
     try:
         data = json.loads(results.read_text())
@@ -484,10 +526,14 @@ def cell_done(
         return False
     if data.get("status") != "completed" or len(data.get("rounds", [])) != rounds:
         return False
-    return overrides is None or stale_reason(data, overrides) is None
+    return overrides is None or stale_reason(data, overrides, app_config) is None
 
 
-def stale_reason(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> str | None:
+def stale_reason(
+    data: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    app_config: Mapping[str, Any] | None = None,
+) -> str | None:
     """Say why a results.json (``data``) is not the cell ``overrides`` asks for.
 
     None when it is. A file without a recorded ``config`` (made by hand, or
@@ -496,7 +542,7 @@ def stale_reason(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> str |
     recorded = data.get("config")
     if not isinstance(recorded, Mapping):
         return None
-    changes = config_changes(recorded, overrides)
+    changes = config_changes(recorded, overrides, app_config)
     if not changes:
         return None
     shown = "; ".join(changes[:3]) + (
@@ -549,13 +595,16 @@ def run_suite(
     out = (output_root / suite.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cells = suite.cells(out)
+    declared = app_run_config(app)
     todo = [
         c
         for c in cells
-        if not cell_done(out / c.run_name / "results.json", suite.rounds, c.overrides)
+        if not cell_done(
+            out / c.run_name / "results.json", suite.rounds, c.overrides, declared
+        )
     ]
     for cell in todo:  # a completed cell is redone only for a stated reason
-        entry = failed_cell(cell, out / cell.run_name, suite.rounds)
+        entry = failed_cell(cell, out / cell.run_name, suite.rounds, declared)
         if entry["status"] == "stale":
             print(f"{cell.run_name}: redone, {entry['error']}", flush=True)
     print(
@@ -804,16 +853,23 @@ def _speedups(
     ]
 
 
-def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
-    """Per method: every grid point's final metric over seeds, and the best."""
+def summarise(
+    suite: Suite, output_root: Path, app: Path | None = None
+) -> dict[str, Any]:
+    """Per method: every grid point's final metric over seeds, and the best.
+
+    A cell made with another config than the cell's now over ``app``'s
+    declared run config is listed as ``stale``, not summarised.
+    """
     out = output_root / suite.name
+    declared = app_run_config(app)
     better = min if METRICS[suite.metric] == "min" else max
     methods: dict[str, Any] = {}
     failed: list[dict[str, Any]] = []
     for cell in suite.cells(out):
         path = out / cell.run_name / "results.json"
-        if not cell_done(path, suite.rounds, cell.overrides):
-            failed.append(failed_cell(cell, path.parent, suite.rounds))
+        if not cell_done(path, suite.rounds, cell.overrides, declared):
+            failed.append(failed_cell(cell, path.parent, suite.rounds, declared))
             continue
         results = json.loads(path.read_text())
         series = _series(results, suite.metric)
@@ -863,7 +919,12 @@ def summarise(suite: Suite, output_root: Path) -> dict[str, Any]:
     return summary
 
 
-def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
+def failed_cell(
+    cell: Cell,
+    run_dir: Path,
+    rounds: int,
+    app_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Describe a cell that did not complete: its status and why.
 
     ``status`` is results.json's (``failed``, ``stopped``; ``unfinished``
@@ -903,7 +964,9 @@ def failed_cell(cell: Cell, run_dir: Path, rounds: int) -> dict[str, Any]:
     elif status == "completed" and done != rounds:
         status = "unfinished"
         error = error or f"completed {done} of {rounds} rounds"
-    elif status == "completed" and (stale := stale_reason(data, cell.overrides)):
+    elif status == "completed" and (
+        stale := stale_reason(data, cell.overrides, app_config)
+    ):
         status, error = "stale", stale
     return {**entry, "status": status, "rounds": done, "error": error}
 
@@ -1121,11 +1184,16 @@ def plot_report(suite: Suite, summary: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(suite: Suite, output_root: Path) -> dict[str, Any]:
-    """Write report.md, report.json and report.png; return the summary."""
+def write_report(
+    suite: Suite, output_root: Path, app: Path | None = None
+) -> dict[str, Any]:
+    """Write report.md, report.json and report.png; return the summary.
+
+    ``app``: the app the cells ran (its declared run config, :func:`summarise`).
+    """
     out = output_root / suite.name
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(suite, output_root)
+    summary = summarise(suite, output_root, app)
     spread_text = (
         f"mean ± std over seeds {suite.seeds}"
         if len(suite.seeds) > 1
@@ -1300,7 +1368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if failed:
             return 1
-    summary = write_report(suite, output)
+    summary = write_report(suite, output, args.app.resolve())
     print((output / suite.name / "report.md").read_text())
     print(f"plot: {output / suite.name / 'report.png'}")
     if args.check and any(

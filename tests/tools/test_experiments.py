@@ -422,6 +422,35 @@ def test_a_cell_made_with_another_config_is_stale_not_done(tmp_path):
     assert list(summary["methods"]) == ["sgd"]  # the current cell's numbers only
 
 
+def test_an_apps_own_declared_defaults_are_what_the_cells_are_compared_with(
+    tmp_path,
+):
+    """A user's app whose pyproject declares another default (a nested table,
+    as TOML allows) ran each cell with it: not stale. A key this version of
+    fedadapt does not know cannot be resolved: the results stand."""
+    from fedadapt.tools.experiments import app_run_config, stale_reason
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text(
+        "[tool.flwr.app.config]\ndirichlet-alpha = 0.3\n"
+        '[tool.flwr.app.config.fedavg]\nweighting = "uniform"\n'
+    )
+    declared = app_run_config(app)
+    assert declared == {"dirichlet-alpha": 0.3, "fedavg.weighting": "uniform"}
+    suite = load_suite(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]")))
+    cell = suite.cells(tmp_path / "out" / "tiny")[0]
+    _results_as_made(
+        tmp_path / "ran", {**declared, **cell.overrides}
+    )  # what Flower gave the run
+    data = json.loads((tmp_path / "ran" / "results.json").read_text())
+    assert stale_reason(data, cell.overrides, declared) is None
+    # compared with the library's defaults instead, both keys differ
+    assert "dirichlet-alpha: 0.3 -> 0.5" in stale_reason(data, cell.overrides)
+    assert stale_reason(data, cell.overrides, {**declared, "own-key": 1}) is None
+    assert app_run_config(tmp_path / "nowhere") == {}
+
+
 def test_a_suite_run_redoes_stale_cells_and_says_why(tmp_path, monkeypatch, capsys):
 
     suite = load_suite(_write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]")))
