@@ -125,3 +125,26 @@ def test_installed_flower_has_the_loop_this_module_patches():
         assert real.time is time
     finally:
         del sys.modules["_fedadapt_test_sci_copy"]
+
+
+def test_the_supernode_starts_with_the_short_object_pull_retry(monkeypatch):
+    """fedadapt-supernode retries a message's missing objects after 0.05 s
+    from its first message on (fedadapt.server.object_pull; Flower: 1 s)."""
+    import flwr.supernode.cli
+    from flwr.supercore.inflatable import inflatable_utils
+
+    retry = inflatable_utils.pull_objects.__kwdefaults__
+    monkeypatch.setitem(retry, "initial_backoff", 1)  # Flower's
+    seen = {}
+
+    def flower_supernode():  # stands in for Flower's, which would run forever
+        seen["argv"] = list(sys.argv)
+        seen["retry"] = retry["initial_backoff"]
+
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", flower_supernode)
+    monkeypatch.setenv(supernode.PARTS_ENV, "")  # leave Flower's loop alone here
+    # main() gives its logger a handler and stops propagation: undo after
+    monkeypatch.setattr(supernode.LOGGER, "handlers", [])
+    monkeypatch.setattr(supernode.LOGGER, "propagate", True)
+    supernode.main(["--insecure"])
+    assert seen == {"argv": ["flower-supernode", "--insecure"], "retry": 0.05}
