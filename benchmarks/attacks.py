@@ -42,6 +42,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._output import write_json  # noqa: E402
-from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
+from fedadapt.attacks import ATTACKS, UNDER_BOUND, RoundView, craft  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
+from fedadapt.server.run import server_validation_loss  # noqa: E402
 from fedadapt.server.strategy_factory import (  # noqa: E402
     build_rule,
     secagg_settings,
@@ -62,9 +64,15 @@ from fedadapt.strategies.core import RoundStatistics  # noqa: E402
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
+    round_statistics,
 )
+from fedadapt.strategies.core.influence import negative_influence  # noqa: E402
 from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
-from fedadapt.strategies.screening import TrainReply, screen  # noqa: E402
+from fedadapt.strategies.screening import (  # noqa: E402
+    TrainReply,
+    canonical_order,
+    screen,
+)
 from fedadapt.strategies.secagg import (  # noqa: E402
     SecAggPlusSettings,
     aggregate_problem,
@@ -75,6 +83,7 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     next_weight_cap,
     rotated_indices,
 )
+from fedadapt.tasks import TASKS  # noqa: E402
 
 Arrays = dict[str, np.ndarray]
 
@@ -119,6 +128,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "clip-median-wcap2-guard": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                                 "aggregation": "mean", "max_weight_ratio": 2.0,
                                 "step_guard": True},
+    # the influence screen (RONI) on top of the default
+    "influence": {},
     "median": {"aggregation": "median"},
     "trimmed-mean": {"aggregation": "trimmed_mean"},
     "krum": {"aggregation": "krum"},
@@ -135,6 +146,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
 
 #: Defences that are run-config settings rather than aggregation options.
 DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
+    "influence": {"validation-size": 200},
     "secagg+": {"secure-aggregation": "secagg+"},
     # before the rotated block: a reply bounded only by c per coordinate
     "secagg+-unrotated": {"secure-aggregation": "secagg+",
@@ -171,6 +183,8 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_contribution_ratio": trust["max_contribution_ratio"],
         "project_opposing": trust["project_opposing"],
         "step_guard": trust["step_guard"],
+        "validation_loss": None,  # run_grid's, with validation-size > 0
+        "influence_tolerance": cfg["influence-tolerance"],
     }
 
 
@@ -297,21 +311,11 @@ def federate(
             bound = next_norm_bound(bound, mean_sq, cfg["max-update-norm"],
                                     cfg["max-update-norm-ratio"], median)  # fmt: skip
             continue
-        candidates = []
-        for i in range(NUM_CLIENTS):
-            delta, claims = sent[i]
-            arrays = {
-                k: (x[k] + delta[k]).astype(x[k].dtype)
-                if x[k].dtype.kind == "f"
-                else (x[k] + np.rint(delta[k])).astype(x[k].dtype)
-                for k in x
-            }
-            metrics = {
-                weight_key: examples[i],
-                "update-sq-norm": _sq(delta),
-                **claims,
-            }
-            candidates.append(TrainReply(i, metrics, arrays=arrays))
+        if attack and hostile and options.get("validation_loss") is not None:
+            scale = influence_scale(rule, options, x, sent, examples, hostile)
+            for i in hostile:
+                sent[i] = ({k: v * scale for k, v in sent[i][0].items()}, sent[i][1])
+        candidates = replies(x, sent, examples)
         label = f"round {server_round}"
         valid, report = screen(candidates, x, weight_key, label,
                                weight_optional=rule.weighting == "uniform")  # fmt: skip
@@ -326,6 +330,79 @@ def federate(
     if secure:
         counts["refused-rounds"] = refused
     return reported, counts
+
+
+def replies(
+    x: Arrays, sent: Mapping[int, tuple[Arrays, Mapping[str, float]]], examples: list
+) -> list[TrainReply]:
+    """The train replies of a round: client i sends x + Δ_i and its claims."""
+    candidates = []
+    for i in range(NUM_CLIENTS):
+        delta, claims = sent[i]
+        arrays = {
+            k: (x[k] + delta[k]).astype(x[k].dtype)
+            if x[k].dtype.kind == "f"
+            else (x[k] + np.rint(delta[k])).astype(x[k].dtype)
+            for k in x
+        }
+        metrics = {"num-examples": examples[i], "update-sq-norm": _sq(delta), **claims}
+        candidates.append(TrainReply(i, metrics, arrays=arrays))
+    return candidates
+
+
+#: round_statistics' keywords among apply_rule's (the defence's aggregation)
+STATISTICS_OPTIONS = (
+    "max_norm", "max_norm_ratio", "aggregation", "trim_fraction", "clip_mode",
+    "max_weight_ratio", "max_contribution_ratio", "project_opposing",
+)  # fmt: skip
+
+
+def influence_scale(
+    rule: Any,
+    options: Mapping[str, Any],
+    x: Arrays,
+    sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
+    examples: list,
+    hostile: Sequence[int],
+    steps: int = 12,
+) -> float:
+    """How far the hostile clients scale their replies to pass the influence screen.
+
+    The attacker knows the screen, its tolerance and (the strongest case)
+    the server's validation set: it sends c·Δ with the largest c in [0, 1]
+    (bisection) at which the screen measures every hostile reply's
+    influence at most 99 % of the tolerance, so it is never rejected while
+    pushing as hard as the screen allows.
+    """
+    tolerance = float(options["influence_tolerance"])
+
+    def worst(c: float) -> float:
+        scaled = dict(sent)
+        for i in hostile:
+            scaled[i] = ({k: v * c for k, v in sent[i][0].items()}, sent[i][1])
+        ordered = canonical_order(replies(x, scaled, examples), "num-examples")
+        stats = round_statistics(
+            rule, x, [r.arrays for r in ordered],
+            [float(r.metrics["num-examples"]) for r in ordered], None,
+            step_guard=True, **{k: options[k] for k in STATISTICS_OPTIONS},
+        )  # fmt: skip
+        if stats.without_each is None:
+            return -math.inf
+        loss = options["validation_loss"]
+        measured = negative_influence(
+            x, stats.mean_update, stats.without_each, loss, tolerance
+        )
+        return max(v for r, v in zip(ordered, measured.influence, strict=True)
+                   if r.node in hostile)  # fmt: skip
+
+    target = UNDER_BOUND * tolerance
+    if worst(1.0) <= target:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (middle, high) if worst(middle) <= target else (low, middle)
+    return low
 
 
 def _clip_to(delta: Arrays, bound: float) -> Arrays:
@@ -443,6 +520,8 @@ def _sq(delta: Mapping[str, np.ndarray]) -> float:
 
 DIM = 20
 SAMPLES = 40
+#: rows of each client's data the server holds under the influence screen
+VALIDATION_ROWS = 4
 LOCAL_STEPS = 5
 CLIENT_LR = 0.05
 
@@ -551,8 +630,16 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
 
                     def metric(x: Arrays, data: Any = data) -> float:
                         return harness_loss(data, x)
+
+                    if cfg["validation-size"]:  # the server's rows: a few per client
+                        held = [(m[:VALIDATION_ROWS], y[:VALIDATION_ROWS])
+                                for m, y in data]  # fmt: skip
+                        options["validation_loss"] = partial(harness_loss, held)
                 else:
                     x0, train, metric = task_setup(cfg)
+                    options["validation_loss"] = server_validation_loss(
+                        TASKS.get(task), cfg
+                    )
                 honest, _ = federate(
                     cfg, options, x0, train, args.rounds, None, (), seed
                 )

@@ -291,6 +291,22 @@ _RUN_KEYS: tuple[Key, ...] = (
         "each, honest updates oppose one another and it moved honest runs by up "
         "to 6 points. clients.jsonl has each reply's consensus_cos. Inactive with "
         "secure-aggregation and robust aggregation. docs/robustness.md."),
+    Key("validation-size", 0, "Influence screen (RONI, reject on negative "
+        "influence): the server holds this many examples, drawn with the run's seed "
+        "from the task's training pool (or validation-data-path), and rejects a "
+        "reply whose presence raises their loss under the round's mean update by "
+        "more than influence-tolerance. Judges what an update does, not its size: "
+        "a client reversing its own update at its own norm and weight cost FedAvg "
+        "8 points on non-IID digits under every bound. 0 = off; inactive with "
+        "secure-aggregation and robust aggregation. docs/robustness.md.",
+        minimum=0),
+    Key("influence-tolerance", 0.01, "How much (relative) one reply may raise the "
+        "validation loss of the round's aggregate before the influence screen "
+        "rejects it (validation-size > 0).", minimum=0.0),
+    Key("validation-data-path", "", "The influence screen's validation data: a "
+        "server-side dataset (npz, Hugging Face save_to_disk or image folder, as a "
+        "node's data-path; its train split) instead of a sample of the task's "
+        "training pool; validation-size examples of it are used. An absolute path."),
     Key("step-guard", True, "FedExP/FedExPM/FedDuA: cap the server step size at "
         "the smallest one the round gives without any one client (leave-one-out), "
         "so no single client raises the extrapolation. Inactive with "

@@ -58,6 +58,7 @@ from fedadapt.server.run import (
     record_end,
     record_local_update,
     save_final_model,
+    server_validation_loss,
 )
 from fedadapt.server.strategy_factory import build_strategy
 from fedadapt.strategies import wire
@@ -119,6 +120,7 @@ def server_fn(context: Context) -> ServerAppComponents:
         on_fit_config_fn=fit_config,
         fit_metrics_aggregation_fn=weighted_mean,
         evaluate_metrics_aggregation_fn=weighted_mean,
+        validation_loss=server_validation_loss(task, cfg),
     )
     folder = claim_output_folder(cfg, context.run_id)  # a live run's folder: fail now
     recorder = open_recorder(folder, cfg, context.run_id)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.common.logger import log
+from torch.utils.data import TensorDataset
 
 from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
@@ -23,7 +24,11 @@ from fedadapt.server.tracking import check_tracker, open_tracker
 from fedadapt.strategies.adapter import FederationFailedError
 from fedadapt.tasks import Task, evaluate_model, pick_device
 from fedadapt.tasks.datasets import DatasetCorruptError, DatasetMissingError
-from fedadapt.tasks.node_data import NodeDataError, load_evaluation_set
+from fedadapt.tasks.node_data import (
+    NodeDataError,
+    load_evaluation_set,
+    load_validation_set,
+)
 
 EVAL_BATCH_SIZE = 512
 State = dict[str, np.ndarray]
@@ -214,6 +219,64 @@ def central_evaluator(
         return evaluate_model(task, model, test_set, EVAL_BATCH_SIZE, device)
 
     return evaluate
+
+
+def server_validation_loss(
+    task: Task, cfg: Mapping[str, Any]
+) -> Callable[[Mapping[str, Any]], float] | None:
+    """Return the influence screen's ``arrays -> loss``, or None when it is off.
+
+    Off with ``validation-size = 0``, and (logged) where it cannot act:
+    secure aggregation or a robust ``aggregation`` (no individual updates or
+    no mean to leave one out of), or a task without a local training pool
+    and no ``validation-data-path``. The examples are drawn with the run's
+    ``seed`` from ``validation-data-path`` (its train split, checked as a
+    node's data) or from the task's training pool. In a simulation that pool
+    is the clients' data: the server's sample overlaps their partitions, as
+    the root dataset of FLTrust (Cao et al. 2021) is drawn from the
+    clients' training data in its experiments.
+    """
+    size = cfg["validation-size"]
+    if size == 0:
+        return None
+    if cfg["secure-aggregation"] != "off" or cfg["aggregation"] != "mean":
+        log(
+            logging.INFO,
+            "fedadapt: influence screen off: it needs the individual updates and "
+            "their mean (secure-aggregation=%s, aggregation=%s)",
+            cfg["secure-aggregation"],
+            cfg["aggregation"],
+        )
+        return None
+    if cfg["validation-data-path"]:
+        try:
+            pool = load_validation_set(cfg["validation-data-path"], task)
+        except NodeDataError as error:
+            raise ConfigError("validation-data-path", error.problem) from None
+    else:
+        spec = task.data_spec
+        if spec is None or spec.pool is None:
+            log(
+                logging.WARNING,
+                "fedadapt: influence screen off: task %s has no local training "
+                "pool to draw the server's validation set from; set "
+                "validation-data-path",
+                task.name,
+            )
+            return None
+        pool = spec.pool(cfg)
+    rng = np.random.default_rng(cfg["seed"])
+    count = len(pool.tensors[1])
+    chosen = np.sort(rng.choice(count, min(size, count), replace=False))
+    sample = TensorDataset(*(t[torch.from_numpy(chosen)] for t in pool.tensors))
+    device = pick_device(cfg["device"])
+    model = task.build_model()
+
+    def loss(state: Mapping[str, Any]) -> float:
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        return evaluate_model(task, model, sample, EVAL_BATCH_SIZE, device)["loss"]
+
+    return loss
 
 
 def record_local_update(recorder: RunRecorder, strategy: Any) -> None:

@@ -49,6 +49,7 @@ from fedadapt.server.run import (
     record_end,
     record_local_update,
     save_final_model,
+    server_validation_loss,
 )
 from fedadapt.server.run_folder import RunFolder
 from fedadapt.server.strategy_factory import build_strategy
@@ -249,6 +250,7 @@ def _run(
     resume = load_checkpoint(cfg["resume-from"], cfg) if cfg["resume-from"] else None
     # loads the test set (data checked now); None: central evaluation off
     evaluate = central_evaluator(task, cfg)
+    screen = server_validation_loss(task, cfg)  # the influence screen's data
     phases.done("central_data")
     simulation = isinstance(grid, InMemoryGrid)
     # deployment: every exchange (train, evaluate) waits for its replies with
@@ -276,6 +278,7 @@ def _run(
         node_grace_s=NODE_GRACE_S,  # node loss: go on with the others
         round_offset=first_round,
         deployment=not simulation,  # federated-eval-exchange=auto: with-train
+        validation_loss=screen,
     )
     phases.done("strategy")
     wanted = (cfg["clients-per-round"], cfg["clients-per-eval"])

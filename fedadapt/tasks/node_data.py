@@ -433,6 +433,11 @@ def load_evaluation_set(path: str | Path, task: Task) -> Dataset:
     return _tensors(splits.get("test", splits["train"]))
 
 
+def load_validation_set(path: str | Path, task: Task) -> TensorDataset:
+    """Server-side validation data (the influence screen): its ``train`` split."""
+    return _tensors(read_node_arrays(path, task)["train"])
+
+
 # --- writing (make-node-data) ---------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import torch
 
 from fedadapt.config import ConfigError
 from fedadapt.server.results import evaluation_sources
-from fedadapt.server.run import central_evaluator
+from fedadapt.server.run import central_evaluator, server_validation_loss
 from fedadapt.tasks import TASKS, Task
 
 DIGITS = TASKS.get("digits-mlp")
@@ -70,6 +70,57 @@ def test_central_evaluation_on_a_server_side_dataset(tmp_path, cfg):
 def test_a_bad_central_data_path_names_the_key(tmp_path, cfg):
     with pytest.raises(ConfigError, match="central-data-path.*no such file"):
         central_evaluator(DIGITS, cfg(central_data_path=str(tmp_path / "absent.npz")))
+
+
+def test_the_influence_screen_scores_a_seeded_sample_of_the_training_pool(cfg):
+    # oracle: the same rows drawn here with the run's seed, scored by hand
+    from fedadapt.tasks.digits import load_digits_split
+
+    run = cfg(validation_size=50, seed=3)
+    loss = server_validation_loss(DIGITS, run)
+    pool = load_digits_split()[0].tensors
+    rows = np.sort(np.random.default_rng(3).choice(len(pool[1]), 50, replace=False))
+    torch.manual_seed(0)
+    model = DIGITS.build_model()
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(
+            model(pool[0][rows]), pool[1][rows]
+        ).item()
+    assert loss(state) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_influence_screen_reads_a_server_side_dataset(tmp_path, cfg):
+    rng = np.random.default_rng(0)
+    x = rng.random((30, 64), dtype=np.float32)
+    y = rng.integers(0, 10, 30)
+    np.savez(tmp_path / "val.npz", x=x, y=y)
+    path = str(tmp_path / "val.npz")
+    loss = server_validation_loss(
+        DIGITS, cfg(validation_size=500, validation_data_path=path)
+    )
+    torch.manual_seed(0)
+    model = DIGITS.build_model()
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # all 30 rows: fewer than validation-size
+        expected = torch.nn.functional.cross_entropy(
+            model(torch.from_numpy(x)), torch.from_numpy(y)
+        ).item()
+    assert loss(state) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ConfigError, match="validation-data-path.*no such file"):
+        server_validation_loss(
+            DIGITS, cfg(validation_size=5, validation_data_path=str(tmp_path / "no"))
+        )
+
+
+def test_the_influence_screen_is_off_where_it_cannot_act(cfg, caplog):
+    assert server_validation_loss(DIGITS, cfg()) is None  # validation-size 0
+    for setting in ({"aggregation": "median"}, {"secure_aggregation": "secagg+"}):
+        assert server_validation_loss(DIGITS, cfg(validation_size=9, **setting)) is None
+    assert "influence screen off" in caplog.text
+    poolless = Task("t", "t", DIGITS.build_model, DIGITS.load_client, DIGITS.load_test)
+    assert server_validation_loss(poolless, cfg(validation_size=9)) is None
+    assert "set validation-data-path" in caplog.text
 
 
 @pytest.mark.e2e

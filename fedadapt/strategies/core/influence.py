@@ -1,0 +1,142 @@
+"""Reject on negative influence: the server's validation set judges each reply.
+
+No bound on an update's size, weight or direction separates a hostile
+client from an honest one on non-IID data: a client that sends its own
+update reversed, at its own norm and true weight, looks like an honest
+client with unusual data (docs/robustness.md, the quiet attacks, which
+cost FedAvg 8 points on Dirichlet-0.5 digits under every such bound). What
+separates them is what the update *does*. RONI, "reject on negative
+influence" (Nelson et al., "Exploiting machine learning to subvert your
+spam filter", 2008; Barreno et al., "The security of machine learning",
+2010), measures that on data the server holds: a client whose presence in
+the round's aggregate makes the model worse on the server's validation set
+is left out of it.
+
+With Δ̄ the round's (clipped, weighted) mean update and Δ̄_{−i} the same
+without client i (:func:`~fedadapt.strategies.core.aggregation.
+leave_one_out`), and L the validation loss,
+
+    influence_i = (L(x + Δ̄) − L(x + Δ̄_{−i})) / |L(x + Δ̄_{−i})|,
+
+positive when client i raises the loss: by what fraction of the loss the
+round would have had without it. A client whose influence exceeds
+``tolerance`` is rejected, at most ⌊(n − 1)/2⌋ of them, the most harmful
+first: the defence singles out a minority and never empties a round.
+
+Our choices (none of the papers is federated):
+
+- The candidate models step with η = 1 on Δ̄, whatever the rule: the
+  question is what the clients' data does, not what the server's
+  optimiser would make of it (FedAdam's normalised step would judge the
+  same updates differently round by round).
+- The tolerance is relative to the validation loss, so one
+  setting serves a cross-entropy near 2 and a squared error near 0.1.
+  0.01 (1 %): on Dirichlet-0.5 digits it rejected 2 of 200 honest replies
+  in 20 rounds and every round of a reversed update (docs/robustness.md).
+- One leave-one-out pass, not a search over subsets: with colluding
+  clients that send the same update each one's absence leaves the other's
+  in the mean, which is what the suite's two- and three-client rows
+  measure.
+
+Plain NumPy; the validation loss is the caller's function of a model's
+arrays (the app builds it from the task's model and a sample of its
+training pool; a Flower user passes their own).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+Arrays = dict[str, NDArray[Any]]
+
+#: The validation loss of a model given as its arrays (the global model's
+#: names, dtypes and shapes).
+ValidationLoss = Callable[[Mapping[str, NDArray[Any]]], float]
+
+#: Default relative tolerance: a reply is rejected when its presence raises
+#: the validation loss of the round's aggregate by more than 1 %.
+DEFAULT_INFLUENCE_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Influence:
+    """What the screen measured in one round.
+
+    Attributes
+    ----------
+    loss : float
+        L(x + Δ̄), the validation loss of the aggregate with every client.
+    influence : tuple[float, ...]
+        Each client's influence (see the module docstring), in the order of
+        the replies.
+    rejected : tuple[int, ...]
+        Indices of the replies to leave out, most harmful first.
+    """
+
+    loss: float
+    influence: tuple[float, ...]
+    rejected: tuple[int, ...]
+
+
+def candidate(
+    reference: Mapping[str, NDArray[Any]], update: Mapping[str, NDArray[Any]]
+) -> Arrays:
+    """Return the model x + Δ: ``update``'s float arrays added, in x's dtypes.
+
+    Arrays ``update`` lacks, and integer arrays (BatchNorm's batch counter),
+    stay as in ``reference``.
+    """
+    out = {}
+    for key, value in reference.items():
+        step = update.get(key)
+        if step is None or value.dtype.kind != "f":
+            out[key] = value
+        else:
+            out[key] = (value + step).astype(value.dtype, copy=False)
+    return out
+
+
+def negative_influence(
+    reference: Mapping[str, NDArray[Any]],
+    mean_update: Mapping[str, NDArray[Any]],
+    without_each: Callable[[], Iterator[tuple[Mapping[str, NDArray[Any]], Any]]],
+    validation_loss: ValidationLoss,
+    tolerance: float = DEFAULT_INFLUENCE_TOLERANCE,
+) -> Influence:
+    """Measure each client's influence on the validation loss; pick rejections.
+
+    ``without_each`` yields Δ̄_{−i} client by client (over the arrays it
+    covers; the others keep Δ̄'s value), as
+    :func:`~fedadapt.strategies.core.aggregation.leave_one_out` does.
+    Raises ``ValueError`` for a negative or non-finite ``tolerance`` and
+    when the loss with every client is not finite (nothing to compare).
+    """
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
+    loss = float(validation_loss(candidate(reference, mean_update)))
+    if not math.isfinite(loss):
+        raise ValueError(f"the validation loss of the round's aggregate is {loss}")
+    tiny = np.finfo(np.float64).tiny
+    influence = []
+    for partial, _ in without_each():
+        model = candidate(reference, {**mean_update, **partial})
+        without = float(validation_loss(model))
+        # a model that is worse without the client: the client helped (a
+        # non-finite loss without it: it is what keeps the model sane)
+        influence.append(
+            (loss - without) / max(abs(without), tiny)
+            if math.isfinite(without)
+            else -math.inf
+        )
+    harmful = sorted(
+        (i for i, value in enumerate(influence) if value > tolerance),
+        key=lambda i: -influence[i],
+    )
+    limit = (len(influence) - 1) // 2
+    return Influence(loss, tuple(influence), tuple(harmful[:limit]))
