@@ -130,6 +130,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
                                 "step_guard": True},
     # the influence screen (RONI) on top of the default
     "influence": {},
+    "influence-0.005": {},
     "median": {"aggregation": "median"},
     "trimmed-mean": {"aggregation": "trimmed_mean"},
     "krum": {"aggregation": "krum"},
@@ -147,6 +148,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
 #: Defences that are run-config settings rather than aggregation options.
 DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "influence": {"validation-size": 200},
+    "influence-0.005": {"validation-size": 200, "influence-tolerance": 0.005},
     "secagg+": {"secure-aggregation": "secagg+"},
     # before the rotated block: a reply bounded only by c per coordinate
     "secagg+-unrotated": {"secure-aggregation": "secagg+",
@@ -240,6 +242,7 @@ def federate(
     weight_key = "num-examples"
     x, previous = x0, x0
     clipped = mismatches = refused = 0
+    rejected = {"rejected": 0, "rejected-hostile": 0}  # honest / hostile replies
     state = AggregatorState()  # centered clipping's centre
     secure = cfg["secure-aggregation"] == "secagg+"
     settings = secagg_settings(cfg, rule) if secure else None
@@ -323,10 +326,14 @@ def federate(
                                aggregator_state=state, **options)  # fmt: skip
         clipped += report.clipped
         mismatches += report.norm_mismatches
+        for reply in report.replies:  # the influence screen's (and NaN) rejections
+            if reply.get("status") == "rejected":
+                key = "rejected-hostile" if reply["node"] in hostile else "rejected"
+                rejected[key] += 1
         if new is not None:
             previous, x = x, new
     reported = evaluation_average(previous, x) if adapter.get("average_last_two") else x
-    counts = {"clipped": clipped, "norm-mismatches": mismatches}
+    counts = {"clipped": clipped, "norm-mismatches": mismatches, **rejected}
     if secure:
         counts["refused-rounds"] = refused
     return reported, counts

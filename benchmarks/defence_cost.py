@@ -12,6 +12,10 @@ arrays, per strategy, with
 - ``default``: today's default (the same, plus the pull cap);
 - ``default+projection``: with the opt-in opposing projection as well;
 
+- ``default+influence`` (with ``--task``): the influence screen as well,
+  on ``--validation-size`` examples of the task's training pool (the
+  replies are then the task's own model plus the same kind of noise);
+
 interleaved round-robin, the median of ``--repeats`` calls, and prints each
 time as a ratio to ``off`` measured in the same run. The replies share a
 direction plus noise (norms within 2x of each other except one at 3x, so
@@ -21,6 +25,7 @@ against the others, so the projection acts on them).
 Usage (from the repository root)::
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/defence_cost.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/defence_cost.py --task mnist5k-cnn
 """
 
 from __future__ import annotations
@@ -57,12 +62,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def replies(params: int, seed: int = 0) -> tuple[dict, list[TrainReply]]:
-    """The global model and 10 honest replies (one at 3x the typical norm)."""
+def replies(
+    params: int, seed: int = 0, model: dict | None = None
+) -> tuple[dict, list[TrainReply]]:
+    """The global model and 10 honest replies (one at 3x the typical norm).
+
+    ``model``: these arrays as the global model instead of random ones of
+    ``params`` parameters.
+    """
     rng = np.random.default_rng(seed)
     sizes = [params // 20] * 20
-    x = {f"layer{i}.weight": rng.normal(size=s).astype(np.float32)
-         for i, s in enumerate(sizes)}  # fmt: skip
+    x = model or {f"layer{i}.weight": rng.normal(size=s).astype(np.float32)
+                  for i, s in enumerate(sizes)}  # fmt: skip
     out = []
     shared = {k: rng.normal(size=v.shape) for k, v in x.items()}
     for i in range(10):
@@ -84,14 +95,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--strategies", default="fedavg,fedadam,fedexp,feddua")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--task", default=None)
+    parser.add_argument("--validation-size", type=int, default=200)
     args = parser.parse_args()
-    x, candidates = replies(args.params)
+    settings = dict(SETTINGS)
+    if args.task:
+        from fedadapt.server.run import initial_state, server_validation_loss
+        from fedadapt.tasks import TASKS
+
+        cfg = validate_run_config(
+            {"task": args.task, "validation-size": args.validation_size}
+        )
+        task = TASKS.get(args.task)
+        state = initial_state(task, cfg)
+        x, candidates = replies(0, model=state)
+        screen = server_validation_loss(task, cfg)
+        settings["default+influence"] = {**SETTINGS["default"],
+                                         "validation_loss": screen}  # fmt: skip
+    else:
+        x, candidates = replies(args.params)
     results: dict[str, dict[str, float]] = {}
     for name in args.strategies.split(","):
         rule, _ = build_rule(validate_run_config({"strategy": name}))
-        times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+        times: dict[str, list[float]] = {s: [] for s in settings}
         for repeat in range(args.repeats + 1):
-            for setting, options in SETTINGS.items():
+            for setting, options in settings.items():
                 fresh = copy.deepcopy(rule)
                 report = ScreenReport(received=10, used=10)
                 for c in candidates:
@@ -105,12 +133,13 @@ def main() -> None:
         results[name] = medians
         cells = " | ".join(
             f"{s} {medians[s] * 1e3:.1f} ms ({medians[s] / medians['off']:.2f}x)"
-            for s in SETTINGS
+            for s in settings
         )
         print(f"| {name} | {cells} |", flush=True)
     if args.json:
-        write_json(args.json, {"params": args.params, "repeats": args.repeats,
-                               "seconds": results})  # fmt: skip
+        doc = {"params": args.params, "task": args.task, "repeats": args.repeats,
+               "validation-size": args.validation_size, "seconds": results}  # fmt: skip
+        write_json(args.json, doc)
 
 
 if __name__ == "__main__":

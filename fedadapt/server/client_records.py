@@ -21,7 +21,9 @@ Each line (:func:`flatten`)::
     step_guard (the server step without this client; whether it capped the
     round's step), consensus_cos and projected (the cosine of its update
     with the others' mean; whether its part against that mean was
-    removed), optimizer ({"eta-mean":
+    removed), influence (the influence screen's measure: by what fraction
+    its presence raised the server's validation loss; null when the
+    screen is off), optimizer ({"eta-mean":
     ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
     sizes), metrics (every
     other scalar metric the reply carried)
@@ -103,6 +105,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         step_guard=record.get("step_guard"),
         consensus_cos=record.get("consensus_cos"),
         projected=record.get("projected"),
+        influence=record.get("influence"),
         optimizer={
             k[len(_OPTIMIZER_PREFIX) :]: metrics.pop(k)
             for k in sorted(metrics)

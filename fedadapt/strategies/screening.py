@@ -253,6 +253,7 @@ def reply_record(
         "step_guard": None,
         "consensus_cos": None,
         "projected": None,
+        "influence": None,
     }
 
 
