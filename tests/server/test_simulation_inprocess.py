@@ -324,3 +324,35 @@ def test_stop_rule_ends_the_run_and_results_json_says_why(tmp_path):
     assert data["stop_reason"] == "stop-target"
     accuracy = data["rounds"][0]["eval"]["accuracy"]
     assert data["stop_detail"].startswith(f"accuracy = {accuracy:.6g} reached")
+
+
+@pytest.mark.parametrize(
+    "api", ["message", pytest.param("legacy", marks=pytest.mark.deploy)]
+)
+def test_the_influence_screen_runs_in_the_app(tmp_path, api):
+    """Issue #38: ``validation-size`` turns the screen on in either ServerApp;
+    each used reply's clients.jsonl line has its influence, and a screened
+    honest run learns (three clients: at most one may be rejected a round)."""
+    run = run_in_process if api == "message" else run_legacy_in_process
+    run(
+        {
+            "output-dir": str(tmp_path),
+            "run-name": api,
+            "num-server-rounds": 2,
+            "clients-per-round": 3,
+            "validation-size": 100,
+        }
+    )
+    data = json.loads((tmp_path / api / "results.json").read_text())
+    assert data["status"] == "completed"
+    assert data["config"]["validation-size"] == 100
+    lines = [
+        json.loads(line)
+        for line in (tmp_path / api / "clients.jsonl").read_text().splitlines()
+    ]
+    assert len(lines) == 6
+    assert all(isinstance(line["influence"], float) for line in lines), lines
+    rejected = [line for line in lines if line["status"] == "rejected"]
+    assert all(line["influence"] > 0.01 for line in rejected)
+    assert all(r["replies"]["rejected"] <= 1 for r in data["rounds"])
+    assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
