@@ -15,6 +15,7 @@ reported in :class:`RunOutcome` and, for a failed run, in results.json.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -458,6 +459,39 @@ def lean_app(app: Path, into: Path) -> Path:
     return into
 
 
+def remove_orphaned_apps(flwr_home: Path) -> list[Path]:
+    """Delete the lean app copies of submitting processes that no longer exist.
+
+    :func:`submit_run` builds its FAB from a temporary copy
+    ``FLWR_HOME/app-<pid>-*`` (:func:`lean_app`) that it removes itself,
+    unless it is killed with SIGKILL (or the machine stops) first; the next
+    submission removes such leftovers, those whose ``<pid>`` is not a
+    running process. Returns the folders removed.
+    """
+    import shutil
+
+    removed = []
+    for folder in Path(flwr_home).glob("app-*-*"):
+        pid = folder.name.split("-")[1]
+        if not (pid.isdigit() and folder.is_dir()) or _process_exists(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    if pid <= 0:  # 0 would signal our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def submit_run(
     superlink: SuperLinkTarget,
     app: Path,
@@ -505,7 +539,9 @@ def submit_run(
     )
     run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
     started, submitted_at = time.monotonic(), time.time()
-    with tempfile.TemporaryDirectory(prefix="app-", dir=superlink.flwr_home) as lean:
+    remove_orphaned_apps(superlink.flwr_home)
+    prefix = f"app-{os.getpid()}-"  # whose copy it is: see remove_orphaned_apps
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=superlink.flwr_home) as lean:
         built_from = lean_app(Path(app), Path(lean) / "app")
         command = ["run", str(built_from), conn, "--format", "json"]
         command += ["--run-config", run_config]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,22 @@ def test_a_submission_hands_flwr_run_the_lean_copy_and_removes_it(
     assert "pkg/server.py" in seen["files"]
     assert not any(f.startswith((".venv", "outputs", "docs")) for f in seen["files"])
     assert not seen["app"].exists()  # the copy goes once Flower has built the FAB
+
+
+def test_copies_left_by_killed_submissions_are_removed_and_live_ones_kept(tmp_path):
+    # a SIGKILLed submission cannot remove its copy: the next one does,
+    # judging by the pid in the name; a live submitter's copy stays
+    import subprocess
+    import sys
+
+    from fedadapt.tools.submission import remove_orphaned_apps
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"app-{int(ended.stdout)}-x1"
+    live = tmp_path / f"app-{os.getpid()}-x2"
+    other = tmp_path / "app-notapid-x3"  # not ours: left alone
+    for folder in (dead, live, other):
+        (folder / "app").mkdir(parents=True)
+    assert remove_orphaned_apps(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and other.exists()
