@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.common.logger import log
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from fedadapt._atomic import atomic_open
 from fedadapt.config import ConfigError
@@ -211,12 +211,19 @@ def central_evaluator(
             raise ConfigError("central-data-path", error.problem) from None
     else:
         test_set = task.load_test(cfg)
+    return _scorer(task, cfg, test_set)
+
+
+def _scorer(
+    task: Task, cfg: Mapping[str, Any], dataset: Dataset
+) -> Callable[[Mapping[str, Any]], dict[str, float]]:
+    """Return ``state dict -> metrics`` of the task's model on ``dataset``."""
     device = pick_device(cfg["device"])
     model = task.build_model()
 
     def evaluate(state: Mapping[str, Any]) -> dict[str, float]:
         model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-        return evaluate_model(task, model, test_set, EVAL_BATCH_SIZE, device)
+        return evaluate_model(task, model, dataset, EVAL_BATCH_SIZE, device)
 
     return evaluate
 
@@ -269,14 +276,8 @@ def server_validation_loss(
     count = len(pool.tensors[1])
     chosen = np.sort(rng.choice(count, min(size, count), replace=False))
     sample = TensorDataset(*(t[torch.from_numpy(chosen)] for t in pool.tensors))
-    device = pick_device(cfg["device"])
-    model = task.build_model()
-
-    def loss(state: Mapping[str, Any]) -> float:
-        model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-        return evaluate_model(task, model, sample, EVAL_BATCH_SIZE, device)["loss"]
-
-    return loss
+    score = _scorer(task, cfg, sample)
+    return lambda state: score(state)["loss"]
 
 
 def record_local_update(recorder: RunRecorder, strategy: Any) -> None:
