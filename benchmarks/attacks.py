@@ -130,7 +130,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
                                 "step_guard": True},
     # the influence screen (RONI) on top of the default
     "influence": {},
-    "influence-0.005": {},
+    "influence-0.01": {},  # its first default tolerance
     "median": {"aggregation": "median"},
     "trimmed-mean": {"aggregation": "trimmed_mean"},
     "krum": {"aggregation": "krum"},
@@ -148,7 +148,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
 #: Defences that are run-config settings rather than aggregation options.
 DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "influence": {"validation-size": 200},
-    "influence-0.005": {"validation-size": 200, "influence-tolerance": 0.005},
+    "influence-0.01": {"validation-size": 200, "influence-tolerance": 0.01},
     "secagg+": {"secure-aggregation": "secagg+"},
     # before the rotated block: a reply bounded only by c per coordinate
     "secagg+-unrotated": {"secure-aggregation": "secagg+",

@@ -297,10 +297,11 @@ _RUN_KEYS: tuple[Key, ...] = (
         "reply whose presence raises their loss under the round's mean update by "
         "more than influence-tolerance. Judges what an update does, not its size: "
         "a client reversing its own update at its own norm and weight cost FedAvg "
-        "8 points on non-IID digits under every bound. 0 = off; inactive with "
+        "8 points on non-IID digits under every bound, 1.2 with the screen. 0 = "
+        "off (honest runs moved by up to 1.1 points); inactive with "
         "secure-aggregation and robust aggregation. docs/robustness.md.",
         minimum=0),
-    Key("influence-tolerance", 0.01, "How much (relative) one reply may raise the "
+    Key("influence-tolerance", 0.005, "How much (relative) one reply may raise the "
         "validation loss of the round's aggregate before the influence screen "
         "rejects it (validation-size > 0).", minimum=0.0),
     Key("validation-data-path", "", "The influence screen's validation data: a "
