@@ -396,9 +396,12 @@ def influence_scale(
         if stats.without_each is None:
             return -math.inf
         loss = options["validation_loss"]
-        measured = negative_influence(
-            x, stats.mean_update, stats.without_each, loss, tolerance
-        )
+        try:
+            measured = negative_influence(
+                x, stats.mean_update, stats.without_each, loss, tolerance
+            )
+        except Exception:  # the screen skips the round (apply_rule): no limit
+            return -math.inf
         return max(v for r, v in zip(ordered, measured.influence, strict=True)
                    if r.node in hostile)  # fmt: skip
 

@@ -87,10 +87,11 @@ def test_impossible_tolerances_and_a_non_finite_loss_are_refused():
         FedAvgRule(), {"w": x}, [{"w": c} for c in _honest(x)], [1.0] * 4,
         step_guard=True,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="nan"):
-        negative_influence(
-            {"w": x}, stats.mean_update, stats.without_each, lambda a: float("nan")
-        )
+    # a loss that is never finite: nothing to compare, nobody rejected
+    broken = negative_influence(
+        {"w": x}, stats.mean_update, stats.without_each, lambda a: float("nan")
+    )
+    assert broken.rejected == () and set(broken.influence) == {0.0}
     with pytest.raises(ValueError, match="validation_loss"):
         ours.FedAvg(validation_loss=quadratic_loss, aggregation="median")
     with pytest.raises(ValueError, match="validation_loss"):
@@ -99,6 +100,28 @@ def test_impossible_tolerances_and_a_non_finite_loss_are_refused():
         )
     with pytest.raises(TypeError, match="validation_loss"):
         ours.FedAvg(validation_loss=0.5)
+
+
+def test_an_update_that_breaks_the_validation_loss_is_rejected_not_obeyed():
+    # an attacker that makes the aggregate's loss NaN must not switch the
+    # screen off: without it the loss is finite, so it is rejected
+    x = np.zeros(8, dtype=np.float32)
+    clients = [*_honest(x), x + 1e3 * OPTIMUM]
+
+    def fragile(arrays):
+        (w,) = arrays.values()
+        return float("nan") if np.max(np.abs(w)) > 50 else quadratic_loss(arrays)
+
+    stats = round_statistics(
+        FedAvgRule(), {"w": x}, [{"w": c} for c in clients], [1.0] * 5,
+        step_guard=True,
+    )  # fmt: skip
+    measured = negative_influence(
+        {"w": x}, stats.mean_update, stats.without_each, fragile
+    )
+    assert measured.loss == float("inf")
+    assert measured.influence[-1] == float("inf")
+    assert measured.rejected == (4,)
 
 
 def test_a_candidate_model_keeps_integer_arrays_and_dtypes():

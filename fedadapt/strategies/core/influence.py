@@ -73,7 +73,8 @@ class Influence:
     Attributes
     ----------
     loss : float
-        L(x + Δ̄), the validation loss of the aggregate with every client.
+        L(x + Δ̄), the validation loss of the aggregate with every client
+        (+inf when it is not finite).
     influence : tuple[float, ...]
         Each client's influence (see the module docstring), in the order of
         the replies.
@@ -116,29 +117,35 @@ def negative_influence(
     ``without_each`` yields Δ̄_{−i} client by client (over the arrays it
     covers; the others keep Δ̄'s value), as
     :func:`~fedadapt.strategies.core.aggregation.leave_one_out` does.
-    Raises ``ValueError`` for a negative or non-finite ``tolerance`` and
-    when the loss with every client is not finite (nothing to compare).
+    A loss that is not finite counts as infinite: a client without which
+    the aggregate's loss becomes finite has influence +inf (an update that
+    breaks the validation loss is rejected, not a way to switch the screen
+    off), one without which it stays non-finite 0 (nothing to compare).
+    Raises ``ValueError`` for a negative or non-finite ``tolerance``.
     """
     if not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
-    loss = float(validation_loss(candidate(reference, mean_update)))
-    if not math.isfinite(loss):
-        raise ValueError(f"the validation loss of the round's aggregate is {loss}")
+    loss = _finite_or_inf(validation_loss(candidate(reference, mean_update)))
     tiny = np.finfo(np.float64).tiny
     influence = []
     for partial, _ in without_each():
         model = candidate(reference, {**mean_update, **partial})
-        without = float(validation_loss(model))
-        # a model that is worse without the client: the client helped (a
-        # non-finite loss without it: it is what keeps the model sane)
-        influence.append(
-            (loss - without) / max(abs(without), tiny)
-            if math.isfinite(without)
-            else -math.inf
-        )
+        without = _finite_or_inf(validation_loss(model))
+        if math.isinf(without):  # worse without it: it keeps the model sane
+            influence.append(0.0 if math.isinf(loss) else -math.inf)
+        elif math.isinf(loss):  # the aggregate breaks only with it
+            influence.append(math.inf)
+        else:  # worse without the client (negative): the client helped
+            influence.append((loss - without) / max(abs(without), tiny))
     harmful = sorted(
         (i for i, value in enumerate(influence) if value > tolerance),
         key=lambda i: -influence[i],
     )
     limit = (len(influence) - 1) // 2
     return Influence(loss, tuple(influence), tuple(harmful[:limit]))
+
+
+def _finite_or_inf(value: float) -> float:
+    """Return ``value`` as a float, +inf where it is not finite (NaN too)."""
+    value = float(value)
+    return value if math.isfinite(value) else math.inf
