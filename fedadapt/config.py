@@ -298,7 +298,7 @@ _RUN_KEYS: tuple[Key, ...] = (
         "more than influence-tolerance. Judges what an update does, not its size: "
         "a client reversing its own update at its own norm and weight cost FedAvg "
         "8 points on non-IID digits under every bound, 1.2 with the screen. 0 = "
-        "off (honest runs moved by up to 1.1 points); inactive with "
+        "off (honest runs moved by up to 1.1 points); refused with "
         "secure-aggregation and robust aggregation. docs/robustness.md.",
         minimum=0),
     Key("influence-tolerance", 0.005, "How much (relative) one reply may raise the "

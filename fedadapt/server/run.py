@@ -233,28 +233,27 @@ def server_validation_loss(
 ) -> Callable[[Mapping[str, Any]], float] | None:
     """Return the influence screen's ``arrays -> loss``, or None when it is off.
 
-    Off with ``validation-size = 0``, and (logged) where it cannot act:
-    secure aggregation or a robust ``aggregation`` (no individual updates or
-    no mean to leave one out of), or a task without a local training pool
-    and no ``validation-data-path``. The examples are drawn with the run's
-    ``seed`` from ``validation-data-path`` (its train split, checked as a
-    node's data) or from the task's training pool. In a simulation that pool
-    is the clients' data: the server's sample overlaps their partitions, as
-    the root dataset of FLTrust (Cao et al. 2021) is drawn from the
-    clients' training data in its experiments.
+    None with ``validation-size = 0``. Asked for where it cannot act, it
+    raises ``ConfigError`` before the run starts rather than run without the
+    defence asked for: secure aggregation or a robust ``aggregation`` (no
+    individual updates or no mean to leave one out of), or a task without a
+    local training pool and no ``validation-data-path``. The examples are
+    drawn with the run's ``seed`` from ``validation-data-path`` (its train
+    split, checked as a node's data) or from the task's training pool. In a
+    simulation that pool is the clients' data: the server's sample overlaps
+    their partitions, as the root dataset of FLTrust (Cao et al. 2021) is
+    drawn from the clients' training data in its experiments.
     """
     size = cfg["validation-size"]
     if size == 0:
         return None
     if cfg["secure-aggregation"] != "off" or cfg["aggregation"] != "mean":
-        log(
-            logging.INFO,
-            "fedadapt: influence screen off: it needs the individual updates and "
-            "their mean (secure-aggregation=%s, aggregation=%s)",
-            cfg["secure-aggregation"],
-            cfg["aggregation"],
+        raise ConfigError(
+            "validation-size",
+            "the influence screen needs the individual updates and their mean: "
+            f"not with secure-aggregation={cfg['secure-aggregation']} or "
+            f"aggregation={cfg['aggregation']} (set validation-size = 0)",
         )
-        return None
     if cfg["validation-data-path"]:
         try:
             pool = load_validation_set(cfg["validation-data-path"], task)
@@ -263,14 +262,11 @@ def server_validation_loss(
     else:
         spec = task.data_spec
         if spec is None or spec.pool is None:
-            log(
-                logging.WARNING,
-                "fedadapt: influence screen off: task %s has no local training "
-                "pool to draw the server's validation set from; set "
-                "validation-data-path",
-                task.name,
+            raise ConfigError(
+                "validation-size",
+                f"task {task.name} has no local training pool to draw the "
+                "server's validation set from: set validation-data-path",
             )
-            return None
         pool = spec.pool(cfg)
     rng = np.random.default_rng(cfg["seed"])
     count = len(pool.tensors[1])

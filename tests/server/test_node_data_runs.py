@@ -113,14 +113,16 @@ def test_the_influence_screen_reads_a_server_side_dataset(tmp_path, cfg):
         )
 
 
-def test_the_influence_screen_is_off_where_it_cannot_act(cfg, caplog):
+def test_the_influence_screen_asked_for_where_it_cannot_act_is_refused(cfg):
+    # a user who sets validation-size gets the screen or a clear error,
+    # never a run without the defence they asked for
     assert server_validation_loss(DIGITS, cfg()) is None  # validation-size 0
     for setting in ({"aggregation": "median"}, {"secure_aggregation": "secagg+"}):
-        assert server_validation_loss(DIGITS, cfg(validation_size=9, **setting)) is None
-    assert "influence screen off" in caplog.text
+        with pytest.raises(ConfigError, match="validation-size.*individual updates"):
+            server_validation_loss(DIGITS, cfg(validation_size=9, **setting))
     poolless = Task("t", "t", DIGITS.build_model, DIGITS.load_client, DIGITS.load_test)
-    assert server_validation_loss(poolless, cfg(validation_size=9)) is None
-    assert "set validation-data-path" in caplog.text
+    with pytest.raises(ConfigError, match="set validation-data-path"):
+        server_validation_loss(poolless, cfg(validation_size=9))
 
 
 @pytest.mark.e2e
