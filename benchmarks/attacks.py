@@ -36,12 +36,15 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._output import write_json  # noqa: E402
-from fedadapt.attacks import ATTACKS, UNDER_BOUND, RoundView, craft  # noqa: E402
+from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.server.run import server_validation_loss  # noqa: E402
 from fedadapt.server.strategy_factory import (  # noqa: E402
@@ -64,13 +67,10 @@ from fedadapt.strategies.core import RoundStatistics  # noqa: E402
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
-    round_statistics,
 )
-from fedadapt.strategies.core.influence import negative_influence  # noqa: E402
 from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
-    canonical_order,
     screen,
 )
 from fedadapt.strategies.secagg import (  # noqa: E402
@@ -159,6 +159,15 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 NUM_CLIENTS = 10
+
+#: Attacks on the influence screen itself. They are crafted here, not by
+#: :func:`fedadapt.attacks.craft`: they run the server's own aggregation
+#: and validation loss (see :func:`frame_replies`).
+SCREEN_ATTACKS = ("frame",)
+#: The framing attack's candidates: multiples of one honest update ...
+FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
+#: ... of each of the honest clients with the largest updates.
+FRAME_TARGETS = 3
 
 
 def strategy_config(name: str, task: str, overrides: Mapping[str, Any]) -> dict:
@@ -263,7 +272,9 @@ def federate(
         sent: dict[int, tuple[Arrays, dict[str, float]]] = {
             i: (updates[i], {}) for i in honest_ids
         }
-        if attack and hostile:
+        if attack in SCREEN_ATTACKS and hostile:
+            sent.update(frame_replies(rule, options, x, sent, examples, hostile, state))
+        elif attack and hostile:
             honest_sq = [_sq(updates[i]) for i in honest_ids]
             secure_view = {}
             if settings is not None:
@@ -314,8 +325,10 @@ def federate(
             bound = next_norm_bound(bound, mean_sq, cfg["max-update-norm"],
                                     cfg["max-update-norm-ratio"], median)  # fmt: skip
             continue
-        if attack and hostile and options.get("validation_loss") is not None:
-            scale = influence_scale(rule, options, x, sent, examples, hostile)
+        knows_screen = attack not in SCREEN_ATTACKS  # framing wants rejections
+        screened = options.get("validation_loss") is not None
+        if attack and hostile and knows_screen and screened:
+            scale = influence_scale(rule, options, x, sent, examples, hostile, state)
             for i in hostile:
                 sent[i] = ({k: v * scale for k, v in sent[i][0].items()}, sent[i][1])
         candidates = replies(x, sent, examples)
@@ -357,13 +370,6 @@ def replies(
     return candidates
 
 
-#: round_statistics' keywords among apply_rule's (the defence's aggregation)
-STATISTICS_OPTIONS = (
-    "max_norm", "max_norm_ratio", "aggregation", "trim_fraction", "clip_mode",
-    "max_weight_ratio", "max_contribution_ratio", "project_opposing",
-)  # fmt: skip
-
-
 def influence_scale(
     rule: Any,
     options: Mapping[str, Any],
@@ -371,48 +377,109 @@ def influence_scale(
     sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
     examples: list,
     hostile: Sequence[int],
+    state: AggregatorState,
     steps: int = 12,
 ) -> float:
     """How far the hostile clients scale their replies to pass the influence screen.
 
     The attacker knows the screen, its tolerance and (the strongest case)
     the server's validation set: it sends c·Δ with the largest c in [0, 1]
-    (bisection) at which the screen measures every hostile reply's
-    influence at most 99 % of the tolerance, so it is never rejected while
-    pushing as hard as the screen allows.
+    (bisection) at which the server's own round (:func:`rehearse`) rejects
+    none of the hostile replies, so it pushes as hard as the screen allows.
     """
-    tolerance = float(options["influence_tolerance"])
 
-    def worst(c: float) -> float:
+    def passes(c: float) -> bool:
         scaled = dict(sent)
         for i in hostile:
             scaled[i] = ({k: v * c for k, v in sent[i][0].items()}, sent[i][1])
-        ordered = canonical_order(replies(x, scaled, examples), "num-examples")
-        stats = round_statistics(
-            rule, x, [r.arrays for r in ordered],
-            [float(r.metrics["num-examples"]) for r in ordered], None,
-            step_guard=True, **{k: options[k] for k in STATISTICS_OPTIONS},
-        )  # fmt: skip
-        if stats.without_each is None:
-            return -math.inf
-        loss = options["validation_loss"]
-        try:
-            measured = negative_influence(
-                x, stats.mean_update, stats.without_each, loss, tolerance
-            )
-        except Exception:  # the screen skips the round (apply_rule): no limit
-            return -math.inf
-        return max(v for r, v in zip(ordered, measured.influence, strict=True)
-                   if r.node in hostile)  # fmt: skip
+        rejected = rehearse(rule, options, x, scaled, examples, state)
+        return not rejected & set(hostile)
 
-    target = UNDER_BOUND * tolerance
-    if worst(1.0) <= target:
+    if passes(1.0):
         return 1.0
     low, high = 0.0, 1.0
     for _ in range(steps):
         middle = (low + high) / 2
-        low, high = (middle, high) if worst(middle) <= target else (low, middle)
+        low, high = (middle, high) if passes(middle) else (low, middle)
     return low
+
+
+@contextmanager
+def _quiet_server() -> Iterator[None]:
+    """Silence Flower's logger while an attacker rehearses the server's round."""
+    logger = logging.getLogger("flwr")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
+def rehearse(
+    rule: Any,
+    options: Mapping[str, Any],
+    x: Arrays,
+    sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
+    examples: list,
+    state: AggregatorState,
+) -> set[int]:
+    """Run the server's round on copies of its rule and state; the nodes it rejects.
+
+    What an attacker that knows the defence exactly (and the server's
+    validation data) can compute before it sends: the same
+    :func:`screen` and :func:`apply_rule` the server runs.
+    """
+    with _quiet_server():
+        valid, report = screen(
+            replies(x, sent, examples), x, "num-examples", "rehearsal",
+            weight_optional=rule.weighting == "uniform",
+        )  # fmt: skip
+        apply_rule(copy.deepcopy(rule), x, valid, "num-examples", report,
+                   "rehearsal", aggregator_state=copy.deepcopy(state),
+                   **options)  # fmt: skip
+    return {r["node"] for r in report.replies if r.get("status") == "rejected"}
+
+
+def frame_replies(
+    rule: Any,
+    options: Mapping[str, Any],
+    x: Arrays,
+    sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
+    examples: list,
+    hostile: Sequence[int],
+    state: AggregatorState,
+) -> dict[int, tuple[Arrays, dict[str, float]]]:
+    """Framing: make the influence screen reject honest clients.
+
+    The screen measures each client's influence against the round's
+    aggregate *with every reply in it*. Hostile clients that send a
+    multiple s·Δ_j of honest client j's update (their norm reports
+    consistent) make the aggregate overshoot along Δ_j; without j it
+    overshoots less, so j's presence seems to raise the validation loss
+    and j is rejected, with the hostile clients (they do not mind). Over
+    rounds the federation loses the data the attacker picked.
+
+    The attacker knows the defence exactly: for each candidate (the
+    :data:`FRAME_TARGETS` honest clients with the largest updates ×
+    :data:`FRAME_SCALES`) it runs the server's own round (screen and
+    :func:`apply_rule` on copies of the rule and its state) and sends the
+    one that gets the most honest replies rejected (ties: the first).
+    Honest replies are taken from ``sent``.
+    """
+    honest = [i for i in range(NUM_CLIENTS) if i not in hostile]
+    targets = sorted(honest, key=lambda i: -_sq(sent[i][0]))[:FRAME_TARGETS]
+    best, best_count = None, -1
+    for j in targets:
+        for s in FRAME_SCALES:
+            push = {k: v * s for k, v in sent[j][0].items()}
+            trial = {**sent, **{i: (push, {}) for i in hostile}}
+            rejected = rehearse(rule, options, x, trial, examples, state)
+            count = len(rejected - set(hostile))
+            if count > best_count:
+                best, best_count = push, count
+    assert best is not None
+    return {i: (best, {}) for i in hostile}
 
 
 def _clip_to(delta: Arrays, bound: float) -> Arrays:
@@ -650,14 +717,15 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                     options["validation_loss"] = server_validation_loss(
                         TASKS.get(task), cfg
                     )
-                honest, _ = federate(
+                honest, honest_counts = federate(
                     cfg, options, x0, train, args.rounds, None, (), seed
                 )
                 honest_metric = metric(honest)
                 scale = float_distance(honest, x0) or 1.0
                 base = {"seed": seed, "defence": defence, "strategy": name}
                 cells.append({**base, "attack": "none", "hostile": 0,
-                              "metric": honest_metric, "distance": 0.0})  # fmt: skip
+                              "metric": honest_metric, "distance": 0.0,
+                              **honest_counts})  # fmt: skip
                 for f in args.hostile:
                     hostile = list(range(f))  # clients 0..f-1
                     for attack in args.attacks:
@@ -807,6 +875,10 @@ def main() -> None:
         args.strategies = args.strategies.split(",")
         args.defences = args.defences.split(",")
         args.attacks = args.attacks.split(",")
+        unknown_attacks = set(args.attacks) - set(ATTACKS) - set(SCREEN_ATTACKS)
+        if unknown_attacks:
+            parser.error(f"unknown attacks {sorted(unknown_attacks)}; choose from "
+                         f"{list(ATTACKS) + list(SCREEN_ATTACKS)}")  # fmt: skip
         args.hostile = [int(f) for f in args.hostile.split(",") if f]  # "": honest only
         unknown = set(args.defences) - set(DEFENCES)
         if unknown:

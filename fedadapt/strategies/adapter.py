@@ -47,6 +47,7 @@ from fedadapt.strategies.core.aggregation import (
 from fedadapt.strategies.core.influence import (
     DEFAULT_INFLUENCE_TOLERANCE,
     ValidationLoss,
+    influence_limit,
     negative_influence,
 )
 from fedadapt.strategies.core.robust import (
@@ -247,15 +248,17 @@ class RuleHost:
         or position), on validation data the server holds. Given, it
         turns on the influence screen (RONI, "reject on negative
         influence", :mod:`~fedadapt.strategies.core.influence`): a reply
-        whose presence in the round's mean update raises that loss by more
-        than ``influence_tolerance`` (0.5 %) is rejected (logged, counted, at most
-        ⌊(n − 1)/2⌋ per round; each reply's record has its ``influence``).
-        The only defence here that judges what an update does rather than
-        its size: a client that reverses its own update at its own norm and
-        weight cost FedAvg 8 points on non-IID digits under every bound, 1.2
-        with the screen (docs/robustness.md; honest runs −1.1 to +0.3, hence
-        off by default). It costs one
-        validation pass per reply and round. Needs the individual updates
+        whose part of the round's mean update raises that loss by more than
+        ``influence_tolerance`` (0.5 %), alone or with the other replies
+        that raise it, is rejected, the most harmful first and then measured
+        again (logged, counted, at most ⌊(n − 1)/2⌋ per round; each reply's
+        record has its ``influence``). The only defence here that judges
+        what an update does rather than its size: a client that reverses
+        its own update at its own norm and weight cost FedAvg 8 points on
+        non-IID digits under every bound (docs/robustness.md has what
+        remains with the screen, and what it costs honest runs). It costs one
+        validation pass per reply and round, and as many again after each
+        rejection. Needs the individual updates
         and the mean (``ValueError`` with ``secure_aggregation`` or a
         robust ``aggregation``). The fedadapt app builds it from run-config
         ``validation-size`` (a sample of the task's training pool) or
@@ -692,8 +695,9 @@ def apply_rule(
     (counted in ``report``) and the round is aggregated again without them;
     ``(None, {}, [])`` when none remain. With ``validation_loss`` (the
     server's loss of a model's arrays on its own validation data) a reply
-    whose presence raises the loss of the round's aggregate by more than
-    ``influence_tolerance`` (relative) is rejected the same way
+    whose part of the round's aggregate raises the loss by more than
+    ``influence_tolerance`` (relative), alone or with the other replies that
+    raise it, is rejected the same way, one at a time
     (:mod:`~fedadapt.strategies.core.influence`, :func:`_screen_influence`).
     """
     ordered = canonical_order(list(valid), weight_key)
@@ -725,7 +729,8 @@ def apply_rule(
             project_opposing=project_opposing,
         )
 
-    screens_influence = validation_loss is not None
+    # the influence screen's rejections left: set at its first pass
+    influence_budget: int | None = None if validation_loss is not None else 0
     while ordered:
         norms = [c.metrics.get(wire.UPDATE_SQ_NORM) for c in ordered]
         reported = [float(n) for n in norms if n is not None]
@@ -744,22 +749,26 @@ def apply_rule(
                 if not bad:  # finite inputs whose sums overflow: none to single out
                     bad = list(ordered)
                     reason = "aggregate overflowed (values too large)"
-            elif screens_influence:
-                screens_influence = False  # once: on the replies that are sound
+            elif influence_budget is None or influence_budget > 0:
                 assert validation_loss is not None
-                bad = _screen_influence(
-                    ordered,
-                    stats,
-                    partial(aggregate, list(ordered), trusted, True),
-                    reference,
-                    validation_loss,
-                    influence_tolerance,
-                    report,
-                    round_label,
-                )
-                reason = "negative influence on the server's validation loss"
+                if influence_budget is None:  # of the replies that are sound
+                    influence_budget = influence_limit(len(ordered))
+                # the most harmful one only, then measure again without it
+                bad, reason = [], ""
+                if influence_budget > 0:
+                    bad, reason = _screen_influence(
+                        ordered,
+                        stats,
+                        partial(aggregate, list(ordered), trusted, True),
+                        reference,
+                        validation_loss,
+                        influence_tolerance,
+                        report,
+                        round_label,
+                    )
                 if not bad:
                     break
+                influence_budget -= 1
             else:
                 break
         for candidate in bad:
@@ -803,6 +812,13 @@ def apply_rule(
     return new, clean, ordered
 
 
+INFLUENCE_REASON = "negative influence on the server's validation loss"
+GROUP_INFLUENCE_REASON = (
+    "negative influence on the server's validation loss, with the other "
+    "replies that raise it"
+)
+
+
 def _screen_influence(
     ordered: Sequence[TrainReply],
     stats: RoundStatistics,
@@ -812,8 +828,12 @@ def _screen_influence(
     tolerance: float,
     report: ScreenReport,
     round_label: str,
-) -> list[TrainReply]:
-    """Return the replies the influence screen rejects; record each's influence.
+) -> tuple[list[TrainReply], str]:
+    """Return the reply the influence screen rejects (if any) and the reason.
+
+    The most harmful reply only: the caller measures again without it
+    (:mod:`~fedadapt.strategies.core.influence`). Records each reply's
+    influence.
 
     The screen needs the leave-one-out means of the step guard
     (:func:`~fedadapt.strategies.core.aggregation.leave_one_out`: the
@@ -821,17 +841,22 @@ def _screen_influence(
     them when the guard is on, ``leave_one_out_stats`` forms them
     otherwise. Where they do not exist (robust aggregation, trusted norms,
     fewer than three replies) it does nothing. A validation loss that
-    fails or is not finite for the aggregate skips the round's screen with
-    a warning: the federation goes on unscreened rather than stopping.
-    Each reply's record gets ``influence`` (None when not screened).
+    fails skips the round's screen with a warning: the federation goes on
+    unscreened rather than stopping. Each reply's record gets
+    ``influence`` (None when not screened).
     """
     if stats.without_each is None:
         stats = leave_one_out_stats()
-    if stats.without_each is None:
-        return []
+    if stats.without_each is None or stats.weights is None:
+        return [], ""
     try:
         measured = negative_influence(
-            reference, stats.mean_update, stats.without_each, validation_loss, tolerance
+            reference,
+            stats.mean_update,
+            stats.without_each,
+            stats.weights,
+            validation_loss,
+            tolerance,
         )
     except Exception as error:  # the user's loss function: never end the run
         log(
@@ -841,14 +866,27 @@ def _screen_influence(
             type(error).__name__,
             error,
         )
-        return []
+        return [], ""
     if len(measured.influence) != len(ordered):  # a client held all the weight
-        return []
+        return [], ""
     for candidate, value in zip(ordered, measured.influence, strict=True):
         report.record_of(candidate)["influence"] = (
             value if math.isfinite(value) else None
         )
-    return [ordered[i] for i in measured.rejected]
+    if not measured.rejected:
+        return [], ""
+    if measured.group_influence is None:
+        return [ordered[measured.rejected[0]]], INFLUENCE_REASON
+    log(
+        WARNING,
+        "%s: the %d replies that raise the validation loss raise it together "
+        "by %.3g (tolerance %.3g)",
+        round_label,
+        sum(1 for v in measured.influence if v > 0),
+        measured.group_influence,
+        tolerance,
+    )
+    return [ordered[measured.rejected[0]]], GROUP_INFLUENCE_REASON
 
 
 def _fitting_center(

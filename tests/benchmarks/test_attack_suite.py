@@ -81,3 +81,18 @@ def test_under_secagg_the_rotation_bounds_what_one_client_can_reverse():
     bounded = cells[("secagg+", "fedavg", "slack-reverse")]["distance"]
     unbounded = cells[("secagg+-unrotated", "fedavg", "slack-reverse")]["distance"]
     assert unbounded > 5 * bounded
+
+
+def test_the_attacker_that_knows_the_screen_is_never_rejected_and_still_pushes():
+    """The suite's attacker rehearses the server's influence screen (#38).
+
+    It scales its sign flip to the largest push the screen keeps: never
+    rejected, yet its model is not the honest one.
+    """
+    suite = _suite()
+    doc = _grid(suite, ["influence"], ["sign-flip"])
+    cells = {(c["strategy"], c["attack"]): c for c in doc["cells"]}
+    for strategy in ("fedavg", "fedexp"):
+        flip = cells[(strategy, "sign-flip")]
+        assert flip["rejected-hostile"] == 0
+        assert flip["distance"] > 0
