@@ -273,7 +273,8 @@ def federate(
             i: (updates[i], {}) for i in honest_ids
         }
         if attack in SCREEN_ATTACKS and hostile:
-            sent.update(frame_replies(rule, options, x, sent, examples, hostile, state))
+            server = ServerRound(rule, options, x, examples, state)
+            sent.update(frame_replies(server, sent, hostile))
         elif attack and hostile:
             honest_sq = [_sq(updates[i]) for i in honest_ids]
             secure_view = {}
@@ -328,7 +329,8 @@ def federate(
         knows_screen = attack not in SCREEN_ATTACKS  # framing wants rejections
         screened = options.get("validation_loss") is not None
         if attack and hostile and knows_screen and screened:
-            scale = influence_scale(rule, options, x, sent, examples, hostile, state)
+            server = ServerRound(rule, options, x, examples, state)
+            scale = influence_scale(server, sent, hostile)
             for i in hostile:
                 sent[i] = ({k: v * scale for k, v in sent[i][0].items()}, sent[i][1])
         candidates = replies(x, sent, examples)
@@ -371,29 +373,25 @@ def replies(
 
 
 def influence_scale(
-    rule: Any,
-    options: Mapping[str, Any],
-    x: Arrays,
+    server: ServerRound,
     sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
-    examples: list,
     hostile: Sequence[int],
-    state: AggregatorState,
     steps: int = 12,
 ) -> float:
     """How far the hostile clients scale their replies to pass the influence screen.
 
     The attacker knows the screen, its tolerance and (the strongest case)
     the server's validation set: it sends c·Δ with the largest c in [0, 1]
-    (bisection) at which the server's own round (:func:`rehearse`) rejects
-    none of the hostile replies, so it pushes as hard as the screen allows.
+    (bisection) at which the server's own round
+    (:meth:`ServerRound.rehearse`) rejects none of the hostile replies, so
+    it pushes as hard as the screen allows.
     """
 
     def passes(c: float) -> bool:
         scaled = dict(sent)
         for i in hostile:
             scaled[i] = ({k: v * c for k, v in sent[i][0].items()}, sent[i][1])
-        rejected = rehearse(rule, options, x, scaled, examples, state)
-        return not rejected & set(hostile)
+        return not server.rehearse(scaled) & set(hostile)
 
     if passes(1.0):
         return 1.0
@@ -416,39 +414,44 @@ def _quiet_server() -> Iterator[None]:
         logger.disabled = before
 
 
-def rehearse(
-    rule: Any,
-    options: Mapping[str, Any],
-    x: Arrays,
-    sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
-    examples: list,
-    state: AggregatorState,
-) -> set[int]:
-    """Run the server's round on copies of its rule and state; the nodes it rejects.
+@dataclasses.dataclass(frozen=True)
+class ServerRound:
+    """What an attacker that knows the defence exactly knows of a round.
 
-    What an attacker that knows the defence exactly (and the server's
-    validation data) can compute before it sends: the same
-    :func:`screen` and :func:`apply_rule` the server runs.
+    The server's rule and aggregator state (copied before each rehearsal),
+    its ``apply_rule`` options (the validation loss included: the strongest
+    case), the global model and the clients' example counts.
     """
-    with _quiet_server():
-        valid, report = screen(
-            replies(x, sent, examples), x, "num-examples", "rehearsal",
-            weight_optional=rule.weighting == "uniform",
-        )  # fmt: skip
-        apply_rule(copy.deepcopy(rule), x, valid, "num-examples", report,
-                   "rehearsal", aggregator_state=copy.deepcopy(state),
-                   **options)  # fmt: skip
-    return {r["node"] for r in report.replies if r.get("status") == "rejected"}
+
+    rule: Any
+    options: Mapping[str, Any]
+    x: Arrays
+    examples: list
+    state: AggregatorState
+
+    def rehearse(
+        self, sent: Mapping[int, tuple[Arrays, Mapping[str, float]]]
+    ) -> set[int]:
+        """Run the server's round on copies; return the nodes it rejects.
+
+        The same :func:`screen` and :func:`apply_rule` the server runs.
+        """
+        with _quiet_server():
+            valid, report = screen(
+                replies(self.x, sent, self.examples), self.x, "num-examples",
+                "rehearsal", weight_optional=self.rule.weighting == "uniform",
+            )  # fmt: skip
+            apply_rule(copy.deepcopy(self.rule), self.x, valid, "num-examples",
+                       report, "rehearsal",
+                       aggregator_state=copy.deepcopy(self.state),
+                       **self.options)  # fmt: skip
+        return {r["node"] for r in report.replies if r.get("status") == "rejected"}
 
 
 def frame_replies(
-    rule: Any,
-    options: Mapping[str, Any],
-    x: Arrays,
+    server: ServerRound,
     sent: Mapping[int, tuple[Arrays, Mapping[str, float]]],
-    examples: list,
     hostile: Sequence[int],
-    state: AggregatorState,
 ) -> dict[int, tuple[Arrays, dict[str, float]]]:
     """Framing: make the influence screen reject honest clients.
 
@@ -462,8 +465,8 @@ def frame_replies(
 
     The attacker knows the defence exactly: for each candidate (the
     :data:`FRAME_TARGETS` honest clients with the largest updates ×
-    :data:`FRAME_SCALES`) it runs the server's own round (screen and
-    :func:`apply_rule` on copies of the rule and its state) and sends the
+    :data:`FRAME_SCALES`) it runs the server's own round
+    (:meth:`ServerRound.rehearse`) and sends the
     one that gets the most honest replies rejected (ties: the first).
     Honest replies are taken from ``sent``.
     """
@@ -474,7 +477,7 @@ def frame_replies(
         for s in FRAME_SCALES:
             push = {k: v * s for k, v in sent[j][0].items()}
             trial = {**sent, **{i: (push, {}) for i in hostile}}
-            rejected = rehearse(rule, options, x, trial, examples, state)
+            rejected = server.rehearse(trial)
             count = len(rejected - set(hostile))
             if count > best_count:
                 best, best_count = push, count
