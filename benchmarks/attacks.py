@@ -458,10 +458,10 @@ def frame_replies(
     The screen measures each client's influence against the round's
     aggregate *with every reply in it*. Hostile clients that send a
     multiple s·Δ_j of honest client j's update (their norm reports
-    consistent) make the aggregate overshoot along Δ_j; without j it
-    overshoots less, so j's presence seems to raise the validation loss
-    and j is rejected, with the hostile clients (they do not mind). Over
-    rounds the federation loses the data the attacker picked.
+    consistent) make the aggregate step further along Δ_j, or overshoot;
+    the honest clients with shorter steps (or j itself) then seem to hold
+    it back and can be rejected. Over rounds the federation loses data the
+    attacker picked; the hostile clients do not mind being rejected too.
 
     The attacker knows the defence exactly: for each candidate (the
     :data:`FRAME_TARGETS` honest clients with the largest updates ×

@@ -294,17 +294,16 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("validation-size", 0, "Influence screen (RONI, reject on negative "
         "influence): the server holds this many examples, drawn with the run's seed "
         "from the task's training pool (or validation-data-path), and rejects, one "
-        "at a time, a reply whose part of the round's mean update raises their loss "
-        "by more than influence-tolerance (alone, or with the other replies that "
-        "raise it). Judges what an update does, not its size: a client reversing "
-        "its own update at its own norm and weight cost FedAvg 8 points on non-IID "
-        "digits under every bound. 0 = off; refused with secure-aggregation and "
+        "at a time, a reply whose presence raises their loss under the round's mean "
+        "update by more than influence-tolerance. Judges what an update does, not "
+        "its size: a client reversing its own update at its own norm and weight "
+        "cost FedAvg 8 points on non-IID digits under every bound. 0 = off (honest "
+        "runs moved by up to 0.6 points); refused with secure-aggregation and "
         "robust aggregation. docs/robustness.md.",
         minimum=0),
-    Key("influence-tolerance", 0.005, "How much (relative) one reply's part of "
-        "the round's aggregate, or the parts of all replies that raise it together, "
-        "may raise the validation loss before the influence screen rejects the most "
-        "harmful (validation-size > 0).", minimum=0.0),
+    Key("influence-tolerance", 0.005, "How much (relative) one reply may raise the "
+        "validation loss of the round's aggregate before the influence screen "
+        "rejects it (validation-size > 0).", minimum=0.0),
     Key("validation-data-path", "", "The influence screen's validation data: a "
         "server-side dataset (npz, Hugging Face save_to_disk or image folder, as a "
         "node's data-path; its train split) instead of a sample of the task's "

@@ -22,8 +22,8 @@ Each line (:func:`flatten`)::
     round's step), consensus_cos and projected (the cosine of its update
     with the others' mean; whether its part against that mean was
     removed), influence (the influence screen's measure: by what fraction
-    its part of the round's aggregate raised the server's validation loss;
-    null when the screen is off), optimizer ({"eta-mean":
+    its presence raised the server's validation loss; null when the
+    screen is off), optimizer ({"eta-mean":
     ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
     sizes), metrics (every
     other scalar metric the reply carried)

@@ -248,11 +248,11 @@ class RuleHost:
         or position), on validation data the server holds. Given, it
         turns on the influence screen (RONI, "reject on negative
         influence", :mod:`~fedadapt.strategies.core.influence`): a reply
-        whose part of the round's mean update raises that loss by more than
-        ``influence_tolerance`` (0.5 %), alone or with the other replies
-        that raise it, is rejected, the most harmful first and then measured
-        again (logged, counted, at most ⌊(n − 1)/2⌋ per round; each reply's
-        record has its ``influence``). The only defence here that judges
+        whose presence in the round's mean update raises that loss by more
+        than ``influence_tolerance`` (0.5 %) is rejected, the most harmful
+        first, and the others are measured again without it (logged,
+        counted, at most ⌊(n − 1)/2⌋ per round; each reply's record has its
+        ``influence``). The only defence here that judges
         what an update does rather than its size: a client that reverses
         its own update at its own norm and weight cost FedAvg 8 points on
         non-IID digits under every bound (docs/robustness.md has what
@@ -695,9 +695,9 @@ def apply_rule(
     (counted in ``report``) and the round is aggregated again without them;
     ``(None, {}, [])`` when none remain. With ``validation_loss`` (the
     server's loss of a model's arrays on its own validation data) a reply
-    whose part of the round's aggregate raises the loss by more than
-    ``influence_tolerance`` (relative), alone or with the other replies that
-    raise it, is rejected the same way, one at a time
+    whose presence raises the loss of the round's aggregate by more than
+    ``influence_tolerance`` (relative) is rejected the same way, one at a
+    time
     (:mod:`~fedadapt.strategies.core.influence`, :func:`_screen_influence`).
     """
     ordered = canonical_order(list(valid), weight_key)
@@ -754,9 +754,9 @@ def apply_rule(
                 if influence_budget is None:  # of the replies that are sound
                     influence_budget = influence_limit(len(ordered))
                 # the most harmful one only, then measure again without it
-                bad, reason = [], ""
+                bad = []
                 if influence_budget > 0:
-                    bad, reason = _screen_influence(
+                    bad = _screen_influence(
                         ordered,
                         stats,
                         partial(aggregate, list(ordered), trusted, True),
@@ -766,6 +766,7 @@ def apply_rule(
                         report,
                         round_label,
                     )
+                reason = "negative influence on the server's validation loss"
                 if not bad:
                     break
                 influence_budget -= 1
@@ -812,13 +813,6 @@ def apply_rule(
     return new, clean, ordered
 
 
-INFLUENCE_REASON = "negative influence on the server's validation loss"
-GROUP_INFLUENCE_REASON = (
-    "negative influence on the server's validation loss, with the other "
-    "replies that raise it"
-)
-
-
 def _screen_influence(
     ordered: Sequence[TrainReply],
     stats: RoundStatistics,
@@ -828,12 +822,11 @@ def _screen_influence(
     tolerance: float,
     report: ScreenReport,
     round_label: str,
-) -> tuple[list[TrainReply], str]:
-    """Return the reply the influence screen rejects (if any) and the reason.
+) -> list[TrainReply]:
+    """Return the reply the influence screen rejects, if any; record influences.
 
     The most harmful reply only: the caller measures again without it
-    (:mod:`~fedadapt.strategies.core.influence`). Records each reply's
-    influence.
+    (:mod:`~fedadapt.strategies.core.influence`).
 
     The screen needs the leave-one-out means of the step guard
     (:func:`~fedadapt.strategies.core.aggregation.leave_one_out`: the
@@ -847,16 +840,11 @@ def _screen_influence(
     """
     if stats.without_each is None:
         stats = leave_one_out_stats()
-    if stats.without_each is None or stats.weights is None:
-        return [], ""
+    if stats.without_each is None:
+        return []
     try:
         measured = negative_influence(
-            reference,
-            stats.mean_update,
-            stats.without_each,
-            stats.weights,
-            validation_loss,
-            tolerance,
+            reference, stats.mean_update, stats.without_each, validation_loss, tolerance
         )
     except Exception as error:  # the user's loss function: never end the run
         log(
@@ -866,27 +854,14 @@ def _screen_influence(
             type(error).__name__,
             error,
         )
-        return [], ""
+        return []
     if len(measured.influence) != len(ordered):  # a client held all the weight
-        return [], ""
+        return []
     for candidate, value in zip(ordered, measured.influence, strict=True):
         report.record_of(candidate)["influence"] = (
             value if math.isfinite(value) else None
         )
-    if not measured.rejected:
-        return [], ""
-    if measured.group_influence is None:
-        return [ordered[measured.rejected[0]]], INFLUENCE_REASON
-    log(
-        WARNING,
-        "%s: the %d replies that raise the validation loss raise it together "
-        "by %.3g (tolerance %.3g)",
-        round_label,
-        sum(1 for v in measured.influence if v > 0),
-        measured.group_influence,
-        tolerance,
-    )
-    return [ordered[measured.rejected[0]]], GROUP_INFLUENCE_REASON
+    return [ordered[i] for i in measured.rejected[:1]]
 
 
 def _fitting_center(

@@ -42,12 +42,7 @@ def _measure(x, clients, tolerance=0.01):
         step_guard=True,
     )  # fmt: skip
     return negative_influence(
-        {"w": x},
-        stats.mean_update,
-        stats.without_each,
-        stats.weights,
-        quadratic_loss,
-        tolerance,
+        {"w": x}, stats.mean_update, stats.without_each, quadratic_loss, tolerance
     )
 
 
@@ -57,12 +52,14 @@ def test_influence_matches_a_step_by_step_reference():
     clients = [*_honest(x), x - 0.4 * OPTIMUM]
     # Execute
     measured = _measure(x, clients)
-    # Assert: by hand, Δ̄ = Σ Δ_j / 5 and, without client i's part,
-    # Σ_{j≠i} Δ_j / 5 (taken out, not renormalised)
+    # Assert: by hand, Δ̄ and each Δ̄_{−i} as plain means of the updates
     deltas = [np.float64(c) - x for c in clients]
-    mean = np.sum(deltas, axis=0) / 5
+    mean = np.mean(deltas, axis=0)
     full = quadratic_loss({"w": x + mean})
-    without = [quadratic_loss({"w": x + mean - deltas[i] / 5}) for i in range(5)]
+    without = [
+        quadratic_loss({"w": x + np.mean(deltas[:i] + deltas[i + 1 :], 0)})
+        for i in range(len(deltas))
+    ]
     expected = [(full - w) / w for w in without]
     assert measured.loss == pytest.approx(full, rel=1e-6)
     np.testing.assert_allclose(measured.influence, expected, rtol=1e-5, atol=1e-9)
@@ -92,11 +89,7 @@ def test_impossible_tolerances_and_a_non_finite_loss_are_refused():
     )  # fmt: skip
     # a loss that is never finite: nothing to compare, nobody rejected
     broken = negative_influence(
-        {"w": x},
-        stats.mean_update,
-        stats.without_each,
-        stats.weights,
-        lambda a: float("nan"),
+        {"w": x}, stats.mean_update, stats.without_each, lambda a: float("nan")
     )
     assert broken.rejected == () and set(broken.influence) == {0.0}
     with pytest.raises(ValueError, match="validation_loss"):
@@ -124,7 +117,7 @@ def test_an_update_that_breaks_the_validation_loss_is_rejected_not_obeyed():
         step_guard=True,
     )  # fmt: skip
     measured = negative_influence(
-        {"w": x}, stats.mean_update, stats.without_each, stats.weights, fragile
+        {"w": x}, stats.mean_update, stats.without_each, fragile
     )
     assert measured.loss == float("inf")
     assert measured.influence[-1] == float("inf")
@@ -145,7 +138,9 @@ def test_strategies_reject_count_and_record_a_harmful_reply(api):
     x = np.zeros(8, dtype=np.float32)
     clients = [*_honest(x), x - 0.4 * OPTIMUM]
     module = ours if api == "message" else legacy
-    strategy = module.FedAvg(validation_loss=quadratic_loss)
+    # 5 %: the shortest honest step (0.3 of the way) raises the loss by
+    # 3.3 % against the other three's mean, once the reverser is out
+    strategy = module.FedAvg(validation_loss=quadratic_loss, influence_tolerance=0.05)
     # Execute
     new = _round(api, strategy, x, clients, [10] * 5)
     # Assert: the model is the four honest clients' mean
@@ -155,8 +150,13 @@ def test_strategies_reject_count_and_record_a_harmful_reply(api):
     assert "negative influence" in report["train_replies"]["rejections"][0]
     records = report["clients"]
     rejected = [r for r in records if r["status"] == "rejected"]
-    assert len(rejected) == 1 and rejected[0]["influence"] > 0.01
-    assert all(r["influence"] < 0 for r in records if r["status"] != "rejected")
+    assert len(rejected) == 1 and rejected[0]["influence"] > 0.05
+    # measured again without it: the honest clients' own influences
+    deltas = [np.float64(c) - x for c in _honest(x)]
+    full = quadratic_loss({"w": x + np.mean(deltas, axis=0)})
+    for i, record in enumerate(r for r in records if r["status"] != "rejected"):
+        rest = quadratic_loss({"w": x + np.mean(deltas[:i] + deltas[i + 1 :], 0)})
+        assert record["influence"] == pytest.approx((full - rest) / rest, rel=1e-5)
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
@@ -165,15 +165,13 @@ def test_an_attacker_that_knows_the_screen_gains_at_most_the_tolerance(api):
     # data sends c·(−w*) with the largest c the screen keeps (bisection on
     # the screen's own measurement, to 99 % of the tolerance: rounding).
     # Kept, it raises the validation loss of the aggregate by at most the
-    # tolerance over the aggregate with its part taken out (Σ_honest Δ/5);
-    # a little more and it is rejected.
+    # tolerance over the model without it; a little more and it is rejected.
     x = np.zeros(8, dtype=np.float32)
     honest = _honest(x)
+    # a client that sends nothing already raises this loss by 10 % (it
+    # dilutes the honest step): at 20 % the attacker has room to push
     tolerance = 0.2
-    # a client that sends nothing takes nothing out: influence 0
-    assert _measure(x, [*honest, x], tolerance).influence[-1] == pytest.approx(
-        0, abs=1e-6
-    )
+    assert 0.05 < _measure(x, [*honest, x], tolerance).influence[-1] < 0.15
 
     def hostile_influence(c):
         return _measure(x, [*honest, x - c * OPTIMUM], tolerance).influence[-1]
@@ -187,68 +185,16 @@ def test_an_attacker_that_knows_the_screen_gains_at_most_the_tolerance(api):
             else (low, middle)
         )
     module = ours if api == "message" else legacy
-    part_out = quadratic_loss({"w": x + np.sum(np.subtract(honest, x), axis=0) / 5})
     for scale, kept in ((low, True), (1.05 * low, False)):
         strategy = module.FedAvg(
             validation_loss=quadratic_loss, influence_tolerance=tolerance
         )
         new = _round(api, strategy, x, [*honest, x - scale * OPTIMUM], [10] * 5)
+        without = quadratic_loss({"w": np.mean(honest, axis=0)})
         rejected = strategy.round_reports[1]["train_replies"]["rejected"]
         assert rejected == (0 if kept else 1)
-        if kept:
-            assert quadratic_loss({"w": new}) <= (1 + tolerance) * part_out
-        else:  # the honest clients' mean
-            np.testing.assert_allclose(new, np.mean(honest, axis=0), rtol=1e-6)
+        assert quadratic_loss({"w": new}) <= (1 + tolerance) * without + 1e-9
     assert low > 0.1  # the attacker pushes: the bound is not vacuous
-
-
-@pytest.mark.parametrize("api", ["message", "legacy"])
-def test_an_honest_client_with_a_short_step_is_not_rejected(api):
-    # Every client steps towards the optimum, one only a tenth of the way.
-    # Replaced by the others' mean the aggregate would step further, so the
-    # renormalised leave-one-out calls it harmful (by 7 %); taking its part
-    # out leaves a shorter step, so it helps and is kept.
-    x = np.zeros(8, dtype=np.float32)
-    clients = [*_honest(x), x + 0.1 * OPTIMUM]
-    deltas = [np.float64(c) - x for c in clients]
-    full = quadratic_loss({"w": x + np.mean(deltas, axis=0)})
-    renormalised = quadratic_loss({"w": x + np.mean(deltas[:4], axis=0)})
-    assert (full - renormalised) / renormalised > 0.05
-    module = ours if api == "message" else legacy
-    strategy = module.FedAvg(validation_loss=quadratic_loss, influence_tolerance=0.01)
-    new = _round(api, strategy, x, clients, [10] * 5)
-    np.testing.assert_allclose(new, np.mean(clients, axis=0), rtol=1e-6)
-    records = strategy.round_reports[1]["clients"]
-    assert all(r["status"] == "used" and r["influence"] < 0 for r in records)
-
-
-@pytest.mark.parametrize("api", ["message", "legacy"])
-def test_a_framer_is_rejected_and_the_honest_client_it_framed_is_kept(api):
-    # The framing attack (benchmarks/attacks.py ``frame``): the hostile
-    # client sends 12× honest client 3's update plus a harmful push
-    # orthogonal to the optimum. The aggregate overshoots along the
-    # optimum, so with the framer in it, client 3's part seems to raise the
-    # loss: one pass rejects the framer and client 3. Measured again
-    # without the framer, client 3 helps and is kept.
-    x = np.zeros(8, dtype=np.float32)
-    honest = _honest(x)
-    side = np.ones(8) - (np.ones(8) @ OPTIMUM) / (OPTIMUM @ OPTIMUM) * OPTIMUM
-    side = (side / np.linalg.norm(side)).astype(np.float32)
-    framer = x + 12 * (honest[3] - x) + 7.0 * side
-    one_pass = _measure(x, [*honest, framer])
-    assert one_pass.rejected == (4, 3)  # the precondition: framing works
-    module = ours if api == "message" else legacy
-    strategy = module.FedAvg(  # no norm bound or pull cap: the screen alone
-        validation_loss=quadratic_loss,
-        influence_tolerance=0.01,
-        max_update_norm_ratio=0.0,
-        max_contribution_ratio=0.0,
-    )
-    new = _round(api, strategy, x, [*honest, framer], [10] * 5)
-    np.testing.assert_allclose(new, np.mean(honest, axis=0), rtol=1e-6)
-    records = strategy.round_reports[1]["clients"]
-    assert [r["status"] for r in records].count("rejected") == 1
-    assert all(r["influence"] < 0 for r in records if r["status"] == "used")
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
@@ -274,36 +220,25 @@ def test_the_screen_is_off_by_default():
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
-def test_colluders_under_the_tolerance_each_are_judged_together(api):
-    # Two colluders push away from the optimum, each just under the
-    # tolerance with the other present (bisection on the screen's own
-    # measurement). Taken out together, their parts raise the loss by more
-    # than the tolerance: one of them is rejected. Measured again without
-    # it, the other now has a fifth of the weight, not a sixth, and is over
-    # the tolerance on its own: the round is the honest clients' mean.
+def test_the_screen_measures_again_after_each_rejection(api):
+    # The suite's framing attack in small: a fifth client sends 4× client
+    # 3's update plus half the way to the optimum, so the aggregate steps
+    # further and the two shortest honest steps (clients 0 and 1) seem to
+    # hold it back. One pass would reject both. Rejecting the worst (0) and
+    # measuring again, client 1 is under the tolerance and kept.
     x = np.zeros(8, dtype=np.float32)
     honest = _honest(x)
-    tolerance = 0.05
-
-    def colluders(c):
-        return [x - c * OPTIMUM, x - c * OPTIMUM]
-
-    low, high = 0.0, 2.0
-    for _ in range(40):
-        middle = (low + high) / 2
-        worst = max(_measure(x, [*honest, *colluders(middle)], 1.0).influence[4:])
-        low, high = (middle, high) if worst <= 0.9 * tolerance else (low, middle)
-    measured = _measure(x, [*honest, *colluders(low)], tolerance)
-    assert max(measured.influence) < tolerance < measured.group_influence
-    assert measured.rejected == (4,)  # the first of the two, ties by order
+    framer = x + 4 * (honest[3] - x) + 0.5 * OPTIMUM
+    clients = [*honest, framer]
+    assert _measure(x, clients, 0.05).rejected == (0, 1)  # one pass
+    assert _measure(x, clients[1:], 0.05).rejected == ()  # without client 0
     module = ours if api == "message" else legacy
-    strategy = module.FedAvg(
-        validation_loss=quadratic_loss, influence_tolerance=tolerance
+    strategy = module.FedAvg(  # no norm bound or pull cap: the screen alone
+        validation_loss=quadratic_loss,
+        influence_tolerance=0.05,
+        max_update_norm_ratio=0.0,
+        max_contribution_ratio=0.0,
     )
-    new = _round(api, strategy, x, [*honest, *colluders(low)], [10] * 6)
-    report = strategy.round_reports[1]
-    assert report["train_replies"]["rejected"] == 2
-    assert "with the other replies" in report["train_replies"]["rejections"][0]
-    assert "with the other replies" not in report["train_replies"]["rejections"][1]
-    assert [r["status"] for r in report["clients"]].count("rejected") == 2
-    np.testing.assert_allclose(new, np.mean(honest, axis=0), rtol=1e-6)
+    new = _round(api, strategy, x, clients, [10] * 5)
+    np.testing.assert_allclose(new, np.mean(clients[1:], axis=0), rtol=1e-6)
+    assert strategy.round_reports[1]["train_replies"]["rejected"] == 1

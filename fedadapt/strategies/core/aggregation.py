@@ -106,11 +106,6 @@ class RoundStatistics:
     defence : Defence | None
         What an aggregator of :mod:`.robust` did (which updates it kept,
         centered clipping's factors); None for the others.
-    weights : tuple[float, ...] | None
-        Each client's ω_i (normalised; before clip factors), given with
-        ``without_each``: client i's part of Δ̄ is removed, without
-        renormalising, by ``(1 − ω_i)·Δ̄_{−i}`` (the influence screen's
-        candidate). None when ``without_each`` is.
     consensus_cos : tuple[float, ...] | None
         Each client's cos(s_iΔ_i, μ_{−i}) with the weighted mean of the
         other clients' (clipped) updates, before the opposing projection
@@ -135,7 +130,6 @@ class RoundStatistics:
     defence: Defence | None = None
     num_nodes: int | None = None
     consensus_cos: tuple[float, ...] | None = None
-    weights: tuple[float, ...] | None = None
 
 
 def client_weights(
@@ -718,7 +712,6 @@ def round_statistics(
         without_each,
         defence,
         consensus_cos=None if projection is None else projection.cosines,
-        weights=None if without_each is None else tuple(weights),
     )
 
 
