@@ -744,7 +744,23 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 elapsed = time.perf_counter() - started
                 print(f"[{elapsed:7.1f}s] seed {seed} {defence} {name}: "
                       f"honest {honest_metric:.4g}", flush=True)  # fmt: skip
+                if getattr(args, "out", None):  # a killed run keeps what it did
+                    write_json(
+                        args.out, document(args, task, started, cells, "running")
+                    )
+    return document(args, task, started, cells, "completed")
+
+
+def document(
+    args: argparse.Namespace,
+    task: str,
+    started: float,
+    cells: list[dict[str, Any]],
+    status: str,
+) -> dict[str, Any]:
+    """The suite's JSON document; ``status`` is ``running`` until the grid ends."""
     return {
+        "status": status,
         "level": args.level,
         "task": task,
         "metric": "loss" if args.level == "harness" else "accuracy",
@@ -888,10 +904,10 @@ def main() -> None:
             parser.error(
                 f"unknown defences {sorted(unknown)}; choose from {list(DEFENCES)}"
             )
-        doc = run_grid(args)
         name = "harness" if args.level == "harness" else args.task
-        out = args.out or Path("benchmarks/results") / f"attacks-{name}.json"
+        out = args.out = args.out or Path("benchmarks/results") / f"attacks-{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
+        doc = run_grid(args)
         write_json(out, doc)
     rows = summarise(doc)
     print(markdown(doc, rows))
