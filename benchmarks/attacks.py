@@ -41,6 +41,7 @@ import dataclasses
 import json
 import logging
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -907,7 +908,18 @@ def main() -> None:
         name = "harness" if args.level == "harness" else args.task
         out = args.out = args.out or Path("benchmarks/results") / f"attacks-{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        doc = run_grid(args)
+        # timeout and kill send SIGTERM: end as Ctrl-C does, status said
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        try:
+            doc = run_grid(args)
+        except BaseException as error:  # the partial file must not say running
+            if out.exists():
+                partial = json.loads(out.read_text())
+                failed = isinstance(error, Exception)
+                partial["status"] = "failed" if failed else "stopped"
+                partial["error"] = f"{type(error).__name__}: {error}"
+                write_json(out, partial)
+            raise
         write_json(out, doc)
     rows = summarise(doc)
     print(markdown(doc, rows))
