@@ -120,7 +120,7 @@ class TreeWatch:
         commands = " | ".join(self.seen.values())
         assert "flwr-simulation" in commands, commands  # the ServerApp was seen
         assert self.ray_seen() or not ray, commands  # Ray, in its own session
-        assert left == {}, f"left running: {left}"
+        assert left == {}, f"left running: {left}; the CLI said: {err[-2000:]}"
         return self.cli.returncode, out, err
 
 

@@ -179,19 +179,31 @@ def online_supernodes(env: dict[str, str], connection: str) -> list[str] | None:
 #: environment variable that marks every process started for one command
 RUN_TOKEN_ENV = "FEDADAPT_RUN_TOKEN"
 
+#: seconds between the two looks that confirm a stopped tree is empty
+SETTLE_S = 0.3
+
 
 class ProcessesLeftError(RuntimeError):
     """Processes started for a command outlived its attempt to stop them."""
 
 
-def _proc_stat(pid: str) -> tuple[int, str] | None:
-    """(parent pid, state) of a process, None if it is gone."""
+def _proc_stat(pid: str | int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time in clock ticks); None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[1]), fields[0]
+    fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state) on
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _started_at(pid: int) -> int | None:
+    """Start time of a live (not zombie) process; None once it has ended.
+
+    With the pid it names one process, even after the pid is reused.
+    """
+    stat = _proc_stat(pid)
+    return None if stat is None or stat[1] in ("Z", "X") else stat[2]
 
 
 def _cmdline(pid: int) -> str:
@@ -251,10 +263,37 @@ class ProcessTree:
         """Terminate, then kill, every process of the tree; return what is left.
 
         An empty result is verified: no process carrying the token (or
-        descending from one) was alive at the last look.
+        descending from one), and none seen in the tree during the stop, was
+        alive at two looks :data:`SETTLE_S` apart.
+
+        A process once seen stays stopped-for even when the tree loses it: a
+        child that cleared its environment is found only below its parent,
+        and when the parent dies first it is re-parented out of the tree
+        (Ray's agents outlived a timed-out run that way once, in CI).
+        Processes that start while the tree is stopping (a raylet still
+        starting its agents) are caught by the second look.
         """
+        seen: dict[int, int] = {}  # pid -> start time
+
+        def look() -> dict[int, str]:
+            for pid in self.pids():
+                started = _started_at(pid)
+                if started is not None:
+                    seen.setdefault(pid, started)
+            return {
+                pid: _cmdline(pid)
+                for pid, started in seen.items()
+                if _started_at(pid) == started
+            }
+
+        def settled() -> dict[int, str]:
+            if left := look():
+                return left
+            time.sleep(SETTLE_S)
+            return look()
+
         steps = [(signal.SIGTERM, grace)] + [(signal.SIGKILL, 5.0)] * 3
-        left = self.pids()
+        left = settled()
         for sig, wait in steps:
             if not left:
                 break
@@ -262,8 +301,9 @@ class ProcessTree:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait
-            while (left := self.pids()) and time.monotonic() < deadline:
+            while (left := look()) and time.monotonic() < deadline:
                 time.sleep(0.2)
+            left = left or settled()
         return left
 
 

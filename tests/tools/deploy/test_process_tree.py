@@ -82,6 +82,51 @@ def test_tree_finds_and_ends_processes_that_left_their_group():
                 os.kill(pid, signal.SIGKILL)
 
 
+ORPHAN = """
+import os, subprocess, sys, time
+child = subprocess.Popen(  # no token: found only as this process's child
+    ["sh", "-c", "trap '' TERM; echo ready; exec sleep 600"],
+    env={"PATH": os.environ["PATH"]},
+    stdout=subprocess.PIPE,
+    text=True,
+)
+child.stdout.readline()  # its SIGTERM is ignored from here on
+print(child.pid, flush=True)
+time.sleep(600)  # dies of SIGTERM; the child is re-parented out of the tree
+"""
+
+
+def test_a_child_orphaned_while_stopping_is_still_stopped():
+    """The CI failure of stop 52: processes outlived a stopped run after
+    their parent died first. A child without the token ignores SIGTERM; its
+    parent dies of it and the child leaves the tree. The stop still kills it."""
+    tree = ProcessTree()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN],
+        env=tree.env(dict(os.environ)),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert sorted(tree.pids()) == sorted([parent.pid, child])
+        assert tree.stop(grace=1.0) == {}
+        parent.wait(timeout=5)
+        assert parent.returncode == -signal.SIGTERM  # the parent died first
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        for pid in (parent.pid, child):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.stdout.close()
+        parent.wait(timeout=5)
+
+
 def test_what_cannot_be_stopped_is_named():
     try:
         raise_if_left({42: "raylet --flag"})
