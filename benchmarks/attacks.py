@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._output import write_json  # noqa: E402
+from benchmarks._output import OutputBusyError, owned, write_json  # noqa: E402
 from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.server.run import server_validation_loss  # noqa: E402
@@ -874,6 +874,38 @@ def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: Path) 
     plt.close(fig)
 
 
+def _version(path: Path) -> tuple[int, int] | None:
+    """Which version of ``path`` is there (atomic writes replace the inode)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def run_grid_to(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the grid, writing ``out`` as it goes; return the final document.
+
+    A run that ends early marks what it wrote ``stopped`` (a signal) or
+    ``failed`` (an error), with why, so the file never says ``running`` for
+    a run that is gone. A file this run has not written yet (an earlier
+    run's figures) is left as it was.
+    """
+    before = _version(out)
+    try:
+        doc = run_grid(args)
+    except BaseException as error:
+        if _version(out) != before:
+            partial = json.loads(out.read_text())
+            failed = isinstance(error, Exception)
+            partial["status"] = "failed" if failed else "stopped"
+            partial["error"] = f"{type(error).__name__}: {error}"
+            write_json(out, partial)
+        raise
+    write_json(out, doc)
+    return doc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("level", choices=("harness", "task", "report"))
@@ -907,20 +939,13 @@ def main() -> None:
             )
         name = "harness" if args.level == "harness" else args.task
         out = args.out = args.out or Path("benchmarks/results") / f"attacks-{name}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
         # timeout and kill send SIGTERM: end as Ctrl-C does, status said
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         try:
-            doc = run_grid(args)
-        except BaseException as error:  # the partial file must not say running
-            if out.exists():
-                partial = json.loads(out.read_text())
-                failed = isinstance(error, Exception)
-                partial["status"] = "failed" if failed else "stopped"
-                partial["error"] = f"{type(error).__name__}: {error}"
-                write_json(out, partial)
-            raise
-        write_json(out, doc)
+            with owned(out):  # a second run with the same --out is refused
+                doc = run_grid_to(out, args)
+        except OutputBusyError as error:
+            parser.error(str(error))
     rows = summarise(doc)
     print(markdown(doc, rows))
     plot(doc, rows, out.with_suffix(".png"))

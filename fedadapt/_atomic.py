@@ -12,6 +12,8 @@ its temporary file.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -57,6 +59,30 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically."""
     with atomic_open(path, "wb") as f:
         f.write(data)
+
+
+def try_lock(path: str | Path) -> int | None:
+    """Take the exclusive lock ``path`` without waiting; its fd, or None if busy.
+
+    The file is re-checked after locking: if it was replaced meanwhile, the
+    lock on the old inode means nothing and the attempt is repeated.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 def _current_umask() -> int:

@@ -22,8 +22,6 @@ See docs/failures.md.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import socket
@@ -32,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedadapt._atomic import atomic_write_text
+from fedadapt._atomic import atomic_write_text, try_lock
 
 LOCK_FILE = ".lock"
 RESULTS_FILE = "results.json"
@@ -115,30 +113,6 @@ def _may_take_over(owner: Mapping[str, Any]) -> bool:
     return not alive
 
 
-def _lock(path: Path) -> int | None:
-    """Take the exclusive lock ``path`` without waiting; its fd, or None if busy.
-
-    The file is re-checked after locking: if it was replaced meanwhile, the
-    lock on the old inode means nothing and the attempt is repeated.
-    """
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
-
-
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -170,7 +144,7 @@ class RunFolder:
         """
         path.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + CLAIM_RETRY_S
-        while (fd := _lock(path / LOCK_FILE)) is None:
+        while (fd := try_lock(path / LOCK_FILE)) is None:
             if time.monotonic() >= deadline:
                 raise RunFolderError(
                     f"run folder {path} is in use by a live run{_who(path)}; choose "
@@ -260,7 +234,7 @@ def _take_lock(
     """
     deadline = time.monotonic() + wait
     while (owner is not None and not _may_take_over(owner)) or (
-        fd := _lock(run_dir / LOCK_FILE)
+        fd := try_lock(run_dir / LOCK_FILE)
     ) is None:
         if time.monotonic() >= deadline:
             return None

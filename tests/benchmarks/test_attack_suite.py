@@ -122,3 +122,46 @@ def test_the_attacker_that_knows_the_screen_pushes_to_its_edge():
     assert 0 < c < 1
     assert 0 not in server.rehearse(scaled(c))
     assert 0 in server.rehearse(scaled(1.05 * c))
+
+
+def test_a_run_owns_its_output_and_ends_it_with_how_it_stopped(tmp_path, monkeypatch):
+    """Two runs given one --out must not overwrite each other; a run stopped
+    (Ctrl-C, SIGTERM) before it wrote anything leaves an earlier run's figures
+    as they were, and one stopped after says ``stopped``, not ``running``."""
+    import json
+    import os
+
+    from benchmarks._output import OutputBusyError, owned, write_json
+
+    suite = _suite()
+    out = tmp_path / "attacks.json"
+    with owned(out):
+        with pytest.raises(OutputBusyError, match=f"pid {os.getpid()}"):
+            with owned(out):
+                pass
+    with owned(out):  # let go when the first run ended
+        pass
+
+    earlier = {"status": "completed", "cells": [1]}
+    write_json(out, earlier)
+
+    def stopped_at_once(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "run_grid", stopped_at_once)
+    with pytest.raises(KeyboardInterrupt):
+        suite.run_grid_to(out, argparse.Namespace())
+    assert json.loads(out.read_text()) == earlier
+
+    def stopped_after_a_strategy(args):
+        write_json(out, {"status": "running", "cells": [2]})
+        raise SystemExit(143)  # the suite's SIGTERM handler
+
+    monkeypatch.setattr(suite, "run_grid", stopped_after_a_strategy)
+    with pytest.raises(SystemExit):
+        suite.run_grid_to(out, argparse.Namespace())
+    assert json.loads(out.read_text()) == {
+        "status": "stopped",
+        "cells": [2],
+        "error": "SystemExit: 143",
+    }
