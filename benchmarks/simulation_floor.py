@@ -58,6 +58,7 @@ import torch  # noqa: E402
 from benchmarks._output import write_json  # noqa: E402
 from benchmarks._protocols import DELTA_SGD_CLIENTS, SGD_MNIST5K  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
+from fedadapt.optimizers import OPTIMIZERS  # noqa: E402
 from fedadapt.tasks import TASKS  # noqa: E402
 from fedadapt.tasks.datasets import DatasetMissingError  # noqa: E402
 from fedadapt.tasks.partition import client_indices  # noqa: E402
@@ -127,12 +128,20 @@ def _init_worker(cfg: dict[str, Any], num: int, threads: int, device: str) -> No
 
 
 def _train_client(job: tuple[int, int, dict[str, np.ndarray]]) -> tuple:
-    """One client's local training from the global state; (state, n)."""
+    """One client's local training from the global state; (state, n).
+
+    The run config's client optimizer (fedadapt's, stepped with a closure:
+    Δ-SGD evaluates the gradient twice a step) and FedProx's proximal term
+    when ``local-update`` is ``fedprox``: the same work per step as the
+    app's client, without its DataLoader, metrics and Flower.
+    """
     pid, seed, state = job
     cfg, model, device = _WORKER["cfg"], _WORKER["model"], _WORKER["device"]
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     x, y = (t.to(device) for t in _WORKER["clients"][pid])
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["client-lr"])
+    optimizer = OPTIMIZERS.get(cfg["client-optimizer"])(model, cfg["client-lr"], cfg)
+    mu = cfg["fedprox.mu"] if cfg["local-update"] == "fedprox" else 0.0
+    anchor = [p.detach().clone() for p in model.parameters()]
     generator = torch.Generator().manual_seed(seed)
     b = cfg["batch-size"]
     if cfg["local-steps"] > 0:
@@ -149,9 +158,19 @@ def _train_client(job: tuple[int, int, dict[str, np.ndarray]]) -> tuple:
     model.train()
     for i in batches:
         i = i.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x[i]), y[i]).backward()
-        optimizer.step()
+
+        def closure(i: torch.Tensor = i) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x[i]), y[i])
+            if mu:
+                loss = loss + mu / 2 * sum(
+                    torch.sum((p - a) ** 2)
+                    for p, a in zip(model.parameters(), anchor, strict=True)
+                )
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)  # type: ignore[arg-type]
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, len(y)
 
 
