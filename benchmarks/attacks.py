@@ -165,6 +165,13 @@ NUM_CLIENTS = 10
 #: :func:`fedadapt.attacks.craft`: they run the server's own aggregation
 #: and validation loss (see :func:`frame_replies`).
 SCREEN_ATTACKS = ("frame",)
+#: Controls, not attacks: ``absent`` leaves the "hostile" clients out of
+#: every round (a client that never replies). What a strategy's model does
+#: when a client is merely missing is the scale against which an attack's
+#: distance from the honest run means something: an adaptive server that
+#: moves further than FedAvg when one client is absent is sensitive, not
+#: attacked.
+CONTROLS = ("absent",)
 #: The framing attack's candidates: multiples of one honest update ...
 FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: ... of each of the honest clients with the largest updates.
@@ -273,7 +280,9 @@ def federate(
         sent: dict[int, tuple[Arrays, dict[str, float]]] = {
             i: (updates[i], {}) for i in honest_ids
         }
-        if attack in SCREEN_ATTACKS and hostile:
+        if attack in CONTROLS:
+            pass  # absent: the hostile clients send nothing
+        elif attack in SCREEN_ATTACKS and hostile:
             server = ServerRound(rule, options, x, examples, state)
             sent.update(frame_replies(server, sent, hostile))
         elif attack and hostile:
@@ -327,7 +336,8 @@ def federate(
             bound = next_norm_bound(bound, mean_sq, cfg["max-update-norm"],
                                     cfg["max-update-norm-ratio"], median)  # fmt: skip
             continue
-        knows_screen = attack not in SCREEN_ATTACKS  # framing wants rejections
+        # framing wants rejections; an absent client sends nothing to scale
+        knows_screen = attack not in SCREEN_ATTACKS + CONTROLS
         screened = options.get("validation_loss") is not None
         if attack and hostile and knows_screen and screened:
             server = ServerRound(rule, options, x, examples, state)
@@ -358,9 +368,10 @@ def federate(
 def replies(
     x: Arrays, sent: Mapping[int, tuple[Arrays, Mapping[str, float]]], examples: list
 ) -> list[TrainReply]:
-    """The train replies of a round: client i sends x + Δ_i and its claims."""
+    """The train replies of a round: client i sends x + Δ_i and its claims
+    (clients missing from ``sent`` do not reply)."""
     candidates = []
-    for i in range(NUM_CLIENTS):
+    for i in sorted(sent):
         delta, claims = sent[i]
         arrays = {
             k: (x[k] + delta[k]).astype(x[k].dtype)
@@ -927,10 +938,11 @@ def main() -> None:
         args.strategies = args.strategies.split(",")
         args.defences = args.defences.split(",")
         args.attacks = args.attacks.split(",")
-        unknown_attacks = set(args.attacks) - set(ATTACKS) - set(SCREEN_ATTACKS)
+        known = ATTACKS + SCREEN_ATTACKS + CONTROLS
+        unknown_attacks = set(args.attacks) - set(known)
         if unknown_attacks:
-            parser.error(f"unknown attacks {sorted(unknown_attacks)}; choose from "
-                         f"{list(ATTACKS) + list(SCREEN_ATTACKS)}")  # fmt: skip
+            parser.error(f"unknown attacks {sorted(unknown_attacks)}; "
+                         f"choose from {list(known)}")  # fmt: skip
         args.hostile = [int(f) for f in args.hostile.split(",") if f]  # "": honest only
         unknown = set(args.defences) - set(DEFENCES)
         if unknown:

@@ -165,3 +165,26 @@ def test_a_run_owns_its_output_and_ends_it_with_how_it_stopped(tmp_path, monkeyp
         "cells": [2],
         "error": "SystemExit: 143",
     }
+
+
+def test_the_absent_control_is_fedavg_over_the_clients_that_reply():
+    """The ``absent`` control leaves the chosen clients out of every round.
+    Oracle: FedAvg over the other nine, written out step by step (weights by
+    examples, every defence off)."""
+    import numpy as np
+
+    suite = _suite()
+    cfg = suite.strategy_config("fedavg", "synthetic-linreg", {"seed": 0})
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["off"]}
+    _, train = suite.harness_problem(0)
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    model, _ = suite.federate(cfg, options, x0, train, 3, "absent", [0, 1], 0)
+
+    x = x0
+    for server_round in (1, 2, 3):
+        trained = [train(i, x, server_round, False) for i in range(2, 10)]
+        total = sum(n for _, n in trained)
+        x = {"x": sum(xi["x"].astype(np.float64) * n / total for xi, n in trained)}
+    np.testing.assert_allclose(model["x"], x["x"], rtol=1e-5, atol=1e-6)
+    honest, _ = suite.federate(cfg, options, x0, train, 3, None, (), 0)
+    assert not np.allclose(honest["x"], model["x"])  # the two clients mattered
