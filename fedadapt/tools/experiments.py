@@ -572,7 +572,10 @@ def run_suite(
     ``federation_config`` is passed to every ``flwr run`` (its
     ``--federation-config``), e.g. ``"client-resources-num-gpus=0.25"`` so
     that four simulated clients share each GPU; without it Ray gives the
-    clients no GPU and they train on the CPU. ``init-args-num-cpus`` /
+    clients no GPU and they train on the CPU. A client reserves one CPU
+    unless it says otherwise (:data:`~fedadapt.tools.deploy.ray_cluster.
+    SUITE_CLIENT_CPUS`: one-thread actors side by side, not Flower's two
+    threads per client). ``init-args-num-cpus`` /
     ``-num-gpus`` size the private clusters together (refused with
     ``ray_address``). Seeded cells give the same numbers whatever runs
     beside them.
@@ -615,6 +618,7 @@ def run_suite(
     failed = 0
     if not todo:
         return 0
+    federation_config = ray_cluster.suite_federation_config(federation_config)
     client = ray_cluster.client_resources(federation_config)
     init = ray_cluster.parse_federation_config(federation_config)
     sized = {
@@ -1272,7 +1276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar='"KEY=VALUE ..."',
         help="simulation settings for every run (flwr run --federation-config), "
         'e.g. "client-resources-num-gpus=0.25 client-resources-num-cpus=2" on a '
-        "GPU machine (without it the simulated clients get no GPU)",
+        "GPU machine (without it the simulated clients get no GPU); each client "
+        "reserves one CPU unless this says otherwise (Flower's default is 2)",
     )
     parser.add_argument(
         "--parallel",

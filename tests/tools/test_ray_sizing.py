@@ -129,3 +129,20 @@ def test_a_private_cluster_starts_with_its_worker_ports(tmp_path, monkeypatch):
     assert "--min-worker-port=12000" in commands[0]
     assert "--max-worker-port=12999" in commands[0]
     assert not any("worker-port" in part for part in commands[1])  # Ray's default
+
+
+def test_a_suites_client_reserves_one_cpu_unless_told():
+    """Flower's default (2 CPUs a client) runs one two-thread actor on a
+    2-core machine, which trains a small model's clients 1.6x slower than two
+    one-thread actors (docs/ray-cluster.md); a suite fills in 1, and keeps
+    what the user gave."""
+    from fedadapt.tools.deploy.ray_cluster import suite_federation_config
+
+    assert client_resources(suite_federation_config("")) == (1.0, 0.0)
+    assert client_resources(
+        suite_federation_config("client-resources-num-gpus=0.25")
+    ) == (1.0, 0.25)
+    given = "client-resources-num-cpus=2 verbose=true"
+    assert suite_federation_config(given) == given
+    one = client_resources(suite_federation_config(""))
+    assert suite_slots(None, 8, 2, 0, one) == 1

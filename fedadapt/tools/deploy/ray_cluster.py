@@ -90,6 +90,26 @@ def client_resources(federation_config: str) -> tuple[float, float]:
     return cpus, _number(items, CLIENT_GPUS, FLOWER_CLIENT_GPUS)
 
 
+#: CPUs a suite's simulated client reserves unless its federation config
+#: says otherwise (Flower's default is 2). Measured on the 2-core VM,
+#: 2026-11-28: the Δ-SGD cell of conf/delta-sgd-fedprox-mnist5k.yaml took
+#: 3.3 s a round with Flower's default (one actor, two torch threads) and
+#: 2.0 s with one CPU a client (two one-thread actors); a small model's
+#: steps do not divide over threads, the clients do over actors.
+SUITE_CLIENT_CPUS = 1
+
+
+def suite_federation_config(federation_config: str) -> str:
+    """``federation_config`` with a suite's client CPUs filled in.
+
+    :data:`SUITE_CLIENT_CPUS` where it names none; a value the user gave is
+    kept.
+    """
+    items = parse_federation_config(federation_config)
+    items.setdefault(CLIENT_CPUS, _plain(SUITE_CLIENT_CPUS))
+    return format_federation_config(items)
+
+
 #: Slots a suite runs without ``--parallel``: one per this many CPUs (a slot
 #: is a Ray head, a SuperLink and a ServerApp besides its clients: on 2 cores
 #: two slots starved each other's heartbeats), at most AUTO_SLOTS_MAX.
