@@ -33,7 +33,8 @@ def owned(path: Path) -> Iterator[None]:
     """Hold ``path`` for this run: a second run given the same file is refused.
 
     The lock (``.<name>.lock`` beside it, ``flock``) goes with the process,
-    so a run that was killed leaves nothing to clean up. The lock file
+    so a run that was killed blocks no later one; a run that ends removes
+    the file. The lock file
     names the holder's pid for the error message.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,4 +51,8 @@ def owned(path: Path) -> Iterator[None]:
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
+        # removed while still held: a run that opened it meanwhile finds
+        # the file gone after locking and takes a new one (try_lock)
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
         os.close(fd)

@@ -141,6 +141,7 @@ def test_a_run_owns_its_output_and_ends_it_with_how_it_stopped(tmp_path, monkeyp
                 pass
     with owned(out):  # let go when the first run ended
         pass
+    assert list(tmp_path.iterdir()) == []  # and no lock file left behind
 
     earlier = {"status": "completed", "cells": [1]}
     write_json(out, earlier)
