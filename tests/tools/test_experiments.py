@@ -581,7 +581,10 @@ def test_federation_config_reaches_every_flwr_run(tmp_path, monkeypatch):
     assert len(commands) == 3
     for command in commands:
         given = command[command.index("--federation-config") + 1]
-        assert given == "num-supernodes=3 client-resources-num-gpus=0.5"
+        # the suite's one CPU a client filled in (SUITE_CLIENT_CPUS)
+        assert given == (
+            "num-supernodes=3 client-resources-num-gpus=0.5 client-resources-num-cpus=1"
+        )
 
 
 def test_a_setting_flower_refuses_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -667,10 +670,27 @@ def test_parallel_bounds_the_cells_at_once(tmp_path, monkeypatch):
 
 
 def test_a_machine_that_holds_one_client_runs_one_cell_at_a_time(tmp_path, monkeypatch):
-    """Flower's default client (2 CPUs) on 2 cores: one slot, one cluster."""
+    """Flower's default client (2 CPUs, said explicitly) on 2 cores: one slot,
+    one cluster; the suite keeps the user's 2."""
+    code, configs, cluster, most = _fake_suite_run(
+        tmp_path,
+        monkeypatch,
+        2,
+        0,
+        "--federation-config",
+        "client-resources-num-cpus=2",
+    )
+    assert cluster.started == 1 and most == 1
+    assert configs == ["num-supernodes=3 client-resources-num-cpus=2"] * 3
+
+
+def test_a_suites_clients_reserve_one_cpu_by_default(tmp_path, monkeypatch):
+    """Without a federation config each cell's flwr run gets one CPU a
+    client (two one-thread actors on 2 cores, not Flower's one two-thread
+    actor); on 2 cores still one slot."""
     code, configs, cluster, most = _fake_suite_run(tmp_path, monkeypatch, 2, 0)
     assert cluster.started == 1 and most == 1
-    assert configs == ["num-supernodes=3"] * 3
+    assert configs == ["num-supernodes=3 client-resources-num-cpus=1"] * 3
 
 
 def test_gpu_clients_share_the_gpus_across_slots(tmp_path, monkeypatch):
@@ -698,7 +718,7 @@ def test_a_given_cluster_is_used_and_never_started(tmp_path, monkeypatch):
         tmp_path, monkeypatch, 16, 0, "--ray-address", "127.0.0.9:6379"
     )
     assert cluster.started == 0
-    assert configs == ["num-supernodes=3"] * 3
+    assert configs == ["num-supernodes=3 client-resources-num-cpus=1"] * 3
     assert most == 1
 
 
