@@ -129,8 +129,6 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "clip-median-wcap2-guard": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                                 "aggregation": "mean", "max_weight_ratio": 2.0,
                                 "step_guard": True},
-    # the norm bound also in the server step's metric (per-coordinate rules)
-    "step-norm": {"step_norm_bound": True},
     # the influence screen (RONI) on top of the default
     "influence": {},
     "influence-0.01": {},  # its first default tolerance

@@ -670,7 +670,6 @@ def apply_rule(
     num_nodes: int | None = None,
     validation_loss: ValidationLoss | None = None,
     influence_tolerance: float = DEFAULT_INFLUENCE_TOLERANCE,
-    step_norm_bound: bool = False,
 ) -> tuple[Arrays | None, dict[str, float | None], list[TrainReply]]:
     """Run ``rule`` on screened replies; return new arrays, diagnostics, used.
 
@@ -728,7 +727,6 @@ def apply_rule(
             center=center,
             max_contribution_ratio=max_contribution_ratio,
             project_opposing=project_opposing,
-            step_gains=rule.step_gains() if step_norm_bound else None,
         )
 
     # the influence screen's rejections left: set at its first pass

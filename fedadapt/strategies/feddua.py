@@ -185,22 +185,6 @@ class FedDuARule(ServerRule):
         }
         return new, diagnostics
 
-    def step_gains(self) -> Arrays | None:
-        """G_{t−1}^{-1} = 1/(√s_{t−1} + ε): the preconditioner before this round.
-
-        None with ``preconditioner="identity"`` (every coordinate alike) and
-        before the first update. Where √s + ε = 0 the direction is 0 (0/0 := 0,
-        module docstring), so is the gain.
-        """
-        if self.s is None:
-            return None
-        gains = {}
-        for k, s in self.s.items():
-            root = np.sqrt(s, dtype=np.float64) + self.epsilon
-            with np.errstate(divide="ignore"):
-                gains[k] = np.where(root > 0, 1.0 / root, 0.0)
-        return gains
-
     def guard_step_size(self, stats: RoundStatistics) -> float | None:
         """Return min_i η_t^{(−i)}: the step size were any one client absent.
 

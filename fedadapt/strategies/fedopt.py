@@ -104,15 +104,6 @@ class FedOptRule(ServerRule):
         """Return (η_t, τ_t) for this update; FedAdam overrides for bias correction."""
         return self.eta, self.tau
 
-    def step_gains(self) -> Arrays | None:
-        """1/(√v_{t−1} + τ_t): the preconditioner before this round's Δ̄."""
-        if self.v is None:
-            return None
-        _, tau = self.step_scale()
-        return {
-            k: 1.0 / (np.sqrt(v, dtype=np.float64) + tau) for k, v in self.v.items()
-        }
-
     def update(
         self, current: Arrays, stats: RoundStatistics
     ) -> tuple[Arrays, dict[str, float]]:

@@ -248,25 +248,6 @@ def norm_bound(
     return min(bounds) if bounds else None
 
 
-def step_sq_norms(
-    current: Mapping[str, NDArray[Any]],
-    clients: Sequence[Mapping[str, NDArray[Any]]],
-    gains: Mapping[str, NDArray[Any]],
-) -> NDArray[Any]:
-    """Return ‖g ⊙ Δ_i‖² per client: each update's size where the server steps.
-
-    ``gains`` g (per adaptive key) are the rule's per-coordinate step gains
-    before this round (:meth:`~fedadapt.strategies.core.base.ServerRule.step_gains`).
-    """
-    out = np.zeros(len(clients))
-    for k, g in gains.items():
-        flat_g = np.ascontiguousarray(g, dtype=np.float64).reshape(-1)
-        for block, i, delta in _client_differences(current[k], [c[k] for c in clients]):
-            scaled = delta * flat_g[block]
-            out[i] += float(np.vdot(scaled, scaled))
-    return out
-
-
 def _median_norm(sq_norms: Sequence[float] | NDArray[Any] | None) -> float | None:
     """Return median_i ‖Δ_i‖ (unweighted), or None without norms."""
     if sq_norms is None or not len(sq_norms):
@@ -546,7 +527,6 @@ def round_statistics(
     center: Mapping[str, NDArray[Any]] | None = None,
     max_contribution_ratio: float = 0.0,
     project_opposing: bool = False,
-    step_gains: Mapping[str, NDArray[Any]] | None = None,
 ) -> RoundStatistics:
     """Form Δ̄ and (when ``rule`` needs it) A from per-client arrays.
 
@@ -646,11 +626,6 @@ def round_statistics(
         assert norms is not None, "clipping computes the clients' norms"
         bound = norm_bound(norms, max_norm, max_norm_ratio)
         scales = clip_scales(norms, max_norm, max_norm_ratio, clip_mode)
-        if step_gains is not None and max_norm_ratio > 0 and own_mean:
-            step_scales = clip_scales(
-                step_sq_norms(current, clients, step_gains), 0.0, max_norm_ratio, "clip"
-            )
-            scales = np.minimum(scales, step_scales)
     pull_factors = None
     if limit_pull:
         assert norms is not None, "the pull bound computes the clients' norms"

@@ -136,15 +136,6 @@ class ServerRule(ABC):
         ``current`` and ``stats.mean_update`` hold only the adaptive keys.
         """
 
-    def step_gains(self) -> Arrays | None:
-        """Return the per-coordinate gains g of the next step, or None.
-
-        A rule with a per-coordinate preconditioner (FedAdam's 1/(√v + τ))
-        moves coordinate k by about g_k times Δ̄_k; None where every
-        coordinate has the same gain (or no state yet).
-        """
-        return None
-
     def _state(self) -> dict[str, Any]:
         """Return the rule's own state (moments); override with ``_load``."""
         return {}
