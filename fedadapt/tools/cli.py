@@ -42,12 +42,26 @@ from fedadapt.tools.submission import (
 )
 
 
+def _run_config(text: str | None) -> dict[str, Any]:
+    """``--run-config``'s keys, as flwr run parses them; ValueError if unreadable.
+
+    Flower raises click's exception, which would end the command with a
+    traceback; this names the option and keeps Flower's format hint.
+    """
+    import click
+
+    try:
+        return parse_config_args([text] if text else None)
+    except click.ClickException as error:
+        raise ValueError(f"--run-config {text!r}: {error.message}") from None
+
+
 def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """App path and validated run-config overrides (fail before starting)."""
     from fedadapt.config import validate_run_config
 
     app = Path(args.app).resolve()
-    overrides = parse_config_args([args.run_config] if args.run_config else None)
+    overrides = _run_config(args.run_config)
     if getattr(args, "resume", None):
         overrides = resume_overrides(Path(args.resume), overrides)
     overrides.setdefault("output-dir", str(Path("outputs").resolve()))
@@ -159,8 +173,12 @@ def _supervised(
 
 def simulate(args: argparse.Namespace) -> int:
     """Run one simulation end to end; return the process exit code."""
+    from fedadapt.tools.deploy.ray_cluster import suite_federation_config
+
     app, overrides = _prepare(args)
     flwr_home = Path(args.flwr_home or app / ".flwr").resolve()
+    # one CPU a client unless told: one-thread actors side by side, as a suite
+    federation_config = suite_federation_config(args.federation_config)
 
     def run(superlink: SimulationSuperLink, track: Submitted) -> RunOutcome:
         return submit_run(
@@ -170,7 +188,7 @@ def simulate(args: argparse.Namespace) -> int:
             args.num_supernodes,
             args.timeout,
             stream=not args.quiet,
-            federation_config=args.federation_config,
+            federation_config=federation_config,
             track=track,
         )
 
@@ -243,7 +261,7 @@ def make_node_data(args: argparse.Namespace) -> int:
     from fedadapt.tasks.node_data import write_node_datasets
     from fedadapt.tools.deploy.local import data_path_node_config
 
-    overrides = parse_config_args([args.run_config] if args.run_config else None)
+    overrides = _run_config(args.run_config)
     overrides["task"] = args.task
     for key, value in (
         ("partition", args.partitioner),
@@ -317,8 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument(
         "--federation-config",
         default="",
-        help='simulation settings, e.g. "client-resources-num-cpus=1 '
-        'client-resources-num-gpus=0.25" (flwr run --federation-config)',
+        help='simulation settings, e.g. "client-resources-num-cpus=2 '
+        'client-resources-num-gpus=0.25" (flwr run --federation-config; '
+        "default: one CPU a client)",
     )
     sim.add_argument(
         "--resume",

@@ -298,3 +298,20 @@ def test_resume_points_the_run_at_its_own_folder(tmp_path):
     }
     cfg = validate_run_config(overrides)
     assert load_checkpoint(cfg["resume-from"], cfg)["round"] == 2
+
+
+@pytest.mark.parametrize("command", ["simulate", "deploy", "make-node-data"])
+def test_an_unreadable_run_config_is_one_line_naming_the_option(
+    command, capsys, monkeypatch
+):
+    """A string value without quotes is not TOML: Flower's parser raises
+    click's exception, which used to end the command with a traceback."""
+    started = Mock(side_effect=AssertionError("a SuperLink was started"))
+    monkeypatch.setattr(cli, "SimulationSuperLink", started)
+    extra = ["--num-nodes", "2", "--out", "x"] if command == "make-node-data" else []
+    code = cli.main([command, *extra, "--run-config", "run-name=first"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--run-config 'run-name=first'" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    started.assert_not_called()

@@ -146,3 +146,37 @@ def test_a_suites_client_reserves_one_cpu_unless_told():
     assert suite_federation_config(given) == given
     one = client_resources(suite_federation_config(""))
     assert suite_slots(None, 8, 2, 0, one) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ((), "client-resources-num-cpus=1"),
+        (("--federation-config", "client-resources-num-cpus=2"),
+         "client-resources-num-cpus=2"),
+        (("--federation-config", "client-resources-num-gpus=0.5"),
+         "client-resources-num-gpus=0.5 client-resources-num-cpus=1"),
+    ],
+)  # fmt: skip
+def test_fedadapt_simulate_gives_a_client_one_cpu_unless_told(
+    flags, expected, tmp_path, monkeypatch
+):
+    """`fedadapt simulate` hands flwr run the same client CPUs as a suite's
+    cell: one unless the user's --federation-config says otherwise (the
+    SuperLink and flwr run are stand-ins that record what they were given)."""
+    from contextlib import nullcontext
+
+    from fedadapt.tools import cli
+    from fedadapt.tools.submission import RunOutcome
+
+    given: dict[str, str] = {}
+
+    def submit_run(*args, federation_config="", **kwargs):
+        given["federation_config"] = federation_config
+        return RunOutcome(1, "finished:completed", "", 0.1, None, [])
+
+    monkeypatch.setattr(cli, "SimulationSuperLink", lambda *a: nullcontext())
+    monkeypatch.setattr(cli, "submit_run", submit_run)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["simulate", "--app", str(tmp_path), *flags]) == 0
+    assert given["federation_config"] == expected

@@ -103,7 +103,7 @@ def suite_federation_config(federation_config: str) -> str:
     """``federation_config`` with a suite's client CPUs filled in.
 
     :data:`SUITE_CLIENT_CPUS` where it names none; a value the user gave is
-    kept.
+    kept. ``fedadapt simulate`` fills it in the same way.
     """
     items = parse_federation_config(federation_config)
     items.setdefault(CLIENT_CPUS, _plain(SUITE_CLIENT_CPUS))
