@@ -65,10 +65,17 @@ def extrapolate(measured: dict[str, Any], rounds: int, every: int) -> float:
 
 
 def cell_seconds(results: Path) -> float:
-    """A finished cell's wall time: ``started`` to the end of its last round."""
+    """A finished cell's wall time, as its results.json records it.
+
+    ``wall_time_s`` (``started`` to the final write); a file older than that
+    key falls back to its modification time, which a copy or a later
+    rewrite of the file moves.
+    """
     data = json.loads(results.read_text())
     if data.get("status") != "completed":
         raise SystemExit(f"{results}: status {data.get('status')!r}, not completed")
+    if "wall_time_s" in data:
+        return float(data["wall_time_s"])
     started = datetime.fromisoformat(data["started"])
     ended = datetime.fromtimestamp(results.stat().st_mtime, tz=started.tzinfo)
     return (ended - started).total_seconds()
