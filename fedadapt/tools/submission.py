@@ -64,16 +64,25 @@ __all__ = [
 
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
-#: While a run goes on, its results.json is read every RESULTS_POLL_S and
+#: While a run goes on, its results.json is looked at every RESULTS_POLL_S and
 #: ``flwr ls`` asked at intervals of a quarter of the time elapsed, between
 #: FIRST_STATUS_POLL_S and STATUS_POLL_S: each call starts a Python process
 #: costing about 1.5 CPU-seconds, which on a 2-core machine slowed the run it
 #: watched, while a run that fails at start is still seen within seconds.
 #: Once results.json says the run ended, ``flwr ls`` is asked every second
 #: until Flower reports it finished.
+#: While results.json is being written (its last write less than
+#: RESULTS_QUIET_S ago, its status ``running``) the ServerApp is alive and
+#: Flower is not asked at all (#39: a 500-round cell asked about a hundred
+#: times, some 150 CPU-seconds taken from the clients it watched). An
+#: unchanged results.json is read again only every ORPHAN_CHECK_S (a 500-round
+#: one is about 2 MB of JSON), which is how soon a ServerApp that died
+#: without a word is seen.
 RESULTS_POLL_S = 0.5
 FIRST_STATUS_POLL_S = 2.0
 STATUS_POLL_S = 10.0
+RESULTS_QUIET_S = 30.0
+ORPHAN_CHECK_S = 5.0
 #: Seconds Flower may go on calling a run "running" after its results.json
 #: says it ended badly (a ServerApp killed with -9 is never reported by
 #: Flower): then the run is stopped and reported failed.
@@ -251,6 +260,17 @@ def fetch_failure_log(
         print(f"fedadapt: cannot save Flower's log to {path}: {error}", file=sys.stderr)
         return real_error(text), None
     return real_error(text), path
+
+
+def _written(path: Path | None) -> tuple[int, int, int] | None:
+    """(inode, mtime in ns, size) of ``path``: changes with every atomic write."""
+    if path is None:
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 def find_results(
@@ -563,19 +583,29 @@ def submit_run(
             [program("flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
     path, ask_flower_at, ended_at = None, 0.0, None
+    data, seen, read_at = None, None, 0.0
     try:
         while True:
             path = path or find_results(results_root, run_id, submitted_at - 5.0)
             track.results = path
-            # settle: a results.json whose ServerApp died is marked failed
-            data = settle(path.parent) if path is not None else None
+            now = time.monotonic()
+            written = _written(path)
+            if path is not None and (
+                written != seen or now - read_at >= ORPHAN_CHECK_S
+            ):
+                # settle: a results.json whose ServerApp died is marked failed
+                data, seen, read_at = settle(path.parent), written, now
             recorded = (data or {}).get("status")
             ended = recorded in ("completed", "failed", "stopped")
-            now = time.monotonic()
             if ended:  # the ServerApp is done: Flower will say so shortly
                 ask_flower_at = min(ask_flower_at, now + 1.0)
                 ended_at = ended_at or now
-            if now >= ask_flower_at:
+            progressing = (
+                recorded == "running"
+                and written is not None
+                and time.time() - written[1] / 1e9 < RESULTS_QUIET_S
+            )
+            if now >= ask_flower_at and not progressing:
                 status = run_status(run_id, env, conn)
                 if status["status"].startswith(TERMINAL_PREFIX):
                     break

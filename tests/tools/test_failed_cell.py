@@ -182,6 +182,8 @@ def test_a_failed_cell_shows_the_real_error_and_ends_failed_unlocked(
     monkeypatch.setattr(submission, "SimulationSuperLink", SuperLink)
     monkeypatch.setattr(submission, "flwr", fake_flwr)
     monkeypatch.setattr(submission, "FAILED_SETTLE_WAIT_S", 0.2)
+    # the holder wrote results.json once: Flower is asked once it is quiet
+    monkeypatch.setattr(submission, "RESULTS_QUIET_S", 0.5)
     monkeypatch.setattr(
         submission,
         "run_status",
