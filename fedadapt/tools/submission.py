@@ -263,7 +263,11 @@ def fetch_failure_log(
 
 
 def _written(path: Path | None) -> tuple[int, int, int] | None:
-    """(inode, mtime in ns, size) of ``path``: changes with every atomic write."""
+    """(inode, mtime in ns, size) of ``path``: changes with every atomic write.
+
+    Compared between looks only, never with this machine's clock (the
+    folder may be another machine's).
+    """
     if path is None:
         return None
     try:
@@ -583,13 +587,15 @@ def submit_run(
             [program("flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
     path, ask_flower_at, ended_at = None, 0.0, None
-    data, seen, read_at = None, None, 0.0
+    data, seen, read_at, changed_at = None, None, 0.0, 0.0
     try:
         while True:
             path = path or find_results(results_root, run_id, submitted_at - 5.0)
             track.results = path
             now = time.monotonic()
             written = _written(path)
+            if written != seen:  # on our clock: a remote folder's may be skewed
+                changed_at = now
             if path is not None and (
                 written != seen or now - read_at >= ORPHAN_CHECK_S
             ):
@@ -603,7 +609,7 @@ def submit_run(
             progressing = (
                 recorded == "running"
                 and written is not None
-                and time.time() - written[1] / 1e9 < RESULTS_QUIET_S
+                and now - changed_at < RESULTS_QUIET_S
             )
             if now >= ask_flower_at and not progressing:
                 status = run_status(run_id, env, conn)
