@@ -64,22 +64,21 @@ __all__ = [
 
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
-#: While a run goes on, its results.json is looked at every RESULTS_POLL_S and
-#: ``flwr ls`` asked at intervals of a quarter of the time elapsed, between
-#: FIRST_STATUS_POLL_S and STATUS_POLL_S: each call starts a Python process
-#: costing about 1.5 CPU-seconds, which on a 2-core machine slowed the run it
-#: watched, while a run that fails at start is still seen within seconds.
-#: Once results.json says the run ended, ``flwr ls`` is asked every second
-#: until Flower reports it finished.
-#: While results.json is being written (its last write less than
-#: RESULTS_QUIET_S ago, its status ``running``) the ServerApp is alive and
-#: Flower is not asked at all (#39: a 500-round cell asked about a hundred
-#: times, some 150 CPU-seconds taken from the clients it watched). An
-#: unchanged results.json is read again only every ORPHAN_CHECK_S (a 500-round
-#: one is about 2 MB of JSON), which is how soon a ServerApp that died
-#: without a word is seen.
+#: While a run goes on, its results.json is looked at every RESULTS_POLL_S.
+#: Flower is asked (``flwr ls``: a Python process of about 1.5 CPU-seconds,
+#: taken from the run it watches on a small machine) FIRST_STATUS_POLL_S
+#: after submitting, then at intervals of a quarter of the time elapsed,
+#: between FIRST_STATUS_POLL_S and STATUS_POLL_S, so a run that fails before
+#: its ServerApp writes anything is still seen within seconds; but not while
+#: the ServerApp is writing results.json (status ``running``, changed less
+#: than RESULTS_QUIET_S ago: #39, a 500-round cell asked about a hundred
+#: times, some 150 CPU-seconds, and its start-up six times). Once
+#: results.json says the run ended, Flower is asked every second until it
+#: reports the run finished. An unchanged results.json (2 MB by round 500)
+#: is read again only every ORPHAN_CHECK_S, which is how soon a ServerApp
+#: that died without a word is seen.
 RESULTS_POLL_S = 0.5
-FIRST_STATUS_POLL_S = 2.0
+FIRST_STATUS_POLL_S = 5.0
 STATUS_POLL_S = 10.0
 RESULTS_QUIET_S = 30.0
 ORPHAN_CHECK_S = 5.0
@@ -586,7 +585,7 @@ def submit_run(
         streamer = subprocess.Popen(
             [program("flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
-    path, ask_flower_at, ended_at = None, 0.0, None
+    path, ask_flower_at, ended_at = None, started + FIRST_STATUS_POLL_S, None
     data, seen, read_at, changed_at = None, None, 0.0, 0.0
     try:
         while True:
