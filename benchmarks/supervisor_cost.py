@@ -68,8 +68,8 @@ def one_run(old: bool, rounds: int, out: Path, name: str) -> dict[str, Any]:
             if args and args[0] == "ls":
                 asks.append(_children_cpu() - before)
 
-    names = ("RESULTS_QUIET_S", "ORPHAN_CHECK_S", "FIRST_STATUS_POLL_S", "flwr")
-    saved = {name: getattr(submission, name) for name in names}
+    constants = ("RESULTS_QUIET_S", "ORPHAN_CHECK_S", "FIRST_STATUS_POLL_S", "flwr")
+    saved = {constant: getattr(submission, constant) for constant in constants}
     if old:
         submission.RESULTS_QUIET_S = submission.ORPHAN_CHECK_S = 0.0
         submission.FIRST_STATUS_POLL_S = 2.0
@@ -82,8 +82,8 @@ def one_run(old: bool, rounds: int, out: Path, name: str) -> dict[str, Any]:
              f"output-dir='{out}' run-name='{name}'"]
         )  # fmt: skip
     finally:
-        for name, value in saved.items():
-            setattr(submission, name, value)
+        for constant, value in saved.items():
+            setattr(submission, constant, value)
     wall = time.perf_counter() - started
     data = json.loads((out / name / "results.json").read_text())
     steady = [r["wall_time_s"] for r in data["rounds"][1:]]
