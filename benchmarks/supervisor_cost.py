@@ -19,6 +19,9 @@ it). Run it on a quiet machine and state the load.
 
     .venv/bin/python benchmarks/supervisor_cost.py --rounds 150 --pairs 2 \\
         --json benchmarks/results/supervisor-cost.json
+    # start-up of a suite's later cells: one cluster, short cells
+    .venv/bin/python benchmarks/supervisor_cost.py --warm-cluster --rounds 6 \\
+        --pairs 3 --json benchmarks/results/supervisor-cost-warm.json
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +57,15 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def one_run(old: bool, rounds: int, out: Path, name: str) -> dict[str, Any]:
-    """Run the cell once with the old or today's supervisor; its figures."""
+def one_run(
+    old: bool, rounds: int, out: Path, name: str, link: Any = None
+) -> dict[str, Any]:
+    """Run the cell once with the old or today's supervisor; its figures.
+
+    Without ``link``: ``fedadapt simulate`` (its own SuperLink and Ray).
+    With ``link`` (a running SimulationSuperLink on a running cluster):
+    ``submit_run`` on it, as a suite's cell after its first.
+    """
     from fedadapt.tools import cli, submission
 
     asks: list[float] = []
@@ -75,12 +86,21 @@ def one_run(old: bool, rounds: int, out: Path, name: str) -> dict[str, Any]:
         submission.FIRST_STATUS_POLL_S = 2.0
     submission.flwr = counted_flwr
     started = time.perf_counter()
+    run_config = (
+        f"{CELL} num-server-rounds={rounds} output-dir='{out}' run-name='{name}'"
+    )
     try:
-        code = cli.main(
-            ["simulate", "--app", str(ROOT), "--quiet", "--num-supernodes", "100",
-             "--run-config", f"{CELL} num-server-rounds={rounds} "
-             f"output-dir='{out}' run-name='{name}'"]
-        )  # fmt: skip
+        if link is None:
+            code = cli.main(
+                ["simulate", "--app", str(ROOT), "--quiet", "--num-supernodes",
+                 "100", "--run-config", run_config]
+            )  # fmt: skip
+        else:
+            outcome = submission.submit_run(
+                link, ROOT, cli._run_config(run_config), 100, 3600.0,
+                federation_config="client-resources-num-cpus=1",
+            )  # fmt: skip
+            code = 0 if outcome.ok else 1
     finally:
         for constant, value in saved.items():
             setattr(submission, constant, value)
@@ -106,15 +126,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument(
+        "--warm-cluster",
+        action="store_true",
+        help="run the cells on one private Ray cluster and SuperLink, after a "
+        "first cell that is not counted (a suite's cells 2..n)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     runs = []
-    with tempfile.TemporaryDirectory(prefix="supervisor-cost-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="supervisor-cost-") as tmp,
+        ExitStack() as stack,
+    ):
+        link = None
+        if args.warm_cluster:
+            from fedadapt.tools.deploy.ray_cluster import PrivateRayCluster
+            from fedadapt.tools.submission import SimulationSuperLink
+
+            cluster = stack.enter_context(
+                PrivateRayCluster(
+                    Path(tmp) / "ray", num_cpus=float(os.cpu_count() or 1)
+                )
+            )
+            link = stack.enter_context(
+                SimulationSuperLink(Path(tmp) / "home", ray_address=cluster.address)
+            )
+            one_run(False, args.rounds, Path(tmp), "first", link)  # not counted
         for pair in range(args.pairs):
             for old in (True, False):
                 name = f"{'old' if old else 'new'}-{pair}"
-                run = one_run(old, args.rounds, Path(tmp), name)
+                run = one_run(old, args.rounds, Path(tmp), name, link)
                 run["load_after"] = round(os.getloadavg()[0], 2)
                 runs.append(run)
                 print(json.dumps(run), flush=True)
@@ -127,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "rounds": args.rounds,
+        "warm_cluster": args.warm_cluster,
         "cores": len(os.sched_getaffinity(0)),
         "runs": runs,
         "new/old wall": ratio("wall_s"),

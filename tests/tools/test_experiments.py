@@ -363,6 +363,7 @@ def _flower_whose_runs_fail(monkeypatch, cpus=2, gpus=0, during_run=None):
 
     monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
     monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(cli, "FIRST_STATUS_POLL_S", 0.05)  # a fake Flower: ask at once
     monkeypatch.setattr(
         cli,
         "run_status",

@@ -184,6 +184,7 @@ def test_a_failed_cell_shows_the_real_error_and_ends_failed_unlocked(
     monkeypatch.setattr(submission, "FAILED_SETTLE_WAIT_S", 0.2)
     # the holder wrote results.json once: Flower is asked once it is quiet
     monkeypatch.setattr(submission, "RESULTS_QUIET_S", 0.5)
+    monkeypatch.setattr(submission, "FIRST_STATUS_POLL_S", 0.05)
     monkeypatch.setattr(
         submission,
         "run_status",
