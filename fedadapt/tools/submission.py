@@ -65,7 +65,7 @@ __all__ = [
 CONNECTION = "fedadapt-sim"
 TERMINAL_PREFIX = "finished:"
 #: While a run goes on, its results.json is looked at every RESULTS_POLL_S.
-#: Flower is asked (``flwr ls``: a Python process of about 1.5 CPU-seconds,
+#: Flower is asked (``flwr ls``: a Python process of about 1.6 CPU-seconds,
 #: taken from the run it watches on a small machine) FIRST_STATUS_POLL_S
 #: after submitting, then at intervals of a quarter of the time elapsed,
 #: between FIRST_STATUS_POLL_S and STATUS_POLL_S, so a run that fails before
