@@ -88,12 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite-dir", type=Path, required=True)
     parser.add_argument("--suite-seconds", type=float, required=True)
     parser.add_argument("--rounds", type=int, default=20, help="floor rounds per cell")
+    parser.add_argument(
+        "--methods", help="only these methods' cells (as fedadapt-exp run --methods)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     suite = load_suite(args.suite)
     cores = len(os.sched_getaffinity(0))
     rows = []
+    methods = set(args.methods.split(",")) if args.methods else None
     for cell in suite.cells(args.suite_dir):
+        if methods is not None and cell.method not in methods:
+            continue
         overrides = {k: v for k, v in cell.overrides.items() if k not in OUTPUT_KEYS}
         cfg = validate_run_config({**overrides, "num-server-rounds": args.rounds})
         loops = {
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "cells": rows,
         "sum_of_floors_s": round(floors, 1),
         "sum_of_cells_s": round(cells, 1),
+        "methods": sorted(methods) if methods else "all",
         "suite_s": args.suite_seconds,
         "suite/floors": round(args.suite_seconds / floors, 2),
         "target": 1.3,
