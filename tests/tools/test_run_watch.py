@@ -26,6 +26,17 @@ def _write(path: Path, status: str, rounds: int) -> None:
     tmp.replace(path)
 
 
+def _submit(tmp_path: Path, out: Path) -> cli.RunOutcome:
+    """submit_run of a 2-round run whose results go to ``out``, Flower faked."""
+    return cli.submit_run(
+        FakeSuperLink(tmp_path / "home"),
+        tmp_path,
+        {"output-dir": str(out), "num-server-rounds": 2},
+        2,
+        timeout=30,
+    )
+
+
 def test_follows_results_json_and_asks_flower_only_when_it_matters(
     tmp_path, monkeypatch
 ):
@@ -69,13 +80,7 @@ def test_follows_results_json_and_asks_flower_only_when_it_matters(
     monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
     threading.Thread(target=server_app, daemon=True).start()
     started = time.monotonic()
-    outcome = cli.submit_run(
-        FakeSuperLink(tmp_path / "home"),
-        tmp_path,
-        {"output-dir": str(out), "num-server-rounds": 2},
-        2,
-        timeout=30,
-    )
+    outcome = _submit(tmp_path, out)
     assert outcome.ok and outcome.results == results, outcome
     took = time.monotonic() - started
     # a run of ~10.8 s: asked at 2 and 4 s (FIRST_STATUS_POLL_S, then a
@@ -113,13 +118,7 @@ def test_a_run_whose_results_go_quiet_is_asked_about_again(tmp_path, monkeypatch
     monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
     monkeypatch.setattr(cli, "RESULTS_QUIET_S", 1.0)
     started = time.monotonic()
-    outcome = cli.submit_run(
-        FakeSuperLink(tmp_path / "home"),
-        tmp_path,
-        {"output-dir": str(out), "num-server-rounds": 2},
-        2,
-        timeout=30,
-    )
+    outcome = _submit(tmp_path, out)
     assert outcome.status == "finished:failed" and not outcome.ok
     assert len(asked) == 2
     # the file was written just before: the first ask waits for the quiet
@@ -140,13 +139,7 @@ def test_a_run_that_never_writes_results_is_still_detected(tmp_path, monkeypatch
     monkeypatch.setattr(cli, "FIRST_STATUS_POLL_S", 0.1)
     monkeypatch.setattr(cli, "STATUS_POLL_S", 0.2)
     monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
-    outcome = cli.submit_run(
-        FakeSuperLink(tmp_path / "home"),
-        tmp_path,
-        {"output-dir": str(tmp_path / "out"), "num-server-rounds": 2},
-        2,
-        timeout=30,
-    )
+    outcome = _submit(tmp_path, tmp_path / "out")
     assert outcome.status == "finished:failed" and not outcome.ok
     assert outcome.results is None and len(calls) == 3
 
