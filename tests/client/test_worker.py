@@ -246,3 +246,35 @@ def test_sweep_removes_only_the_files_of_workers_that_are_gone(tmp_path):
     assert sorted(removed) == sorted(killed + crashed)
     assert all(not p.exists() for p in killed + crashed)
     assert all(p.exists() for p in live + young)
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_socket_that_drops_the_handshake_counts_as_no_worker(tmp_path, how):
+    """A killed worker's socket can still be held a moment by what it
+    started: the connection is accepted, then dropped before the handshake.
+    That is no worker (the node starts a new one), not a failed message."""
+    import socket
+    import struct
+
+    address = worker.WorkerAddress(
+        tmp_path / "w.sock", tmp_path / "w.key", tmp_path / "w.log"
+    )
+    address.key.write_bytes(b"k" * 32)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(address.socket))
+    server.listen(1)
+
+    def drop() -> None:
+        conn, _ = server.accept()
+        if how == "reset":  # an RST instead of an orderly close
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                            struct.pack("ii", 1, 0))  # fmt: skip
+        conn.close()
+
+    thread = threading.Thread(target=drop, daemon=True)
+    thread.start()
+    try:
+        assert worker._connect(address) is None
+    finally:
+        thread.join(5)
+        server.close()
