@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     rows = []
     methods = set(args.methods.split(",")) if args.methods else None
+    if methods is not None and (unknown := methods - set(suite.methods)):
+        raise SystemExit(f"--methods: {sorted(unknown)} not in {sorted(suite.methods)}")
     for cell in suite.cells(args.suite_dir):
         if methods is not None and cell.method not in methods:
             continue
