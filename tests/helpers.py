@@ -30,6 +30,24 @@ NO_DEFENCE = {
 VENV_BIN = Path(sys.executable).parent
 
 
+def guard_a(weights, sq_norms, leave_out=()):
+    """The step guard's A, brute force: the largest A of one client less.
+
+    A over ``sq_norms`` without the clients ``leave_out`` (weights
+    renormalised over the rest), maximised over one more client left out;
+    with fewer than 4 clients left, the plain A (the guard leaves it).
+    """
+    rest = [i for i in range(len(sq_norms)) if i not in leave_out]
+
+    def plain(kept):
+        total = sum(weights[i] for i in kept)
+        return sum(weights[i] * sq_norms[i] for i in kept) / total
+
+    if len(sq_norms) < 4:
+        return plain(rest)
+    return max(plain([i for i in rest if i != j]) for j in rest)
+
+
 def make_reply(
     arrays: dict[str, np.ndarray] | None,
     metrics: dict,

@@ -196,9 +196,12 @@ class FedDuARule(ServerRule):
         (``stats.without_each``, :func:`~fedadapt.strategies.core.
         aggregation.leave_one_out`) means no single client can raise the
         server's step size; its push moves the model by no more than the
-        other clients' own step would. Evaluated from the moments before
-        this round's update (v, s, m are not touched). None when the guard
-        is off.
+        other clients' own step would. With the guard, A (in m) is the
+        largest leave-one-out A, so that no single client can lower the
+        step through A either (a short update:
+        :func:`~fedadapt.strategies.core.aggregation.guarded_sq_norms`).
+        Evaluated from the moments before this round's update (v, s, m are
+        not touched). None when the guard is off.
         """
         self.leave_one_out_steps = None
         if stats.without_each is None:

@@ -18,6 +18,7 @@ from fedadapt.strategies.core.aggregation import (
     contribution_scales,
     round_statistics,
 )
+from tests.helpers import guard_a
 from tests.strategies.test_step_guard import _round
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -77,10 +78,11 @@ def _reference(x, clients, counts, scale_bound):
         along = e @ others
         projected.append(e - along / (others @ others) * others if along < 0 else e)
     mean = sum(w * e for w, e in zip(weights, projected, strict=True))
-    a = sum(w * (e @ e) for w, e in zip(weights, projected, strict=True))
+    sq = [e @ e for e in projected]
+    a = guard_a(weights, sq)  # the step guard's A (tests/helpers.py)
     without = [
-        ((mean - w * e) / (1 - w), (a - w * (e @ e)) / (1 - w))
-        for w, e in zip(weights, projected, strict=True)
+        ((mean - w * e) / (1 - w), guard_a(weights, sq, leave_out=(i,)))
+        for i, (w, e) in enumerate(zip(weights, projected, strict=True))
     ]
     cosines = [
         (e @ (total - w * e)) / np.linalg.norm(e) / np.linalg.norm(total - w * e)

@@ -10,6 +10,7 @@ norm bound that sign-flips its update must not raise the server's step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -20,11 +21,12 @@ from fedadapt.strategies.core.aggregation import (
     apply_statistics,
     client_weights,
     clip_scales,
+    guarded_sq_norms,
     round_statistics,
 )
 from fedadapt.strategies.feddua import FedDuARule
 from fedadapt.strategies.fedexp import FedExPRule
-from tests.helpers import make_reply
+from tests.helpers import guard_a, make_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -67,6 +69,18 @@ RULES = {
 }
 
 
+def _eta_with_guard_a(rule, x, clients, counts, leave_out=()):
+    """η on ``clients`` less ``leave_out``, A the guard's (brute force), uncapped."""
+    kept = [i for i in range(len(clients)) if i not in leave_out]
+    stats = round_statistics(
+        rule, {"w": x}, [{"w": clients[i]} for i in kept], [counts[i] for i in kept]
+    )
+    weights = counts if rule.weighting == "num_examples" else [1.0] * len(counts)
+    sq = [float(np.sum(np.square(c - x))) for c in clients]
+    stats = dataclasses.replace(stats, mean_sq_norm=guard_a(weights, sq, leave_out))
+    return apply_statistics(rule, {"w": x}, stats)[1]["server-lr"]
+
+
 def _eta(rule, x, clients, counts, **options):
     stats = round_statistics(
         rule, {"w": x}, [{"w": c} for c in clients], counts, **options
@@ -85,13 +99,11 @@ def test_guarded_step_is_the_smallest_leave_one_out_step(name, weighting):
     # two rounds, so the momentum rules carry state into the second
     for round_ in range(2):
         clients = [x + d for d in _updates(seed=round_)]
-        leave_one_out = []
-        for i in range(len(clients)):
-            reference = copy.deepcopy(rule)
-            rest = clients[:i] + clients[i + 1 :]
-            eta, _ = _eta(reference, x, rest, counts[:i] + counts[i + 1 :])
-            leave_one_out.append(eta)
-        unguarded, _ = _eta(copy.deepcopy(rule), x, clients, counts)
+        leave_one_out = [
+            _eta_with_guard_a(copy.deepcopy(rule), x, clients, counts, (i,))
+            for i in range(len(clients))
+        ]
+        unguarded = _eta_with_guard_a(copy.deepcopy(rule), x, clients, counts)
         guarded, diagnostics = _eta(rule, x, clients, counts, step_guard=True)
         expected = min(unguarded, min(leave_one_out))
         if name == "fedexp":  # the guard acts before max(1, ·)
@@ -110,8 +122,12 @@ def test_a_sign_flipping_client_under_the_bound_cannot_raise_the_step(name):
     norms = [np.linalg.norm(h) for h in honest]
     flip = -honest[0] / norms[0] * 0.99 * np.median(norms)
     options = {"max_norm_ratio": 1.0, "clip_mode": "clip"}
-    # Execute
-    alone, _ = _eta(RULES[name](), x, honest, [1.0] * 9, **options)
+    # Execute: the honest clients' own step (with the guard's A, uncapped)
+    rule = RULES[name]()
+    own = round_statistics(rule, {"w": x}, [{"w": h} for h in honest], [1.0] * 9,
+                           step_guard=True, **options)  # fmt: skip
+    own = dataclasses.replace(own, without_each=None)
+    alone = apply_statistics(rule, {"w": x}, own)[1]["server-lr"]
     attacked, _ = _eta(RULES[name](), x, [*honest, x + flip], [1.0] * 10, **options)
     guarded, _ = _eta(
         RULES[name](), x, [*honest, x + flip], [1.0] * 10, step_guard=True, **options
@@ -230,3 +246,41 @@ def _round(api, strategy, x, clients, counts):
                for p, c, n in zip(proxies, clients, counts, strict=True)]  # fmt: skip
     new, _ = strategy.aggregate_fit(1, results, [])
     return parameters_to_ndarrays(new)[0]
+
+
+def test_the_guards_a_in_closed_form():
+    # five clients, uniform weights, ‖Δ_i‖² = 1, 2, 3, 4, 10: A = 4, and
+    # without the shortest update 19/4; client i's own leave-one-out A is
+    # the same over the other four (the shortest of those left out too)
+    sq = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
+    a, without = guarded_sq_norms(np.full(5, 0.2), sq, 4.0)
+    assert a == pytest.approx(19 / 4)
+    np.testing.assert_allclose(without, [17 / 3, 17 / 3, 16 / 3, 15 / 3, 9 / 3])
+    # three clients: A and the plain leave-one-out A's, untouched
+    a, without = guarded_sq_norms(np.full(3, 1 / 3), sq[:3], 2.0)
+    assert a == 2.0
+    np.testing.assert_allclose(without, [2.5, 2.0, 1.5])
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_a_short_update_cannot_lower_a_below_the_others(name):
+    # Prepare: nine honest clients; the tenth sends the honest mean μ
+    # ("a little is enough" with one client of ten), nothing at all, or μ
+    # scaled to the shortest honest norm (it knows the guard)
+    x = np.zeros(8)
+    honest = [x + d for d in _updates(n=9)]
+    mu = np.mean(honest, axis=0)
+    honest_a = np.mean([h @ h for h in honest])
+    shortest = min(np.linalg.norm(h) for h in honest)
+    for short in (mu, np.zeros(8), mu / np.linalg.norm(mu) * shortest):
+        # Execute
+        clients = [{"w": h} for h in [*honest, short]]
+        stats = round_statistics(
+            RULES[name](), {"w": x}, clients, [1.0] * 10, step_guard=True
+        )
+        _, diagnostics = apply_statistics(RULES[name](), {"w": x}, stats)
+        # Assert: the plain A fell, the guard's A did not fall below the
+        # honest clients' own (leaving out the short update gives it)
+        assert stats.unguarded_sq_norm < honest_a
+        assert diagnostics["mean-client-sq-norm-unguarded"] == stats.unguarded_sq_norm
+        assert stats.mean_sq_norm >= honest_a * (1 - 1e-12)
