@@ -834,7 +834,10 @@ def markdown(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
             honest = next(iter(mine.values()))["honest"]
             cells = []
             for attack in attacks:
-                r = mine[attack]
+                r = mine.get(attack)
+                if r is None:  # a grid where this strategy did not run it
+                    cells.append("—")
+                    continue
                 if accuracy:
                     cost = f"{100 * (r['honest'] - r['metric']):+.1f}"
                 else:

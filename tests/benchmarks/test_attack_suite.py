@@ -189,3 +189,22 @@ def test_the_absent_control_is_fedavg_over_the_clients_that_reply():
     np.testing.assert_allclose(model["x"], x["x"], rtol=1e-5, atol=1e-6)
     honest, _ = suite.federate(cfg, options, x0, train, 3, None, (), 0)
     assert not np.allclose(honest["x"], model["x"])  # the two clients mattered
+
+
+def test_the_report_of_a_partial_grid_marks_the_cells_it_lacks() -> None:
+    # two grids merged (benchmarks/results keeps such files): FedExP ran an
+    # attack that FedAvg did not
+    suite = _suite()
+    cell = {"seed": 0, "defence": "default", "hostile": 0, "attack": "none",
+            "metric": 0.9, "distance": 0.0}  # fmt: skip
+    attacked = {**cell, "hostile": 1, "metric": 0.8, "distance": 0.5}
+    doc = {"task": "digits-mlp", "clients": 10, "metric": "accuracy", "cells": [
+        {**cell, "strategy": "fedavg"},
+        {**attacked, "strategy": "fedavg", "attack": "ipm"},
+        {**cell, "strategy": "fedexp"},
+        {**attacked, "strategy": "fedexp", "attack": "ipm", "distance": 1.0},
+        {**attacked, "strategy": "fedexp", "attack": "alie"},
+    ]}  # fmt: skip
+    table = suite.markdown(doc, suite.summarise(doc))
+    assert "| fedavg | 90.0 | +10.0 / 1.00× | — |" in table
+    assert "| fedexp | 90.0 | +10.0 / 2.00× | +10.0 / nan× |" in table
