@@ -310,7 +310,9 @@ _RUN_KEYS: tuple[Key, ...] = (
         "training pool; validation-size examples of it are used. An absolute path."),
     Key("step-guard", True, "FedExP/FedExPM/FedDuA: cap the server step size at "
         "the smallest one the round gives without any one client (leave-one-out), "
-        "so no single client raises the extrapolation. Inactive with "
+        "so no single client raises the extrapolation; and use as A (the mean "
+        "squared update norm the step grows with) the largest leave-one-out A, so "
+        "no single client lowers it with a short update. Inactive with "
         "secure-aggregation and robust aggregation."),
     Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
         "steps on: mean (weighted, the papers), median or trimmed-mean "
