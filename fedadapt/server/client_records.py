@@ -19,9 +19,10 @@ Each line (:func:`flatten`)::
     by +), selected (Krum/multi-Krum/Bulyan kept the update),
     center_clip_scale (centered clipping's factor), server_lr_without and
     step_guard (the server step without this client; whether it capped the
-    round's step), consensus_cos and projected (the cosine of its update
-    with the others' mean; whether its part against that mean was
-    removed), influence (the influence screen's measure: by what fraction
+    round's step), a_left_out (whether the guard's A left its ‖Δ_i‖²
+    out; null when A is the plain mean), consensus_cos and projected (the
+    cosine of its update with the others' mean; whether its part against
+    that mean was removed), influence (the influence screen's measure: by what fraction
     its presence raised the server's validation loss; null when the
     screen is off), optimizer ({"eta-mean":
     ...}: the client optimizer's opt-* statistics, e.g. Δ-SGD's step
@@ -103,6 +104,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         center_clip_scale=record.get("center_clip_scale"),
         server_lr_without=record.get("server_lr_without"),
         step_guard=record.get("step_guard"),
+        a_left_out=record.get("a_left_out"),
         consensus_cos=record.get("consensus_cos"),
         projected=record.get("projected"),
         influence=record.get("influence"),

@@ -794,7 +794,9 @@ def apply_rule(
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
-    _record_step_guard(ordered, rule.leave_one_out_steps, diagnostics, report)
+    _record_step_guard(
+        ordered, rule.leave_one_out_steps, diagnostics, report, stats.a_left_out
+    )
     if stats.consensus_cos is not None:
         diagnostics["projected-updates"] = _record_projection(
             ordered, stats.consensus_cos, report, round_label
@@ -922,6 +924,7 @@ def _record_step_guard(
     steps: Sequence[float] | None,
     diagnostics: Mapping[str, float],
     report: ScreenReport,
+    a_left_out: int | None = None,
 ) -> None:
     """Write each client's leave-one-out step size to its record.
 
@@ -930,16 +933,20 @@ def _record_step_guard(
     absence gives the smallest one set the cap when ``server-lr-unguarded``
     is in the diagnostics (``step_guard`` = true in its record). An
     operator sees a client that raises the step far above what the others
-    give on its own.
+    give on its own. ``a_left_out``: whether the guard's A left this
+    client's ‖Δ_i‖² out (:func:`~fedadapt.strategies.core.aggregation.
+    guarded_sq_norms`); a client that is left out round after round sends
+    the shortest updates, as a client that tries to slow the step would.
     """
     if steps is None or len(steps) != len(used):
         return
     capped = "server-lr-unguarded" in diagnostics
     lowest = min(steps)
-    for candidate, step in zip(used, steps, strict=True):
+    for i, (candidate, step) in enumerate(zip(used, steps, strict=True)):
         record = report.record_of(candidate)
         record["server_lr_without"] = step
         record["step_guard"] = capped and step == lowest
+        record["a_left_out"] = None if a_left_out is None else i == a_left_out
 
 
 def _record_projection(

@@ -221,7 +221,8 @@ def reply_record(
     got in the last iteration); None where that aggregator is not in use.
     ``server_lr_without`` / ``step_guard``: the step guard's server step
     size without this client, and whether that one capped the round's step
-    (FedExP/FedExPM/FedDuA; None otherwise). ``consensus_cos`` /
+    (FedExP/FedExPM/FedDuA; None otherwise); ``a_left_out``: whether the
+    guard's A left its ‖Δ_i‖² out (None when A is the plain mean). ``consensus_cos`` /
     ``projected``: the cosine of its (clipped) update with the others' mean,
     and whether its part against that mean was removed (None when the
     opposing projection is off).
@@ -251,6 +252,7 @@ def reply_record(
         "center_clip_scale": None,
         "server_lr_without": None,
         "step_guard": None,
+        "a_left_out": None,
         "consensus_cos": None,
         "projected": None,
         "influence": None,

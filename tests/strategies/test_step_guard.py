@@ -174,6 +174,10 @@ def test_the_guard_is_on_by_default_and_recorded_per_client(api):
     assert [r["step_guard"] for r in records].count(True) == 1
     capping = next(r for r in records if r["step_guard"])
     assert capping["server_lr_without"] == pytest.approx(diagnostics["server-lr"])
+    # the guard's A left out one client's ‖Δ_i‖²: the shortest update's
+    assert [r["a_left_out"] for r in records].count(True) == 1
+    shortest = min(records, key=lambda r: r["server_sq_norm"])
+    assert shortest["a_left_out"] is True
     assert capping["server_lr_without"] == pytest.approx(min(steps))
     # the flipping client is the one whose absence lowers the step most
     flipper = max(records, key=lambda r: r["server_sq_norm"])
@@ -253,12 +257,14 @@ def test_the_guards_a_in_closed_form():
     # without the shortest update 19/4; client i's own leave-one-out A is
     # the same over the other four (the shortest of those left out too)
     sq = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
-    a, without = guarded_sq_norms(np.full(5, 0.2), sq, 4.0)
+    a, without, left_out = guarded_sq_norms(np.full(5, 0.2), sq, 4.0)
     assert a == pytest.approx(19 / 4)
+    assert left_out == 0
     np.testing.assert_allclose(without, [17 / 3, 17 / 3, 16 / 3, 15 / 3, 9 / 3])
     # three clients: A and the plain leave-one-out A's, untouched
-    a, without = guarded_sq_norms(np.full(3, 1 / 3), sq[:3], 2.0)
+    a, without, left_out = guarded_sq_norms(np.full(3, 1 / 3), sq[:3], 2.0)
     assert a == 2.0
+    assert left_out is None
     np.testing.assert_allclose(without, [2.5, 2.0, 1.5])
 
 

@@ -121,6 +121,9 @@ class RoundStatistics:
         The plain weighted mean A where the step guard replaced
         ``mean_sq_norm`` by its own (:func:`guarded_sq_norms`); None when
         the guard did not apply.
+    a_left_out : int | None
+        The index of the client whose ‖Δ_i‖² the guard's A left out; None
+        when A is the plain mean.
     """
 
     mean_update: Arrays
@@ -135,6 +138,7 @@ class RoundStatistics:
     num_nodes: int | None = None
     consensus_cos: tuple[float, ...] | None = None
     unguarded_sq_norm: float | None = None
+    a_left_out: int | None = None
 
 
 def client_weights(
@@ -519,8 +523,8 @@ def leave_one_out(
 
 def guarded_sq_norms(
     weights: NDArray[Any], per_client: NDArray[Any], mean_sq_norm: float
-) -> tuple[float, list[float]]:
-    """Return the step guard's A and each client's leave-one-out A.
+) -> tuple[float, list[float], int | None]:
+    """Return the step guard's A, each client's leave-one-out A, who is left out.
 
     FedExP's and FedDuA's step grows with A = Σ ω_j‖Δ_j‖² (FedExP Alg. 1;
     DUA Alg. 1 line 12), so a client can also *lower* the server's step:
@@ -543,7 +547,9 @@ def guarded_sq_norms(
     max_{j≠i} A_{−i,−j} with A_{−i,−j} = (A − ω_i‖Δ_i‖² − ω_j‖Δ_j‖²) /
     (1 − ω_i − ω_j), falling back to the plain A_{−i} where no pair leaves
     weight. With fewer than :data:`GUARD_A_MIN_CLIENTS` replies A is left
-    as it is and the leave-one-out A's are the plain A_{−i}.
+    as it is and the leave-one-out A's are the plain A_{−i}. The third value
+    is the index j of the client left out of A' (None when A is left as
+    it is): what its record in clients.jsonl calls ``a_left_out``.
 
     Its honest cost is a slightly longer step: on digits-mlp (5 seeds) the
     honest runs of FedExP, FedExPM and both FedDuA variants ended 0.1–1.1
@@ -558,7 +564,7 @@ def guarded_sq_norms(
     without = np.maximum(without, 0.0)
     n = len(sq)
     if n < GUARD_A_MIN_CLIENTS:
-        return mean_sq_norm, without.tolist()
+        return mean_sq_norm, without.tolist(), None
     pair_rest = 1.0 - weights[:, None] - weights[None, :]
     valid = pair_rest > 0
     np.fill_diagonal(valid, False)
@@ -569,7 +575,12 @@ def guarded_sq_norms(
     pairs = np.where(valid, np.maximum(pairs, 0.0), -np.inf)
     best = pairs.max(axis=1)
     guarded_without = np.where(np.isfinite(best), best, without)
-    return float(max(mean_sq_norm, without.max())), guarded_without.tolist()
+    left_out = int(np.argmax(without))
+    return (
+        float(max(mean_sq_norm, without[left_out])),
+        guarded_without.tolist(),
+        left_out,
+    )
 
 
 def round_statistics(
@@ -727,7 +738,7 @@ def round_statistics(
         )
         before_projection = {k: mean_update[k] for k in adaptive}
         mean_update.update(projection.mean_update)
-    mean_sq_norm = untrimmed_sq_norm = None
+    mean_sq_norm = untrimmed_sq_norm = a_left_out = None
     per_client = None
     if rule.needs_sq_norms:
         per_client = norms if norms is not None else np.asarray(sq_norms, float)
@@ -749,7 +760,7 @@ def round_statistics(
         sq_without = None
         if mean_sq_norm is not None and per_client is not None:
             untrimmed_sq_norm = mean_sq_norm
-            mean_sq_norm, sq_without = guarded_sq_norms(
+            mean_sq_norm, sq_without, a_left_out = guarded_sq_norms(
                 np.asarray(weights), np.asarray(per_client), mean_sq_norm
             )
         effective = np.asarray(weights) * (1.0 if scales is None else scales)
@@ -781,6 +792,7 @@ def round_statistics(
         defence,
         consensus_cos=None if projection is None else projection.cosines,
         unguarded_sq_norm=untrimmed_sq_norm,
+        a_left_out=a_left_out,
     )
 
 
