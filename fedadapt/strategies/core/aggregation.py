@@ -541,8 +541,10 @@ def guarded_sq_norms(
 
     the round's A without the client whose absence raises it most (under
     uniform weights, the shortest update; max_j A_{−j} ≥ A always, since A
-    is a weighted mean of them). A client can then lower A no further than
-    the shortest honest update does. Client i's leave-one-out A (what the
+    is a weighted mean of them). Whatever client k sends, A' ≥ A_{−k}, the
+    other clients' own A: no single client can lower it (what it can still
+    do is keep the shortest honest update in, where its absence would have
+    left that one out). Client i's leave-one-out A (what the
     guard's min_i η^{(−i)} uses) is the same statistic over the others,
     max_{j≠i} A_{−i,−j} with A_{−i,−j} = (A − ω_i‖Δ_i‖² − ω_j‖Δ_j‖²) /
     (1 − ω_i − ω_j), falling back to the plain A_{−i} where no pair leaves
