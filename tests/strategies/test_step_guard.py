@@ -17,6 +17,7 @@ import pytest
 
 from fedadapt import strategies as ours
 from fedadapt.strategies import legacy
+from fedadapt.strategies.core import aggregation
 from fedadapt.strategies.core.aggregation import (
     apply_statistics,
     client_weights,
@@ -290,3 +291,20 @@ def test_a_short_update_cannot_lower_a_below_the_others(name):
         assert stats.unguarded_sq_norm < honest_a
         assert diagnostics["mean-client-sq-norm-unguarded"] == stats.unguarded_sq_norm
         assert stats.mean_sq_norm >= honest_a * (1 - 1e-12)
+
+
+def test_the_guards_a_is_the_same_formed_in_blocks(monkeypatch):
+    # many replies are paired a block of rows at a time; unequal weights
+    rng = np.random.default_rng(5)
+    weights = rng.uniform(0.5, 2.0, size=23)
+    weights /= weights.sum()
+    sq = rng.uniform(0.1, 3.0, size=23)
+    whole = guarded_sq_norms(weights, sq, float(weights @ sq))
+    monkeypatch.setattr(aggregation, "_PAIR_BLOCK", 50)  # two rows a block
+    blocks = guarded_sq_norms(weights, sq, float(weights @ sq))
+    assert blocks[0] == whole[0] and blocks[2] == whole[2]
+    np.testing.assert_allclose(blocks[1], whole[1], rtol=1e-12)
+    # and both agree with the brute force of tests/helpers.py
+    assert whole[0] == pytest.approx(guard_a(weights, sq))
+    for i in (0, 11, 22):
+        assert whole[1][i] == pytest.approx(guard_a(weights, sq, leave_out=(i,)))

@@ -472,6 +472,9 @@ GUARD_MIN_CLIENTS = 3
 #: leave-one-out A then still averages two clients after its trim.
 GUARD_A_MIN_CLIENTS = 4
 
+#: Pairs (i, j) formed at once by :func:`guarded_sq_norms` (~8 MB each).
+_PAIR_BLOCK = 1 << 20
+
 
 def leave_one_out(
     current: Mapping[str, NDArray[Any]],
@@ -567,15 +570,18 @@ def guarded_sq_norms(
     n = len(sq)
     if n < GUARD_A_MIN_CLIENTS:
         return mean_sq_norm, without.tolist(), None
-    pair_rest = 1.0 - weights[:, None] - weights[None, :]
-    valid = pair_rest > 0
-    np.fill_diagonal(valid, False)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        pairs = np.where(
-            valid, (mean_sq_norm - weighted[:, None] - weighted[None, :]) / pair_rest, 0
-        )
-    pairs = np.where(valid, np.maximum(pairs, 0.0), -np.inf)
-    best = pairs.max(axis=1)
+    best = np.empty(n)
+    rows = max(1, _PAIR_BLOCK // n)  # pairs in blocks: n² floats for 10⁴ replies
+    for start in range(0, n, rows):
+        block = slice(start, min(n, start + rows))
+        pair_rest = 1.0 - weights[block, None] - weights[None, :]
+        valid = pair_rest > 0
+        own = np.arange(block.start, block.stop)
+        valid[own - start, own] = False
+        with np.errstate(divide="ignore", invalid="ignore"):
+            left = mean_sq_norm - weighted[block, None] - weighted[None, :]
+            pairs = left / pair_rest
+        best[block] = np.where(valid, np.maximum(pairs, 0.0), -np.inf).max(axis=1)
     guarded_without = np.where(np.isfinite(best), best, without)
     left_out = int(np.argmax(without))
     return (
