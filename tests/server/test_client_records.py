@@ -61,6 +61,10 @@ def test_flatten_names_the_fields_and_keeps_other_metrics():
     assert line["optimizer"] == {"eta-mean": 0.5}
     assert line["reported_sq_norm"] == 2.0 and line["clipped"] is False
     assert line["local_steps"] == 3 and line["metrics"] == {}
+    # what the step guard did to it: null where it did not act
+    assert line["a_left_out"] is None and line["step_guard"] is None
+    guarded = client_records.flatten({**_record(4, 7), "a_left_out": True})
+    assert guarded["a_left_out"] is True
 
 
 def test_torn_last_line_is_skipped_with_a_warning_and_cut_on_resume(tmp_path):

@@ -146,6 +146,10 @@ def test_the_guard_needs_three_clients_and_the_mean():
     stats = round_statistics(rule, {"w": x}, [{"w": c} for c in two], [1, 1],
                              step_guard=True)  # fmt: skip
     assert stats.without_each is None
+    three = [{"w": x + d} for d in _updates(n=3)]
+    stats = round_statistics(rule, {"w": x}, three, [1] * 3, step_guard=True)
+    assert stats.without_each is not None  # the guard acts, its A does not
+    assert stats.unguarded_sq_norm is None and stats.a_left_out is None
     many = [{"w": x + d} for d in _updates(n=5)]
     stats = round_statistics(rule, {"w": x}, many, [1] * 5, step_guard=True,
                              aggregation="median")  # fmt: skip

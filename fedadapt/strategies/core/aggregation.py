@@ -767,10 +767,12 @@ def round_statistics(
     if guarded and len(clients) >= GUARD_MIN_CLIENTS:
         sq_without = None
         if mean_sq_norm is not None and per_client is not None:
-            untrimmed_sq_norm = mean_sq_norm
+            plain_sq_norm = mean_sq_norm
             mean_sq_norm, sq_without, a_left_out = guarded_sq_norms(
                 np.asarray(weights), np.asarray(per_client), mean_sq_norm
             )
+            if a_left_out is not None:  # the guard's A replaced the plain one
+                untrimmed_sq_norm = plain_sq_norm
         effective = np.asarray(weights) * (1.0 if scales is None else scales)
         shifts = None
         if projection is not None:  # ω_i e'_i = ω_i s_i (1 + ω_i β_i) Δ_i − ω_i β_i Δ̄
