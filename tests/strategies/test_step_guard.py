@@ -312,3 +312,24 @@ def test_the_guards_a_is_the_same_formed_in_blocks(monkeypatch):
     assert whole[0] == pytest.approx(guard_a(weights, sq))
     for i in (0, 11, 22):
         assert whole[1][i] == pytest.approx(guard_a(weights, sq, leave_out=(i,)))
+
+
+def test_uniform_weights_take_the_shortest_other_as_the_pairs_do():
+    # the papers' uniform weights skip the pairs: the largest A_{-i,-j} is
+    # the one without the shortest other update; a tie for the shortest too
+    rng = np.random.default_rng(8)
+    distinct = rng.uniform(0.1, 3.0, size=9)
+    tied = distinct.copy()
+    tied[4] = tied[7] = distinct.min() / 2
+    weights = np.full(9, 1 / 9)
+    for sq in (distinct, tied):
+        a, without, left_out = guarded_sq_norms(weights, sq, float(weights @ sq))
+        loo = (weights @ sq - weights * sq) / (1 - weights)
+        pairs, pair_left_out = aggregation._pairwise_sq_norms(
+            weights, weights * sq, float(weights @ sq), np.maximum(loo, 0.0)
+        )
+        np.testing.assert_allclose(without, pairs, rtol=1e-12)
+        assert left_out == pair_left_out == int(np.argmin(sq))
+        assert a == pytest.approx(guard_a(weights, sq))
+        for i in range(9):
+            assert without[i] == pytest.approx(guard_a(weights, sq, leave_out=(i,)))

@@ -570,6 +570,33 @@ def guarded_sq_norms(
     n = len(sq)
     if n < GUARD_A_MIN_CLIENTS:
         return mean_sq_norm, without.tolist(), None
+    if np.all(weights == weights[0]):  # uniform (the papers'): the shortest other
+        order = np.argsort(sq, kind="stable")
+        other = np.where(np.arange(n) == order[0], sq[order[1]], sq[order[0]])
+        pair_rest = 1.0 - 2.0 * weights[0]
+        guarded_without = np.maximum(
+            (mean_sq_norm - weighted - weights[0] * other) / pair_rest, 0.0
+        )
+        left_out = int(order[0])
+    else:
+        guarded_without, left_out = _pairwise_sq_norms(
+            weights, weighted, mean_sq_norm, without
+        )
+    return (
+        float(max(mean_sq_norm, without[left_out])),
+        guarded_without.tolist(),
+        left_out,
+    )
+
+
+def _pairwise_sq_norms(
+    weights: NDArray[Any],
+    weighted: NDArray[Any],
+    mean_sq_norm: float,
+    without: NDArray[Any],
+) -> tuple[NDArray[Any], int]:
+    """max_{j≠i} A_{−i,−j} for unequal weights (:func:`guarded_sq_norms`)."""
+    n = len(weights)
     best = np.empty(n)
     rows = max(1, _PAIR_BLOCK // n)  # pairs in blocks: n² floats for 10⁴ replies
     for start in range(0, n, rows):
@@ -582,13 +609,7 @@ def guarded_sq_norms(
             left = mean_sq_norm - weighted[block, None] - weighted[None, :]
             pairs = left / pair_rest
         best[block] = np.where(valid, np.maximum(pairs, 0.0), -np.inf).max(axis=1)
-    guarded_without = np.where(np.isfinite(best), best, without)
-    left_out = int(np.argmax(without))
-    return (
-        float(max(mean_sq_norm, without[left_out])),
-        guarded_without.tolist(),
-        left_out,
-    )
+    return np.where(np.isfinite(best), best, without), int(np.argmax(without))
 
 
 def round_statistics(
