@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -526,6 +527,7 @@ def submit_run(
     federation_config: str = "",
     track: Submitted | None = None,
     cancel: threading.Event | None = None,
+    on_ended: Callable[[], None] | None = None,
 ) -> RunOutcome:
     """Run the app once on ``superlink`` and wait for its real outcome.
 
@@ -541,6 +543,12 @@ def submit_run(
     they are known (see :func:`settle_run`). ``cancel``, when set by another
     thread, ends the wait with :class:`Cancelled` (the caller stops the
     SuperLink and settles the run).
+    ``on_ended`` is called once, as soon as results.json says the run ended
+    (``completed``, ``failed`` or ``stopped``), while Flower's own process
+    may still be shutting down (3–4 s on a 2-core machine: its threads
+    notice the stop within a second, then it leaves the Ray cluster); a
+    suite starts its next cell then (#39). The wait goes on until Flower
+    reports the run finished, and the outcome is Flower's.
 
     While it waits, a results.json left ``running`` by a ServerApp that died
     (kill -9, lost machine) is marked ``failed`` (:func:`settle`), and such a
@@ -604,6 +612,8 @@ def submit_run(
             ended = recorded in ("completed", "failed", "stopped")
             if ended:  # the ServerApp is done: Flower will say so shortly
                 ask_flower_at = min(ask_flower_at, now + 1.0)
+                if ended_at is None and on_ended is not None:
+                    on_ended()
                 ended_at = ended_at or now
             progressing = (
                 recorded == "running"

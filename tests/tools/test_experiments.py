@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -710,6 +711,83 @@ def test_gpu_clients_share_the_gpus_across_slots(tmp_path, monkeypatch):
     assert cluster.started == 2
     want = "num-supernodes=3 client-resources-num-cpus=2 client-resources-num-gpus=0.5"
     assert configs == [want] * 3
+
+
+def test_a_slots_next_cell_starts_while_flower_ends_the_last(tmp_path, monkeypatch):
+    """Issue #39: a cell gives its slot to the next one as soon as its
+    results.json says it completed, not when Flower reports the run
+    finished (Flower's process shuts down for 3–4 s more on 2 cores); one
+    cell's rounds at a time all the same, and every cell still ends with
+    Flower's verdict. The fake Flower's ServerApp completes 0.2 s after
+    the submission; Flower reports the run finished 1 s after that."""
+    import threading
+
+    from fedadapt._atomic import atomic_write_text
+    from fedadapt.tools import submission as cli
+
+    fake_ray(monkeypatch, 2, 0)  # one slot
+    events, lock = [], threading.Lock()
+
+    def note(what, run_id):
+        with lock:
+            events.append((time.monotonic(), what, run_id))
+
+    def at(what, run_id):
+        with lock:
+            return [t for t, w, r in events if w == what and r == run_id]
+
+    def serverapp(folder, run_id):
+        def write(status, rounds):
+            used = {"received": 3, "used": 3}
+            data = {
+                "run_id": run_id,
+                "status": status,
+                "rounds": [
+                    {"round": i + 1, "eval": {"loss": 1.0}, "replies": used}
+                    for i in range(rounds)
+                ],
+            }
+            atomic_write_text(folder / "results.json", json.dumps(data))
+
+        folder.mkdir(parents=True, exist_ok=True)
+        write("running", 0)
+        time.sleep(0.2)
+        write("completed", 2)
+        note("completed", run_id)
+
+    def fake_flwr(args, env, **kw):
+        assert args[0] == "run", args
+        config = args[args.index("--run-config") + 1]
+        out = json.loads(re.search(r'output-dir=("[^"]*")', config).group(1))
+        name = json.loads(re.search(r'run-name=("[^"]*")', config).group(1))
+        with lock:
+            run_id = 1 + sum(w == "submitted" for _, w, _ in events)
+        note("submitted", run_id)
+        threading.Thread(
+            target=serverapp, args=(Path(out) / name, run_id), daemon=True
+        ).start()
+        return json.dumps({"run-id": run_id})
+
+    def flower_status(run_id, env, conn=None):
+        done = at("completed", run_id)
+        if done and time.monotonic() - done[0] >= 1.0:
+            note("finished", run_id)
+            return {"status": "finished:completed", "status-details": ""}
+        return {"status": "running", "status-details": ""}
+
+    monkeypatch.setattr(cli, "SimulationSuperLink", FakeSuperLink)
+    monkeypatch.setattr(cli, "flwr", fake_flwr)
+    monkeypatch.setattr(cli, "run_status", flower_status)
+    monkeypatch.setattr(cli, "FIRST_STATUS_POLL_S", 0.05)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+    path = _write(tmp_path, SUITE.replace("seeds: [0, 1]", "seeds: [0]"))
+    assert main(["run", str(path), "--output", str(tmp_path / "out")]) == 0
+    runs = sorted({r for _, w, r in events if w == "submitted"})
+    assert runs == [1, 2, 3]
+    for earlier, later in zip(runs, runs[1:], strict=False):
+        submitted = at("submitted", later)[0]
+        assert at("completed", earlier)[0] <= submitted < at("finished", earlier)[0]
+    assert all(at("finished", r) for r in runs)
 
 
 def test_a_given_cluster_is_used_and_never_started(tmp_path, monkeypatch):
