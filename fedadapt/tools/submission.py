@@ -31,6 +31,7 @@ from fedadapt._atomic import atomic_write_text
 from fedadapt.server.run_folder import (
     FLOWER_LOG_FILE,
     RESULTS_FILE,
+    owner_alive,
     record_failure,
     settle,
 )
@@ -83,6 +84,11 @@ FIRST_STATUS_POLL_S = 5.0
 STATUS_POLL_S = 10.0
 RESULTS_QUIET_S = 30.0
 ORPHAN_CHECK_S = 5.0
+#: Once results.json says the run ended, Flower reports it finished only
+#: after the ServerApp's process has exited (a simulation's shuts down for
+#: 2–4 s more): while that process (on this machine) runs, Flower is not
+#: asked, for up to OWNER_EXIT_WAIT_S; then it is asked at once.
+OWNER_EXIT_WAIT_S = 30.0
 #: Seconds Flower may go on calling a run "running" after its results.json
 #: says it ended badly (a ServerApp killed with -9 is never reported by
 #: Flower): then the run is stopped and reported failed.
@@ -594,6 +600,7 @@ def submit_run(
             [program("flwr"), "log", str(run_id), conn, "--stream"], env=env
         )
     path, ask_flower_at, ended_at = None, started + FIRST_STATUS_POLL_S, None
+    exiting = False  # the ServerApp's process, seen after results.json ended
     data, seen, read_at, changed_at = None, None, 0.0, 0.0
     try:
         while True:
@@ -610,11 +617,16 @@ def submit_run(
                 data, seen, read_at = settle(path.parent), written, now
             recorded = (data or {}).get("status")
             ended = recorded in ("completed", "failed", "stopped")
-            if ended:  # the ServerApp is done: Flower will say so shortly
-                ask_flower_at = min(ask_flower_at, now + 1.0)
-                if ended_at is None and on_ended is not None:
+            if ended and ended_at is None:  # Flower will say so shortly
+                ended_at, ask_flower_at = now, min(ask_flower_at, now + 1.0)
+                if on_ended is not None:
                     on_ended()
-                ended_at = ended_at or now
+            if ended and now - ended_at < OWNER_EXIT_WAIT_S:
+                owner = (data or {}).get("owner")
+                if owner and owner_alive(owner):  # Flower would say "running"
+                    ask_flower_at, exiting = max(ask_flower_at, now + 0.1), True
+                elif exiting:  # it has just exited: Flower knows by now
+                    ask_flower_at, exiting = now, False
             progressing = (
                 recorded == "running"
                 and written is not None
@@ -636,9 +648,10 @@ def submit_run(
                 _stop_run(run_id, conn, env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
+            pause = min(RESULTS_POLL_S, 0.1) if exiting else RESULTS_POLL_S
             if cancel is None:
-                time.sleep(RESULTS_POLL_S)
-            elif cancel.wait(RESULTS_POLL_S):
+                time.sleep(pause)
+            elif cancel.wait(pause):
                 raise Cancelled(f"run {run_id}: its caller is stopping")
     finally:
         if streamer is not None:

@@ -97,6 +97,53 @@ def test_follows_results_json_and_asks_flower_only_when_it_matters(
     assert took < 10.8 + 10.0
 
 
+def test_flower_is_asked_once_the_serverapps_process_has_exited(
+    tmp_path, monkeypatch
+):
+    """#39: after results.json says completed, Flower reports the run
+    finished only once the ServerApp's process has exited (a simulation's
+    shuts down for 2–4 s more). While that process, named in results.json's
+    ``owner``, still runs here, Flower is not asked (each ask is a Python
+    process, on the CPUs the next cell is starting on); right after it
+    exits, Flower is asked, once."""
+    import subprocess
+    import sys
+
+    from fedadapt.server import run_folder
+
+    out = tmp_path / "out"
+    results = out / "run-7" / "results.json"
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.0)"])
+    asked: list[float] = []
+    try:
+        owner = {
+            **run_folder.owner_info(),
+            "pid": exiting.pid,
+            "start_ticks": run_folder._start_ticks(exiting.pid),
+        }
+        _write(results, "completed", 2)
+        data = json.loads(results.read_text())
+        results.write_text(json.dumps({**data, "owner": owner}))
+
+        def fake_status(run_id, env, conn):
+            asked.append(time.monotonic())
+            gone = exiting.poll() is not None
+            return {"status": "finished:completed" if gone else "running"}
+
+        monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
+        monkeypatch.setattr(cli, "run_status", fake_status)
+        monkeypatch.setattr(cli, "FIRST_STATUS_POLL_S", 0.05)
+        monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+        outcome = _submit(tmp_path, out)
+        exited = time.monotonic()  # no later than this
+    finally:
+        exiting.kill()
+        exiting.wait()
+    assert outcome.ok, outcome
+    assert len(asked) == 1, asked
+    assert asked[0] <= exited
+
+
 def test_a_run_whose_results_go_quiet_is_asked_about_again(tmp_path, monkeypatch):
     """A ServerApp that wrote results.json ``running`` and then nothing (stuck
     at start-up, or its Ray clients gone): once the file has been quiet for
