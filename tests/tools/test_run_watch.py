@@ -97,9 +97,7 @@ def test_follows_results_json_and_asks_flower_only_when_it_matters(
     assert took < 10.8 + 10.0
 
 
-def test_flower_is_asked_once_the_serverapps_process_has_exited(
-    tmp_path, monkeypatch
-):
+def test_flower_is_asked_once_the_serverapps_process_has_exited(tmp_path, monkeypatch):
     """#39: after results.json says completed, Flower reports the run
     finished only once the ServerApp's process has exited (a simulation's
     shuts down for 2–4 s more). While that process, named in results.json's
