@@ -8,7 +8,7 @@ then; today it starts it as soon as the cell's results.json says it ended
 (``submit_run``'s ``on_ended``), and the next cell's submission and
 process start overlap that shutdown.
 
-The same small suite (digits-mlp, short cells) is run both ways on one Ray
+The same small suite (short cells of ``--task``) is run both ways on one Ray
 cluster started here (``--ray-address``, as a suite on a running cluster),
 alternating (waiting, overlapping, waiting, ...), in this process. Per
 suite: its wall time and its overhead per cell (wall time minus every
@@ -43,16 +43,31 @@ from benchmarks._output import write_json  # noqa: E402
 
 SUITE = """
 name: overlap
-description: short digits-mlp cells, one after another on one cluster
-num-supernodes: 10
+description: short cells, one after another on one cluster
+num-supernodes: {nodes}
 rounds: {rounds}
 seeds: {seeds}
 metric: eval-loss
-base: {{task: digits-mlp, clients-per-round: 0, local-epochs: 0, local-steps: 10}}
+base: {base}
 methods:
   sgd: {{client-optimizer: sgd, client-lr: 0.1}}
   adam: {{client-optimizer: adam, client-lr: 0.01}}
 """
+#: task -> (nodes, the suite's base): digits-mlp every node every round;
+#: mnist5k-cnn the Δ-SGD protocol's 100 nodes, 10 a round (seeded sampling
+#: asks every node its partition before round 1)
+TASKS = {
+    "digits-mlp": (
+        10,
+        "{task: digits-mlp, clients-per-round: 0, local-epochs: 0, local-steps: 10}",
+    ),
+    "mnist5k-cnn": (
+        100,
+        "{task: mnist5k-cnn, partition: delta-sgd, dirichlet-alpha: 0.01, "
+        "samples-per-client: 500, client-test-fraction: 0.0, "
+        "clients-per-round: 10, local-epochs: 1, batch-size: 64}",
+    ),
+}
 
 
 def one_suite(overlap: bool, suite: Path, out: Path, address: str) -> dict[str, Any]:
@@ -93,35 +108,44 @@ def one_suite(overlap: bool, suite: Path, out: Path, address: str) -> dict[str, 
 
 
 def _cell_times(data: dict[str, Any]) -> dict[str, float]:
-    """A cell's moments and parts, from its results.json (seconds)."""
-    steady = statistics.median(r["wall_time_s"] for r in data["rounds"][1:])
-    main_at = datetime.fromisoformat(data["started"]).timestamp()
+    """A cell's moments and parts, from its results.json (seconds).
+
+    results.json's ``started`` and ``wall_time_s`` count from the recorder's
+    start, a step of the ServerApp's start-up (``startup``, in order);
+    round 1 from the end of the initial evaluation, the last step.
+    """
+    times = [r["wall_time_s"] for r in data["rounds"]]
+    steady = statistics.median(times[1:])
     steps = dict(data["startup"])
     to_main = steps.pop("process_to_main")
-    first_round_extra = data["rounds"][0]["wall_time_s"] - steady
-    rounds = len(data["rounds"]) * steady
+    names = list(steps)
+    before = sum(steps[k] for k in names[: names.index("recorder")])
+    after = sum(steps.values()) - before
+    recorder_at = datetime.fromisoformat(data["started"]).timestamp()
     return {
-        "process_start": main_at - to_main,
+        "process_start": recorder_at - before - to_main,
         "to_main": to_main,
-        "steps": sum(steps.values()),
-        "first_round_extra": first_round_extra,
-        "rounds": rounds,
-        "end": main_at + data["wall_time_s"],
+        "steps": before + after,
+        "first_round_extra": times[0] - steady,
+        # rounds 2..N against the median (evaluation rounds, noise)
+        "rounds_spread": sum(times[1:]) - (len(times) - 1) * steady,
+        "rounds": len(times) * steady,
+        "end": recorder_at + data["wall_time_s"],
         # after the last round: final evaluation, plots, the last write
-        "finish": data["wall_time_s"] - sum(steps.values()) - first_round_extra
-        - rounds,
-    }  # fmt: skip
+        "finish": data["wall_time_s"] - after - sum(times),
+    }
 
 
 def _later_cell(before: dict[str, float], cell: dict[str, float]) -> dict[str, float]:
     """A later cell's start-up as the suite sees it, part by part (seconds):
     from the previous cell's end (its last write) to its own, less its
-    rounds × its median steady round."""
+    rounds × its median steady round. The parts add up to it."""
     parts = {
         "previous_end_to_process": cell["process_start"] - before["end"],
         "process_to_main": cell["to_main"],
         "serverapp_steps": cell["steps"],
         "first_round_extra": cell["first_round_extra"],
+        "rounds_spread": cell["rounds_spread"],
         "finish": cell["finish"],
     }
     parts["startup"] = cell["end"] - before["end"] - cell["rounds"]
@@ -131,6 +155,7 @@ def _later_cell(before: dict[str, float], cell: dict[str, float]) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     """Alternate the two ways; print each suite and the ratios; write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="digits-mlp")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=3, help="cells = 2 × seeds")
     parser.add_argument("--pairs", type=int, default=2)
@@ -143,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="suite-overlap-") as tmp:
         suite = Path(tmp) / "overlap.yaml"
         seeds = list(range(args.seeds))
-        suite.write_text(SUITE.format(rounds=args.rounds, seeds=seeds))
+        nodes, base = TASKS[args.task]
+        suite.write_text(
+            SUITE.format(nodes=nodes, base=base, rounds=args.rounds, seeds=seeds)
+        )
         cpus = float(len(os.sched_getaffinity(0)))
         with PrivateRayCluster(Path(tmp) / "ray", num_cpus=cpus) as cluster:
             for pair in range(args.pairs):
@@ -161,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return {k: round(statistics.median(c[k] for c in found), 2) for k in found[0]}
 
     summary = {
+        "task": args.task,
         "rounds": args.rounds,
         "cells": 2 * args.seeds,
         "cores": len(os.sched_getaffinity(0)),
