@@ -621,7 +621,7 @@ def submit_run(
                 ended_at, ask_flower_at = now, min(ask_flower_at, now + 1.0)
                 if on_ended is not None:
                     on_ended()
-            if ended and now - ended_at < OWNER_EXIT_WAIT_S:
+            if ended and ended_at is not None and now - ended_at < OWNER_EXIT_WAIT_S:
                 owner = (data or {}).get("owner")
                 if owner and owner_alive(owner):  # Flower would say "running"
                     ask_flower_at, exiting = max(ask_flower_at, now + 0.1), True
