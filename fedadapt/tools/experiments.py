@@ -569,8 +569,8 @@ def run_suite(
     at a time per cluster). ``parallel`` bounds the slots (None: one per four
     cores, at most four; each slot gets its share of the CPUs). A slot's
     next cell is submitted as soon as its previous cell's results.json says
-    it ended, while Flower's process of that cell still shuts down (about
-    3.5 s on 2 cores, which the next cell's submission and start-up overlap;
+    it ended, while Flower's process of that cell still shuts down (2–4 s
+    on 2 cores, which the next cell's submission and start-up overlap;
     its new Ray actors take the CPUs the old ones free).
 
     ``federation_config`` is passed to every ``flwr run`` (its

@@ -87,8 +87,10 @@ ORPHAN_CHECK_S = 5.0
 #: Once results.json says the run ended, Flower reports it finished only
 #: after the ServerApp's process has exited (a simulation's shuts down for
 #: 2–4 s more): while that process (on this machine) runs, Flower is not
-#: asked, for up to OWNER_EXIT_WAIT_S; then it is asked at once.
-OWNER_EXIT_WAIT_S = 30.0
+#: asked, for up to OWNER_EXIT_WAIT_S; then it is asked at once. A process
+#: that outlives its run (a ServerApp serving several) costs no more than
+#: that: Flower is then asked every second, as before.
+OWNER_EXIT_WAIT_S = 10.0
 #: Seconds Flower may go on calling a run "running" after its results.json
 #: says it ended badly (a ServerApp killed with -9 is never reported by
 #: Flower): then the run is stopped and reported failed.
@@ -551,7 +553,7 @@ def submit_run(
     SuperLink and settles the run).
     ``on_ended`` is called once, as soon as results.json says the run ended
     (``completed``, ``failed`` or ``stopped``), while Flower's own process
-    may still be shutting down (3–4 s on a 2-core machine: its threads
+    may still be shutting down (2–4 s on a 2-core machine: its threads
     notice the stop within a second, then it leaves the Ray cluster); a
     suite starts its next cell then (#39). The wait goes on until Flower
     reports the run finished, and the outcome is Flower's.

@@ -142,6 +142,36 @@ def test_flower_is_asked_once_the_serverapps_process_has_exited(tmp_path, monkey
     assert asked[0] <= exited
 
 
+def test_a_serverapp_process_that_outlives_its_run_delays_the_ask_boundedly(
+    tmp_path, monkeypatch
+):
+    """A process named ``owner`` that goes on running after its run ended
+    (this test's own): Flower is asked once OWNER_EXIT_WAIT_S has passed,
+    not never."""
+    from fedadapt.server import run_folder
+
+    out = tmp_path / "out"
+    results = out / "run-7" / "results.json"
+    _write(results, "completed", 2)
+    data = json.loads(results.read_text())
+    results.write_text(json.dumps({**data, "owner": run_folder.owner_info()}))
+    asked: list[float] = []
+
+    def fake_status(run_id, env, conn):
+        asked.append(time.monotonic())
+        return {"status": "finished:completed"}
+
+    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
+    monkeypatch.setattr(cli, "run_status", fake_status)
+    monkeypatch.setattr(cli, "FIRST_STATUS_POLL_S", 0.05)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+    monkeypatch.setattr(cli, "OWNER_EXIT_WAIT_S", 0.6)
+    started = time.monotonic()
+    outcome = _submit(tmp_path, out)
+    assert outcome.ok, outcome
+    assert len(asked) == 1 and asked[0] - started >= 0.6, (asked, started)
+
+
 def test_a_run_whose_results_go_quiet_is_asked_about_again(tmp_path, monkeypatch):
     """A ServerApp that wrote results.json ``running`` and then nothing (stuck
     at start-up, or its Ray clients gone): once the file has been quiet for
