@@ -107,6 +107,7 @@ def test_flower_is_asked_once_the_serverapps_process_has_exited(tmp_path, monkey
     import subprocess
     import sys
 
+    from fedadapt.client.process_info import process_start_ticks
     from fedadapt.server import run_folder
 
     out = tmp_path / "out"
@@ -117,7 +118,7 @@ def test_flower_is_asked_once_the_serverapps_process_has_exited(tmp_path, monkey
         owner = {
             **run_folder.owner_info(),
             "pid": exiting.pid,
-            "start_ticks": run_folder._start_ticks(exiting.pid),
+            "start_ticks": process_start_ticks(exiting.pid),
         }
         _write(results, "completed", 2)
         data = json.loads(results.read_text())
