@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    # each ask as its own flwr process, whose CPU RUSAGE_CHILDREN counts (the
+    # CLI helper's forked calls are its children, not ours): the asks' cost
+    # as both supervisors paid it before the helper
+    os.environ["FEDADAPT_FLWR_SUBPROCESS"] = "1"
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     runs = []
     with (
