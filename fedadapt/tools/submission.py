@@ -80,6 +80,11 @@ TERMINAL_PREFIX = "finished:"
 #: is read again only every ORPHAN_CHECK_S, which is how soon a ServerApp
 #: that died without a word is seen.
 RESULTS_POLL_S = 0.5
+#: Once results.json holds the last round (the final evaluation and plots
+#: follow, ~1 s), it is looked at every END_POLL_S: a suite starts its next
+#: cell when it says the run ended (#39); also while the ServerApp's process
+#: exits (see OWNER_EXIT_WAIT_S).
+END_POLL_S = 0.1
 FIRST_STATUS_POLL_S = 5.0
 STATUS_POLL_S = 10.0
 RESULTS_QUIET_S = 30.0
@@ -650,7 +655,11 @@ def submit_run(
                 _stop_run(run_id, conn, env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
-            pause = min(RESULTS_POLL_S, 0.1) if exiting else RESULTS_POLL_S
+            rounds_in = len((data or {}).get("rounds") or [])
+            ending = recorded == "running" and rounds_in >= cfg["num-server-rounds"]
+            pause = (
+                min(RESULTS_POLL_S, END_POLL_S) if exiting or ending else RESULTS_POLL_S
+            )
             if cancel is None:
                 time.sleep(pause)
             elif cancel.wait(pause):

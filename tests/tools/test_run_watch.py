@@ -242,3 +242,67 @@ def test_a_superlink_that_died_is_a_failed_run_not_a_crash(monkeypatch):
         details = status["status-details"]
         assert details.startswith("the SuperLink (fake) did not report run 5")
         assert why in details, details
+
+
+class _Waits(threading.Event):
+    """A cancel event that is never set and records each pause asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[tuple[float, float]] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.pauses.append((time.monotonic(), timeout or 0.0))
+        return super().wait(timeout)
+
+
+def test_once_the_last_round_is_in_the_end_is_looked_for_often(tmp_path, monkeypatch):
+    """#39: results.json is looked at every RESULTS_POLL_S while rounds go on
+    (each look may read a file of megabytes), every END_POLL_S once it holds
+    the last round: the final evaluation and plots take about a second, and
+    a suite starts its next cell when results.json says the run ended."""
+    out = tmp_path / "out"
+    results = out / "run-7" / "results.json"
+    writes: dict[str, float] = {}
+    finished = threading.Event()
+
+    def server_app():
+        _write(results, "running", 0)
+        time.sleep(1.5)
+        _write(results, "running", 1)
+        time.sleep(1.5)
+        writes["last round"] = time.monotonic()
+        _write(results, "running", 2)  # the last of num-server-rounds=2
+        time.sleep(1.5)  # final evaluation, plots
+        writes["completed"] = time.monotonic()
+        _write(results, "completed", 2)
+        time.sleep(0.3)
+        finished.set()
+
+    def fake_status(run_id, env, conn):
+        return {"status": "finished:completed" if finished.is_set() else "running"}
+
+    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
+    monkeypatch.setattr(cli, "run_status", fake_status)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.5)
+    monkeypatch.setattr(cli, "END_POLL_S", 0.1)
+    waits = _Waits()
+    threading.Thread(target=server_app, daemon=True).start()
+    outcome = cli.submit_run(
+        FakeSuperLink(tmp_path / "home"),
+        tmp_path,
+        {"output-dir": str(out), "num-server-rounds": 2},
+        2,
+        timeout=30,
+        cancel=waits,
+    )
+    assert outcome.ok, outcome
+    before = [p for t, p in waits.pauses if t < writes["last round"]]
+    # the last round is seen at the next look, at most RESULTS_POLL_S later
+    ending = [
+        p
+        for t, p in waits.pauses
+        if writes["last round"] + 0.6 <= t < writes["completed"]
+    ]
+    assert before and set(before) == {0.5}, waits.pauses
+    assert len(ending) >= 3 and set(ending) == {0.1}, waits.pauses
