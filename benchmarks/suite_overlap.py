@@ -70,17 +70,22 @@ TASKS = {
 }
 
 
-def one_suite(overlap: bool, suite: Path, out: Path, address: str) -> dict[str, Any]:
-    """Run the suite once, overlapping Flower's end or waiting for it."""
+def one_suite(way: str, suite: Path, out: Path, address: str) -> dict[str, Any]:
+    """Run the suite once: ``overlap`` (today), or ``wait`` / ``program``."""
     from fedadapt.tools import experiments, submission
+    from fedadapt.tools.deploy import flwr_cli
 
-    real = submission.submit_run
+    real, end_poll = submission.submit_run, submission.END_POLL_S
 
     def waiting(*args: Any, on_ended: Any = None, **kwargs: Any) -> Any:
         return real(*args, **kwargs)  # the slot is freed only on Flower's word
 
-    if not overlap:
+    flwr_cli.close()  # each suite starts its own CLI helper, as a command does
+    if way == "wait":
         submission.submit_run = waiting  # type: ignore[assignment]
+    if way == "program":  # before the CLI helper and the 0.1-s look at the end
+        os.environ[flwr_cli.SUBPROCESS_ENV] = "1"
+        submission.END_POLL_S = submission.RESULTS_POLL_S
     started = time.perf_counter()
     try:
         code = experiments.main(
@@ -88,6 +93,9 @@ def one_suite(overlap: bool, suite: Path, out: Path, address: str) -> dict[str, 
         )
     finally:
         submission.submit_run = real  # type: ignore[assignment]
+        submission.END_POLL_S = end_poll
+        os.environ.pop(flwr_cli.SUBPROCESS_ENV, None)
+        flwr_cli.close()
     wall = time.perf_counter() - started
     cells = sorted(
         (_cell_times(json.loads(path.read_text())) for path in
@@ -97,7 +105,7 @@ def one_suite(overlap: bool, suite: Path, out: Path, address: str) -> dict[str, 
     later = [_later_cell(cells[k - 1], cells[k]) for k in range(1, len(cells))]
     rounds_time = sum(cell["rounds"] for cell in cells)
     return {
-        "way": "overlap" if overlap else "wait",
+        "way": way,
         "rc": code,
         "cells": len(cells),
         "wall_s": round(wall, 1),
@@ -159,8 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=3, help="cells = 2 × seeds")
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument(
+        "--baseline",
+        choices=("wait", "program"),
+        default="wait",
+        help="wait: a slot's next cell starts when Flower reports the last one "
+        "finished; program: it overlaps Flower's end, but each flwr call is a "
+        "new Python process and results.json is looked at every 0.5 s to the "
+        "end (before the CLI helper)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    baseline = args.baseline
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     from fedadapt.tools.deploy.ray_cluster import PrivateRayCluster
 
@@ -175,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         cpus = float(len(os.sched_getaffinity(0)))
         with PrivateRayCluster(Path(tmp) / "ray", num_cpus=cpus) as cluster:
             for pair in range(args.pairs):
-                for overlap in (False, True):
-                    out = Path(tmp) / f"{'overlap' if overlap else 'wait'}-{pair}"
-                    run = one_suite(overlap, suite, out, cluster.address)
+                for way in (baseline, "overlap"):
+                    out = Path(tmp) / f"{way}-{pair}"
+                    run = one_suite(way, suite, out, cluster.address)
                     runs.append(run)
                     print(json.dumps(run), flush=True)
 
@@ -194,12 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         "cells": 2 * args.seeds,
         "cores": len(os.sched_getaffinity(0)),
         "runs": runs,
-        "overlap/wait wall": round(
-            mean("overlap", "wall_s") / mean("wait", "wall_s"), 3
+        "baseline": baseline,
+        f"overlap/{baseline} wall": round(
+            mean("overlap", "wall_s") / mean(baseline, "wall_s"), 3
         ),
-        "wait overhead per cell s": round(mean("wait", "overhead_per_cell_s"), 2),
+        f"{baseline} overhead per cell s": round(
+            mean(baseline, "overhead_per_cell_s"), 2
+        ),
         "overlap overhead per cell s": round(mean("overlap", "overhead_per_cell_s"), 2),
-        "wait: a later cell's start-up, medians (s)": median_parts("wait"),
+        f"{baseline}: a later cell's start-up, medians (s)": median_parts(baseline),
         "overlap: a later cell's start-up, medians (s)": median_parts("overlap"),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
