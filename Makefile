@@ -34,7 +34,7 @@ FLOWER_VERSIONS := 1.41.0 1.42.0
 # the tests that need only flwr + numpy: tests/strategies holds only such files
 # (tests marked `app` in them are left out)
 LIBRARY_TESTS := tests/strategies tests/test_imports.py tests/test_layering.py \
-	tests/server/test_object_pull.py
+	tests/server/test_object_pull.py tests/tools/deploy/test_flwr_cli.py
 
 # builds wheel + sdist, then per Flower version a clean venv (flwr, numpy,
 # pytest; no PyTorch) with the wheel installed without changing flwr, and runs
