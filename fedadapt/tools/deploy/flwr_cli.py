@@ -23,6 +23,7 @@ the ``flwr`` program.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -87,6 +88,7 @@ class _Helper:
             if waiting is not None:
                 waiting.put(reply)
         self.alive = False  # end of file: the helper is gone
+        self.process.stdout.close()
         for waiting in list(self._waiting.values()):
             waiting.put({"failed": "the helper ended"})
 
@@ -128,9 +130,11 @@ class _Helper:
             self.alive = False
             if self.process.stdin is not None:
                 self.process.stdin.close()
-        self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        try:
+            self.process.wait(timeout=HELPER_REPLY_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _reply(
@@ -173,6 +177,9 @@ def _the_helper(program: str) -> _Helper | None:
             _helper = _Helper()
         except OSError:
             _helper_failed = True
+        else:  # ended before this process exits, not just after
+            atexit.unregister(close)
+            atexit.register(close)
         return _helper
 
 

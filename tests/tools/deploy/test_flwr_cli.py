@@ -119,7 +119,8 @@ from fedadapt.tools.deploy import flwr_cli
 from fedadapt.tools.deploy.process import program
 done = flwr_cli.run_flwr(program("flwr"), ["--version"], dict(os.environ))
 print(flwr_cli._helper.process.pid, done.returncode, flush=True)
-time.sleep(600)
+if sys.argv[1] == "wait":
+    time.sleep(600)
 """
 
 
@@ -131,14 +132,26 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
-def test_the_helper_ends_with_its_caller(how):
+def _caller(how: str) -> tuple[subprocess.Popen, int]:
     caller = subprocess.Popen(
-        [sys.executable, "-c", CALLER], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CALLER, how], stdout=subprocess.PIPE, text=True
     )
     assert caller.stdout is not None
     helper_pid, code = map(int, caller.stdout.readline().split())
-    assert code == 0 and _alive(helper_pid)
+    assert code == 0
+    return caller, helper_pid
+
+
+def test_the_helper_has_ended_when_its_caller_exits():
+    caller, helper_pid = _caller("exit")
+    assert caller.wait(timeout=60) == 0
+    assert not _alive(helper_pid)  # at once: the caller ended it at exit
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_the_helper_ends_when_its_caller_is_killed(how):
+    caller, helper_pid = _caller("wait")
+    assert _alive(helper_pid)
     caller.send_signal(how)
     caller.wait(timeout=30)
     deadline = time.monotonic() + 30
