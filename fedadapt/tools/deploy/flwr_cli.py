@@ -24,6 +24,7 @@ the ``flwr`` program.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -49,7 +50,11 @@ HELPER_REPLY_S = 60.0
 
 
 class HelperFailed(RuntimeError):
-    """The helper could not run the call (it died, or never started)."""
+    """The helper could not start the call (it died, or never started)."""
+
+
+class CallLost(RuntimeError):
+    """The helper ended while the call ran (the call was killed)."""
 
 
 class _Helper:
@@ -96,12 +101,19 @@ class _Helper:
         self, args: Sequence[str], env: Mapping[str, str], out: Path, err: Path,
         timeout: float | None,
     ) -> int:  # fmt: skip
-        """Run one call in a child of the helper; return its exit code."""
+        """Run one call in a child of the helper; return its exit code.
+
+        :class:`HelperFailed` if the call never started (the caller may run
+        it as the program); :class:`CallLost` if the helper ended while it
+        ran (it is killed, and not run again: a ``flwr run`` may have
+        submitted its run already).
+        """
         call_id = next(self._ids)
         replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._waiting[call_id] = replies
         request = {"id": call_id, "args": list(args), "env": dict(env)}
         request |= {"out": str(out), "err": str(err), "cwd": os.getcwd()}
+        started: dict[str, Any] | None = None
         try:
             with self._write:
                 if not self.alive or self.process.stdin is None:
@@ -110,17 +122,22 @@ class _Helper:
                 self.process.stdin.flush()
             started = _reply(replies, HELPER_REPLY_S)
             try:
-                ended = _reply(replies, timeout)
-            except queue.Empty:
+                return int(_reply(replies, timeout)["code"])
+            except queue.Empty:  # past the call's timeout
                 _kill(started["pid"])
-                _reply(replies, HELPER_REPLY_S)  # it was reaped
+                with contextlib.suppress(queue.Empty, HelperFailed):
+                    _reply(replies, HELPER_REPLY_S)  # it was reaped
                 raise subprocess.TimeoutExpired(
                     ["flwr", *args], timeout or 0.0
                 ) from None
-            return int(ended["code"])
-        except (OSError, queue.Empty) as error:
+        except (OSError, queue.Empty, HelperFailed) as error:
             self.alive = False
-            raise HelperFailed(f"the helper did not answer: {error!r}") from error
+            if started is None:
+                raise HelperFailed(f"the helper did not answer: {error!r}") from error
+            _kill(started["pid"])
+            raise CallLost(
+                f"the flwr CLI helper ended during the call ({error})"
+            ) from error
         finally:
             del self._waiting[call_id]
 
@@ -212,7 +229,11 @@ def run_flwr(
             try:
                 code = helper.call(args, env, out, err, timeout)
             except HelperFailed:
-                pass  # run it as the program below
+                pass  # it never started: run it as the program below
+            except CallLost as lost:  # failed as a killed program would
+                return subprocess.CompletedProcess(
+                    command, 1, _text(out), f"{_text(err)}\nfedadapt: {lost}\n"
+                )
             else:
                 return subprocess.CompletedProcess(
                     command, code, _text(out), _text(err)

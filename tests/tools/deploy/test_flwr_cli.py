@@ -182,6 +182,58 @@ def test_calls_go_on_as_the_program_once_the_helper_is_gone(tmp_path, monkeypatc
         flwr_cli.close()
 
 
+def test_a_call_the_helper_dies_under_fails_and_is_not_run_again(tmp_path, monkeypatch):
+    """A ``flwr run`` may have submitted its run before the helper died:
+    running it again as the program would submit it twice. The call fails,
+    its process is killed; only the calls after it run as the program."""
+    flwr_cli.close()
+    ran: list[list[str]] = []
+    real_run = flwr_cli._run_program
+
+    def program_run(command, env, timeout):
+        ran.append(command)
+        return real_run(command, env, timeout)
+
+    monkeypatch.setattr(flwr_cli, "_run_program", program_run)
+    results: list[tuple[int, str, str]] = []
+    try:
+        with socket.socket() as hole:
+            hole.bind(("127.0.0.1", 0))
+            hole.listen(8)
+            home = tmp_path / "home"
+            write_connection(home, "hole", f"127.0.0.1:{hole.getsockname()[1]}")
+            env = _env(home)
+            assert _helped(["--version"], env)[0] == 0  # the helper is up
+            hanging = threading.Thread(
+                target=lambda: results.append(_helped(["ls", "hole"], env))
+            )
+            hanging.start()
+            helper_pid = flwr_cli._helper.process.pid
+            deadline = time.monotonic() + 30
+            calls: list[str] = []
+            while not calls and time.monotonic() < deadline:  # the call started
+                calls = subprocess.run(
+                    ["ps", "--ppid", str(helper_pid), "-o", "pid="],
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()
+                time.sleep(0.05)
+            assert calls
+            os.kill(helper_pid, signal.SIGKILL)
+            hanging.join(timeout=60)
+        code, _, err = results[0]
+        assert code == 1 and "helper ended during the call" in err
+        assert ran == []  # not run again as the program
+        deadline = time.monotonic() + 30
+        while _alive(int(calls[0])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(calls[0]))  # the orphaned call was killed
+        assert _helped(["--version"], env) == _program(["--version"], env)
+        assert ran == [[FLWR, "--version"]]
+    finally:
+        flwr_cli.close()
+
+
 def test_the_program_runs_each_call_where_asked(tmp_path, monkeypatch):
     """FEDADAPT_FLWR_SUBPROCESS=1, or a flwr that is not this Python's."""
     flwr_cli.close()
