@@ -160,7 +160,9 @@ def test_the_helper_ends_when_its_caller_is_killed(how):
     assert not _alive(helper_pid)
 
 
-def test_calls_go_on_as_the_program_once_the_helper_is_gone(tmp_path, monkeypatch):
+@pytest.fixture
+def programs_run(monkeypatch):
+    """A fresh helper; the calls that ran as the flwr program, listed."""
     flwr_cli.close()
     ran: list[list[str]] = []
     real_run = flwr_cli._run_program
@@ -170,6 +172,12 @@ def test_calls_go_on_as_the_program_once_the_helper_is_gone(tmp_path, monkeypatc
         return real_run(command, env, timeout)
 
     monkeypatch.setattr(flwr_cli, "_run_program", program_run)
+    yield ran
+    flwr_cli.close()
+
+
+def test_calls_go_on_as_the_program_once_the_helper_is_gone(tmp_path, programs_run):
+    ran = programs_run
     env = _env(tmp_path / "home")
     try:
         assert _helped(["--version"], env) == _program(["--version"], env)
@@ -182,19 +190,13 @@ def test_calls_go_on_as_the_program_once_the_helper_is_gone(tmp_path, monkeypatc
         flwr_cli.close()
 
 
-def test_a_call_the_helper_dies_under_fails_and_is_not_run_again(tmp_path, monkeypatch):
+def test_a_call_the_helper_dies_under_fails_and_is_not_run_again(
+    tmp_path, programs_run
+):
     """A ``flwr run`` may have submitted its run before the helper died:
     running it again as the program would submit it twice. The call fails,
     its process is killed; only the calls after it run as the program."""
-    flwr_cli.close()
-    ran: list[list[str]] = []
-    real_run = flwr_cli._run_program
-
-    def program_run(command, env, timeout):
-        ran.append(command)
-        return real_run(command, env, timeout)
-
-    monkeypatch.setattr(flwr_cli, "_run_program", program_run)
+    ran = programs_run
     results: list[tuple[int, str, str]] = []
     try:
         with socket.socket() as hole:
