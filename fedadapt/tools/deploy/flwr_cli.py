@@ -64,13 +64,18 @@ class _Helper:
         # each call brings its own environment; FLWR_HOME here would only make
         # the helper look like one of that home's processes
         env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
-        # this fedadapt, not one in the caller's folder (-P: not on sys.path)
+        # -P: the caller's folder is not put first on sys.path (a checkout of
+        # another fedadapt there would be imported instead of the installed
+        # one); this fedadapt's root goes last, found only where no fedadapt
+        # is installed (a checkout run in place), and shadowing nothing
         ours = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ours, env.get("PYTHONPATH")]))
+        code = (
+            f"import sys; sys.path.append({ours!r}); import {__name__} as m; m.main()"
+        )
         self.process = subprocess.Popen(
             # -c, not -m: click names the program after a __main__ module's
             # spec ("python -m ..."), after sys.argv[0] ("flwr") without one
-            [sys.executable, "-P", "-c", f"import {__name__} as m; m.main()"],
+            [sys.executable, "-P", "-c", code],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
