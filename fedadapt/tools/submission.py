@@ -655,7 +655,8 @@ def submit_run(
                 _stop_run(run_id, conn, env)
                 status = {"status": "timed-out", "status-details": f"> {timeout}s"}
                 break
-            rounds_in = len((data or {}).get("rounds") or [])
+            rounds = (data or {}).get("rounds")
+            rounds_in = len(rounds) if isinstance(rounds, list) else 0
             ending = recorded == "running" and rounds_in >= cfg["num-server-rounds"]
             pause = (
                 min(RESULTS_POLL_S, END_POLL_S) if exiting or ending else RESULTS_POLL_S

@@ -306,3 +306,31 @@ def test_once_the_last_round_is_in_the_end_is_looked_for_often(tmp_path, monkeyp
     ]
     assert before and set(before) == {0.5}, waits.pauses
     assert len(ending) >= 3 and set(ending) == {0.1}, waits.pauses
+
+
+def test_a_results_json_whose_rounds_are_not_a_list_does_not_crash_the_watch(
+    tmp_path, monkeypatch
+):
+    """A damaged results.json ("rounds": 5) is not the last round's sign; the
+    watch goes on until the file is whole again and the run ends."""
+    out = tmp_path / "out"
+    results = out / "run-7" / "results.json"
+    finished = threading.Event()
+
+    def server_app():
+        results.parent.mkdir(parents=True)
+        results.write_text(json.dumps({"run_id": 7, "status": "running", "rounds": 5}))
+        time.sleep(1.0)
+        _write(results, "completed", 2)
+        time.sleep(0.3)
+        finished.set()
+
+    def fake_status(run_id, env, conn):
+        return {"status": "finished:completed" if finished.is_set() else "running"}
+
+    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
+    monkeypatch.setattr(cli, "run_status", fake_status)
+    monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
+    threading.Thread(target=server_app, daemon=True).start()
+    outcome = _submit(tmp_path, out)
+    assert outcome.ok and outcome.results == results, outcome
