@@ -244,6 +244,16 @@ def test_a_superlink_that_died_is_a_failed_run_not_a_crash(monkeypatch):
         assert why in details, details
 
 
+def _flower_finishes_with(monkeypatch, finished: threading.Event) -> None:
+    """Fake Flower: run 7 is submitted, and finished once ``finished`` is set."""
+
+    def fake_status(run_id, env, conn):
+        return {"status": "finished:completed" if finished.is_set() else "running"}
+
+    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
+    monkeypatch.setattr(cli, "run_status", fake_status)
+
+
 class _Waits(threading.Event):
     """A cancel event that is never set and records each pause asked of it."""
 
@@ -279,11 +289,7 @@ def test_once_the_last_round_is_in_the_end_is_looked_for_often(tmp_path, monkeyp
         time.sleep(0.3)
         finished.set()
 
-    def fake_status(run_id, env, conn):
-        return {"status": "finished:completed" if finished.is_set() else "running"}
-
-    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
-    monkeypatch.setattr(cli, "run_status", fake_status)
+    _flower_finishes_with(monkeypatch, finished)
     monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.5)
     monkeypatch.setattr(cli, "END_POLL_S", 0.1)
     waits = _Waits()
@@ -325,11 +331,7 @@ def test_a_results_json_whose_rounds_are_not_a_list_does_not_crash_the_watch(
         time.sleep(0.3)
         finished.set()
 
-    def fake_status(run_id, env, conn):
-        return {"status": "finished:completed" if finished.is_set() else "running"}
-
-    monkeypatch.setattr(cli, "flwr", lambda args, env, **kw: '{"run-id": 7}')
-    monkeypatch.setattr(cli, "run_status", fake_status)
+    _flower_finishes_with(monkeypatch, finished)
     monkeypatch.setattr(cli, "RESULTS_POLL_S", 0.05)
     threading.Thread(target=server_app, daemon=True).start()
     outcome = _submit(tmp_path, out)
