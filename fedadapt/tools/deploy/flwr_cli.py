@@ -151,7 +151,10 @@ class _Helper:
         with self._write:
             self.alive = False
             if self.process.stdin is not None:
-                self.process.stdin.close()
+                # a request a dead helper never read may still be buffered:
+                # flushing it fails, and the pipe is closed all the same
+                with contextlib.suppress(BrokenPipeError):
+                    self.process.stdin.close()
         try:
             self.process.wait(timeout=HELPER_REPLY_S)
         except subprocess.TimeoutExpired:
