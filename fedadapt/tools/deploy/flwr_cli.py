@@ -92,15 +92,19 @@ class _Helper:
 
     def _read(self) -> None:
         assert self.process.stdout is not None
-        for line in self.process.stdout:
-            reply = json.loads(line)
-            waiting = self._waiting.get(reply["id"])
-            if waiting is not None:
-                waiting.put(reply)
-        self.alive = False  # end of file: the helper is gone
-        self.process.stdout.close()
-        for waiting in list(self._waiting.values()):
-            waiting.put({"failed": "the helper ended"})
+        try:
+            for line in self.process.stdout:
+                reply = json.loads(line)  # a line cut short: ValueError
+                waiting = self._waiting.get(reply["id"])
+                if waiting is not None:
+                    waiting.put(reply)
+        except ValueError:
+            pass  # the helper died mid-reply: it is gone all the same
+        finally:  # no call may wait for a helper that is gone
+            self.alive = False
+            self.process.stdout.close()
+            for waiting in list(self._waiting.values()):
+                waiting.put({"failed": "the helper ended"})
 
     def call(
         self, args: Sequence[str], env: Mapping[str, str], out: Path, err: Path,

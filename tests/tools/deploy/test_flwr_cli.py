@@ -7,7 +7,9 @@ byte. And /proc: nothing the helper starts outlives its caller or a timeout.
 
 from __future__ import annotations
 
+import io
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -270,3 +272,20 @@ def test_the_program_runs_each_call_where_asked(tmp_path, monkeypatch):
     env = _env(tmp_path / "home")
     assert _helped(["--version"], env) == _program(["--version"], env)
     flwr_cli.close()
+
+
+def test_a_reply_cut_short_ends_the_helper_and_frees_the_waiting_calls():
+    """A helper killed in the middle of a reply line: the calls waiting for
+    it are told it ended (they would wait without end for a code)."""
+
+    class Gone:
+        stdout = io.BytesIO(b'{"id": 1, "pid": 7}\n{"id": 1, "co')
+
+    helper = object.__new__(flwr_cli._Helper)
+    helper.process, helper.alive = Gone(), True
+    waiting: queue.Queue = queue.Queue()
+    helper._waiting = {1: waiting}
+    helper._read()
+    assert not helper.alive
+    assert waiting.get_nowait() == {"id": 1, "pid": 7}
+    assert waiting.get_nowait() == {"failed": "the helper ended"}
