@@ -928,4 +928,10 @@ def apply_statistics(
     diagnostics["mean-update-sq-norm"] = sq_norm(
         {k: stats.mean_update[k] for k in keys}
     )
+    # how far the server moved the adaptive arrays: against A, how far an
+    # adaptive step carried the clients' updates (FedAvg's ≤ A)
+    diagnostics["server-move-sq-norm"] = math.fsum(
+        float(np.vdot(d, d))
+        for d in (np.subtract(new[k], current[k], dtype=np.float64) for k in keys)
+    )
     return new, diagnostics
