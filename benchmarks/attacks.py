@@ -63,7 +63,12 @@ from fedadapt.server.strategy_factory import (  # noqa: E402
     secagg_settings,
     trust_kwargs,
 )
-from fedadapt.strategies.adapter import apply_rule, evaluation_average  # noqa: E402
+from fedadapt.strategies.adapter import (  # noqa: E402
+    apply_rule,
+    ceiled_max_norm,
+    evaluation_average,
+    norm_ceiling,
+)
 from fedadapt.strategies.core import RoundStatistics  # noqa: E402
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
@@ -100,18 +105,21 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "default": {},
     "off": {"max_norm_ratio": 0.0, "aggregation": "mean", "max_weight_ratio": 0.0,
             "max_contribution_ratio": 0.0, "project_opposing": False,
-            "step_guard": False},
+            "step_guard": False, "max_norm_growth": 0.0},
     # the default before issue #38: flag above 5x the median, nothing else
     "before-38": {"max_norm_ratio": 5.0, "clip_mode": "flag", "aggregation": "mean",
                   "max_weight_ratio": 0.0, "max_contribution_ratio": 0.0,
-                  "project_opposing": False, "step_guard": False},
+                  "project_opposing": False, "step_guard": False,
+                  "max_norm_growth": 0.0},
     # the default of stops 43-48: clip 2x, weight cap 2x, step guard
-    "clip-wcap-guard": {"max_contribution_ratio": 0.0},
-    # the default (with the pull cap), said explicitly
-    "pull-cap": {"project_opposing": False},
+    "clip-wcap-guard": {"max_contribution_ratio": 0.0, "max_norm_growth": 0.0},
+    # the default of stops 49-57 (with the pull cap, no norm ceiling)
+    "pull-cap": {"project_opposing": False, "max_norm_growth": 0.0},
+    "no-ceiling": {"max_norm_growth": 0.0},
     # the default plus the opposing projection (opt-in)
-    "pull-cap-projection": {"project_opposing": True},
-    "projection": {"max_contribution_ratio": 0.0, "project_opposing": True},
+    "pull-cap-projection": {"project_opposing": True, "max_norm_growth": 0.0},
+    "projection": {"max_contribution_ratio": 0.0, "project_opposing": True,
+                   "max_norm_growth": 0.0},
     "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
     "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                          "aggregation": "mean", "max_weight_ratio": 1.0},
@@ -200,6 +208,7 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "clip_mode": trust["norm_bound_mode"],
         "max_weight_ratio": trust["max_weight_ratio"],
         "max_contribution_ratio": trust["max_contribution_ratio"],
+        "max_norm_growth": trust["max_update_norm_growth"],
         "project_opposing": trust["project_opposing"],
         "step_guard": trust["step_guard"],
         "validation_loss": None,  # run_grid's, with validation-size > 0
@@ -217,6 +226,13 @@ def norm_cap(options: Mapping[str, Any], honest_sq: Sequence[float], f: int) -> 
         list(honest_sq) + [math.inf] * f, options["max_norm"], options["max_norm_ratio"]
     )
     return math.inf if bound is None else float(bound)
+
+
+def known_bounds(options: Mapping[str, Any], state: AggregatorState) -> dict:
+    """``options`` with the round's norm ceiling in ``max_norm``: the
+    attacker knows the first round's median as the server does."""
+    ceiling = norm_ceiling(options.get("max_norm_growth", 0.0), state)
+    return {**options, "max_norm": ceiled_max_norm(options["max_norm"], ceiling)}
 
 
 def _diff(a: Arrays, b: Mapping[str, np.ndarray]) -> Arrays:
@@ -304,7 +320,7 @@ def federate(
                 own=[updates[i] for i in hostile],
                 norm_cap=bound or math.inf
                 if secure
-                else norm_cap(options, honest_sq, len(hostile)),
+                else norm_cap(known_bounds(options, state), honest_sq, len(hostile)),
                 honest_examples=[examples[i] for i in honest_ids],
                 seed=seed * 1000 + server_round,
                 **secure_view,

@@ -283,6 +283,13 @@ _RUN_KEYS: tuple[Key, ...] = (
         "typical ones. 0 = off; adds nothing under uniform weighting; inactive "
         "with secure-aggregation and robust aggregation. docs/robustness.md.",
         minimum=0.0),
+    Key("max-update-norm-growth", 3.0, "Ceiling on every update's norm, as a "
+        "multiple of the first round's median update norm (kept in checkpoints); "
+        "above it the update is clipped (counted as clipped, ceiling in the "
+        "round's strategy diagnostics). Every other bound follows its own round, "
+        "so a federation whose updates keep growing (three colluders of ten made "
+        "FedExP(M) and FedDuA diverge so) is held to it. 0 = off; inactive with "
+        "secure-aggregation. docs/robustness.md.", minimum=0.0),
     Key("project-opposing", False, "Remove from each update its component "
         "against the weighted mean of the other updates, where it has one: no "
         "client pulls the round back along what the others agree on (sign flip, "

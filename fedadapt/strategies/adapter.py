@@ -92,6 +92,14 @@ DEFAULT_WEIGHT_RATIO = 2.0
 #: (docs/robustness.md, attack ``false-weight``: FedAvg lost 27 points).
 DEFAULT_CONTRIBUTION_RATIO = 2.0
 
+#: Default of ``max_update_norm_growth``: no update counts with a norm above
+#: 3x the first round's median update norm. With three colluders of ten the
+#: adaptive steps (FedExP(M), FedDuA) diverged: each round's move was only
+#: 1.5-5x the clients' RMS norm, but the model it left made every client's
+#: next update larger, and the 2x-median bound grew with them (√A ×10⁶ in
+#: 20 rounds); honest digits-mlp runs never reach 3x (docs/robustness.md).
+DEFAULT_NORM_GROWTH = 3.0
+
 #: The key of the aggregator's state (centered clipping's centre) in
 #: :meth:`RuleHost.state_dict`.
 AGGREGATOR_STATE = "aggregator"
@@ -106,6 +114,7 @@ class ScreeningKwargs(TypedDict, total=False):
     norm_bound_mode: str
     max_weight_ratio: float
     max_contribution_ratio: float
+    max_update_norm_growth: float
     project_opposing: bool
     step_guard: bool
     aggregation: str
@@ -193,6 +202,15 @@ class RuleHost:
         (:func:`~fedadapt.strategies.core.aggregation.contribution_scales`;
         counted as clipped); 0 = off. Under uniform weighting it adds
         nothing to the norm bound. Needs the individual updates.
+    max_update_norm_growth : float (default: 3.0)
+        g > 0 clips every update to g times the first round's median update
+        norm (its anchor, kept in the checkpointed state), on top of
+        ``max_update_norm`` and the round's relative bound: a federation
+        whose clients' updates keep growing (a model driven off by
+        colluders: every client's next update is larger, and so is the
+        round's median) cannot feed that growth back into the server's
+        step. 0 = off. Needs the server's own norms: inactive with
+        ``secure_aggregation``.
     project_opposing : bool (default: False)
         Remove from each update its component against the weighted mean of
         the other updates, where it has one
@@ -310,6 +328,7 @@ class RuleHost:
         norm_bound_mode: str = "clip",
         max_weight_ratio: float = DEFAULT_WEIGHT_RATIO,
         max_contribution_ratio: float = DEFAULT_CONTRIBUTION_RATIO,
+        max_update_norm_growth: float = DEFAULT_NORM_GROWTH,
         project_opposing: bool = False,
         step_guard: bool = True,
         aggregation: str = "mean",
@@ -357,6 +376,9 @@ class RuleHost:
         )
         self.max_contribution_ratio = check_scalar(
             "max_contribution_ratio", max_contribution_ratio, low=0
+        )
+        self.max_update_norm_growth = check_scalar(
+            "max_update_norm_growth", max_update_norm_growth, low=0
         )
         self.project_opposing = bool(project_opposing)
         self.step_guard = bool(step_guard)
@@ -477,6 +499,7 @@ class RuleHost:
                 clip_mode=self.norm_bound_mode,
                 max_weight_ratio=self.max_weight_ratio,
                 max_contribution_ratio=self.max_contribution_ratio,
+                max_norm_growth=self.max_update_norm_growth,
                 project_opposing=self.project_opposing,
                 step_guard=self.step_guard,
                 robust_options=self.robust_options,
@@ -663,6 +686,7 @@ def apply_rule(
     clip_mode: str = "flag",
     max_weight_ratio: float = 0.0,
     max_contribution_ratio: float = 0.0,
+    max_norm_growth: float = 0.0,
     project_opposing: bool = False,
     step_guard: bool = False,
     robust_options: RobustOptions | None = None,
@@ -688,7 +712,10 @@ def apply_rule(
     Krum, multi-Krum, Bulyan and centered clipping; ``aggregator_state``
     holds centered clipping's centre, replaced by this round's Δ̄ (a
     centre whose arrays do not fit ``reference`` is dropped with a
-    warning). What they did goes to each reply's record
+    warning) and the anchor of ``max_norm_growth`` g > 0: from the round
+    after the first one with own norms and a non-zero median, updates are
+    clipped to g times that median as well (:func:`norm_ceiling`; the
+    diagnostic ``update-norm-ceiling``). What they did goes to each reply's record
     (:func:`_record_defence`). ``num_nodes`` reaches the rule as
     ``stats.num_nodes`` (the federation's client count).
     Replies whose data turn out inconsistent or non-finite are dropped here
@@ -706,6 +733,10 @@ def apply_rule(
     center = None
     if aggregation == "centered_clipping" and aggregator_state is not None:
         center = _fitting_center(aggregator_state.center, reference, round_label)
+    ceiling = None
+    if not trusts_reports:
+        ceiling = norm_ceiling(max_norm_growth, aggregator_state)
+        max_norm = ceiled_max_norm(max_norm, ceiling)
 
     def aggregate(
         replies: Sequence[TrainReply], trusted: list[float] | None, guard: bool
@@ -794,6 +825,15 @@ def apply_rule(
     new, diagnostics = apply_statistics(rule, reference, stats)
     if stats.norm_bound is not None:
         diagnostics["update-norm-bound"] = stats.norm_bound
+    if ceiling is not None:
+        diagnostics["update-norm-ceiling"] = ceiling
+    anchored = aggregator_state is not None and max_norm_growth > 0
+    if anchored and stats.client_sq_norms is not None:
+        assert aggregator_state is not None
+        if aggregator_state.first_median_norm is None:
+            median = float(np.median(np.sqrt(stats.client_sq_norms)))
+            if median > 0 and math.isfinite(median):
+                aggregator_state.first_median_norm = median
     _record_step_guard(
         ordered, rule.leave_one_out_steps, diagnostics, report, stats.a_left_out
     )
@@ -813,6 +853,39 @@ def apply_rule(
     }
     clean["norms-trusted"] = float(trusted is not None)
     return new, clean, ordered
+
+
+def norm_ceiling(
+    max_norm_growth: float, aggregator_state: AggregatorState | None
+) -> float | None:
+    """Return g times the first round's median update norm, or None.
+
+    The norm ceiling of ``max_norm_growth`` g (0: off; None also before
+    the anchor is known). Every bound of a round is relative to that round
+    (its median norm, its median pull), so when every client's update
+    grows, round after round, the bounds grow with it; the ceiling does
+    not. It is what three colluders of ten exploit against FedExP(M) and
+    FedDuA (docs/robustness.md, two and three hostile clients): their
+    reversed updates steer the model where every client's next update is
+    larger, and the adaptive step carries the larger updates further.
+    Our addition (no paper states it); anchored in the first round because
+    an honest federation's update norms rarely exceed their first round's
+    (local training starts where the loss is highest).
+    """
+    if max_norm_growth <= 0 or aggregator_state is None:
+        return None
+    anchor = aggregator_state.first_median_norm
+    return None if anchor is None else max_norm_growth * anchor
+
+
+def ceiled_max_norm(max_norm: float, ceiling: float | None) -> float:
+    """Return a round's absolute norm bound (0: none).
+
+    The smaller of ``max_norm`` (0: none) and the ceiling (None: none).
+    """
+    if ceiling is None:
+        return max_norm
+    return min(max_norm, ceiling) if max_norm > 0 else ceiling
 
 
 def _screen_influence(

@@ -208,3 +208,30 @@ def test_the_report_of_a_partial_grid_marks_the_cells_it_lacks() -> None:
     table = suite.markdown(doc, suite.summarise(doc))
     assert "| fedavg | 90.0 | +10.0 / 1.00× | — |" in table
     assert "| fedexp | 90.0 | +10.0 / 2.00× | +10.0 / nan× |" in table
+
+
+def test_three_colluders_that_know_the_ceiling_no_longer_drive_feddua_away():
+    """Three sign-flipping colluders of ten, each at the largest norm the
+    defence leaves untouched (the ceiling included), against FedDuAdam in
+    the least-squares harness. Without the norm ceiling the model runs away
+    (every round's updates are larger than the last, and the round-relative
+    bounds grow with them); with it, it stays within a few times FedAvg's
+    distance. Oracle: FedAvg under the same colluders and defence."""
+    suite = _suite()
+    args = argparse.Namespace(
+        level="harness", task=None, rounds=20, seeds=1,
+        strategies=["fedavg", "feddua"], defences=["default", "no-ceiling"],
+        attacks=["sign-flip"], hostile=[3],
+    )  # fmt: skip
+    cells = {
+        (c["defence"], c["strategy"]): c
+        for c in suite.run_grid(args)["cells"]
+        if c["attack"] == "sign-flip"
+    }
+
+    def ratio(defence: str) -> float:
+        own = cells[(defence, "feddua")]["distance"]
+        return own / cells[(defence, "fedavg")]["distance"]
+
+    assert ratio("no-ceiling") > 30  # measured 115x (seed 0 of 2: 40-115x)
+    assert ratio("default") < 10  # measured 5.7x (the colluders stay under it)

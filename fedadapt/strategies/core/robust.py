@@ -462,23 +462,33 @@ def robust_statistics(
 
 @dataclass
 class AggregatorState:
-    """What an aggregator keeps across rounds: centered clipping's centre.
+    """What the aggregation keeps across rounds.
 
-    ``center`` is the previous round's Δ̄ (every array), None before the
-    first round; saved with the strategy's state (checkpoints).
+    ``center`` is centered clipping's centre, the previous round's Δ̄ (every
+    array), None before the first round. ``first_median_norm`` is the
+    median update norm of the first round whose median was not zero, the
+    anchor of the norm ceiling (``max_norm_growth`` of
+    :func:`fedadapt.strategies.adapter.apply_rule`); None before it. Both
+    are saved with the strategy's state (checkpoints).
     """
 
     center: Arrays | None = None
+    first_median_norm: float | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the state (arrays by name; empty without a centre)."""
-        if self.center is None:
-            return {}
-        return {"center": {k: np.array(v) for k, v in self.center.items()}}
+        """Return the state (arrays by name; empty when nothing is kept)."""
+        state: dict[str, Any] = {}
+        if self.center is not None:
+            state["center"] = {k: np.array(v) for k, v in self.center.items()}
+        if self.first_median_norm is not None:
+            state["first-median-norm"] = np.array(self.first_median_norm)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (empty: no centre)."""
+        """Restore :meth:`state_dict` output (empty: nothing kept)."""
         center = state.get("center")
         self.center = (
             None if center is None else {k: np.array(v) for k, v in center.items()}
         )
+        anchor = state.get("first-median-norm")
+        self.first_median_norm = None if anchor is None else float(anchor)
