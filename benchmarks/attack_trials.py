@@ -1,0 +1,198 @@
+"""Defences tried against the attack suite and not kept (issue #38, stop 58).
+
+Each trial changes one thing in fedadapt's aggregation path for the length
+of a run (a patch of this process only) and runs the attack suite's own
+task loop (:func:`benchmarks.attacks.federate`) on digits-mlp, 5 seeds,
+against the unchanged default and FedAvg under the same attack:
+
+- ``history-guard``: FedExPM's step guard over the momentum's history. The
+  guard of the default caps η_t at min_i η_t^{(−i)}, each computed from this
+  round without client i but from the momentum v_{t−1} that holds all of
+  client i's earlier pushes. The trial keeps, per client, the momentum and
+  m the run would have had without it, v_{−i,t} = β1·v_{−i,t−1} +
+  (1−β1)·Δ̄_{−i,t} (m likewise), and caps η_t at the smallest of those
+  steps. Hypothesis tested: FedExPM's excess distance is its momentum
+  carrying the hostile client's past pushes past the one-round guard.
+- ``move-cap``: a cap on the server's move, ‖x_{t+1} − x_t‖ ≤ κ·√A_t (A:
+  the clients' mean ‖Δ_i‖², as the rule saw it), ``--kappa`` values; also
+  reports the largest ratio ρ = ‖x_{t+1} − x_t‖/√A_t seen in honest and
+  attacked runs. Hypothesis tested: three colluders make the adaptive rules
+  diverge through single large steps.
+
+Usage (from the repository root)::
+
+    python benchmarks/attack_trials.py history-guard --attacks sign-flip,ipm
+    python benchmarks/attack_trials.py move-cap --hostile 3 --kappa inf,10,4
+
+Results: a JSON file (``--out``) and a table on stdout (points lost against
+the same strategy's honest run, distance from it ÷ FedAvg's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchmarks.attacks as suite  # noqa: E402
+import fedadapt.strategies.adapter as adapter  # noqa: E402
+from benchmarks._output import write_json  # noqa: E402
+from fedadapt.strategies.core.aggregation import apply_statistics  # noqa: E402
+from fedadapt.strategies.feddua import FedDuARule  # noqa: E402
+
+TASK = "digits-mlp"
+ROUNDS = 20  # the attack suite's digits-mlp runs
+
+
+@contextmanager
+def history_guard() -> Iterator[None]:
+    """FedExPM's (and FedDuAdam's, identity only) guard over the history."""
+    plain = FedDuARule.guard_step_size
+
+    def guard(self: FedDuARule, stats: Any) -> float | None:
+        if self.variant != "adam" or self.preconditioner != "identity":
+            return plain(self, stats)
+        self.leave_one_out_steps = None
+        if stats.without_each is None:
+            return None
+        b1, eps_g = self.beta_1, self.step_epsilon(stats)
+        history = self.__dict__.setdefault("_without", {})
+        steps = []
+        for i, (delta, a) in enumerate(stats.without_each()):  # i: the node
+            v_before, m_before = history.get(i, (self.v, self.m))
+            m = 0.5 * b1 * m_before + (1 - b1) * 0.5 * a
+            v = {
+                k: (1 - b1) * d if v_before is None else b1 * v_before[k] + (1 - b1) * d
+                for k, d in delta.items()
+            }
+            history[i] = (v, m)
+            q = math.fsum(float(np.vdot(x, x)) for x in v.values()) + eps_g
+            steps.append(m / q if q > 0 else 0.0)
+        self.leave_one_out_steps = steps
+        return min(steps) if steps else None
+
+    FedDuARule.guard_step_size = guard  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FedDuARule.guard_step_size = plain  # type: ignore[method-assign]
+
+
+@contextmanager
+def move_cap(kappa: float, ratios: list[float]) -> Iterator[None]:
+    """Cap ‖x_{t+1} − x_t‖ at κ·√A_t; append each round's ρ to ``ratios``."""
+
+    def capped(rule: Any, current: Any, stats: Any) -> Any:
+        new, diagnostics = apply_statistics(rule, current, stats)
+        a = stats.mean_sq_norm
+        if a:
+            keys = rule.adaptive_keys(current)
+            rho = math.sqrt(diagnostics["server-move-sq-norm"] / a)
+            ratios.append(rho)
+            if rho > kappa:
+                for k in keys:
+                    step = (new[k] - current[k]) * (kappa / rho)
+                    new[k] = (current[k] + step).astype(current[k].dtype)
+        return new, diagnostics
+
+    adapter.apply_statistics = capped  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        adapter.apply_statistics = apply_statistics
+
+
+def run(
+    strategy: str,
+    seed: int,
+    attack: str | None,
+    hostile: int,
+    variant: Callable[[], Any],
+) -> tuple[float, dict, dict]:
+    """One run of the suite's loop under ``variant``; accuracy, model, x_0."""
+    cfg = suite.strategy_config(
+        strategy, TASK, {"seed": seed, "num-server-rounds": ROUNDS}
+    )
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["default"]}
+    x0, train, metric = suite.task_setup(cfg)
+    with variant():
+        model, _ = suite.federate(
+            cfg, options, x0, train, ROUNDS, attack, list(range(hostile)), seed
+        )
+    return metric(model), model, x0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trial", choices=("history-guard", "move-cap"))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--hostile", type=int, default=1)
+    parser.add_argument("--attacks", default="sign-flip,scaled-copy,ipm")
+    parser.add_argument("--strategies", default="fedexpm")
+    parser.add_argument("--kappa", default="inf,10,4")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    attacks = args.attacks.split(",")
+    ratios: list[float] = []
+    plain: Callable[[], Any] = nullcontext
+    if args.trial == "history-guard":
+        variants = {"default": plain, "history-guard": history_guard}
+    else:
+        variants = {
+            f"kappa={k}": (lambda k=float(k): move_cap(k, ratios))
+            for k in args.kappa.split(",")
+        }
+    cells = []
+    for seed in range(args.seeds):
+        for strategy in ["fedavg", *args.strategies.split(",")]:
+            chosen = {"default": plain} if strategy == "fedavg" else variants
+            for name, variant in chosen.items():
+                ratios.clear()
+                honest_metric, honest, x0 = run(strategy, seed, None, 0, variant)
+                honest_ratio = max(ratios, default=0.0)
+                scale = suite.float_distance(honest, x0) or 1.0
+                for attack in attacks:
+                    ratios.clear()
+                    value, model, _ = run(strategy, seed, attack, args.hostile, variant)
+                    cells.append({
+                        "seed": seed, "strategy": strategy, "variant": name,
+                        "attack": attack, "honest_metric": honest_metric,
+                        "metric": value,
+                        "distance": suite.float_distance(model, honest) / scale,
+                        "move_ratio_max": max(ratios, default=0.0),
+                        "honest_move_ratio_max": honest_ratio,
+                    })  # fmt: skip
+                print(f"seed {seed} {strategy} {name}: honest {honest_metric:.4f}")
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for cell in cells:
+        groups[(cell["strategy"], cell["variant"], cell["attack"])].append(cell)
+    fedavg = {
+        a: np.mean([c["distance"] for c in groups[("fedavg", "default", a)]])
+        for a in attacks
+    }
+    print(
+        "| strategy | variant | attack | honest | points lost | distance ÷ FedAvg's |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (strategy, name, attack), group in sorted(groups.items()):
+        honest = 100 * np.mean([c["honest_metric"] for c in group])
+        lost = 100 * np.mean([c["honest_metric"] - c["metric"] for c in group])
+        ratio = np.mean([c["distance"] for c in group]) / fedavg[attack]
+        print(f"| {strategy} | {name} | {attack} | {honest:.1f} | {lost:+.1f} "
+              f"| {ratio:.3g}× |")  # fmt: skip
+    if args.out:
+        write_json(args.out, {"trial": args.trial, "args": vars(args) | {
+            "out": str(args.out)}, "cells": cells})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
