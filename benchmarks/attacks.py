@@ -67,7 +67,6 @@ from fedadapt.strategies.adapter import (  # noqa: E402
     apply_rule,
     ceiled_max_norm,
     evaluation_average,
-    norm_ceiling,
 )
 from fedadapt.strategies.core import RoundStatistics  # noqa: E402
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
@@ -88,6 +87,7 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     next_norm_bound,
     next_weight_cap,
     rotated_indices,
+    typical_norm,
 )
 from fedadapt.tasks import TASKS  # noqa: E402
 
@@ -152,6 +152,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "secagg+-unrotated": {},
     "secagg+-guarded": {},
     "secagg+-C1": {},
+    "secagg+-no-ceiling": {"max_norm_growth": 0.0},  # before stop 58
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -165,6 +166,7 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "secagg+-guarded": {"secure-aggregation": "secagg+", "secagg-step-guard": True},
     # a fixed cap C near digits-mlp's typical update norm (0.5–0.7) from round 1
     "secagg+-C1": {"secure-aggregation": "secagg+", "max-update-norm": 1.0},
+    "secagg+-no-ceiling": {"secure-aggregation": "secagg+"},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
@@ -231,7 +233,7 @@ def norm_cap(options: Mapping[str, Any], honest_sq: Sequence[float], f: int) -> 
 def known_bounds(options: Mapping[str, Any], state: AggregatorState) -> dict:
     """``options`` with the round's norm ceiling in ``max_norm``: the
     attacker knows the first round's median as the server does."""
-    ceiling = norm_ceiling(options.get("max_norm_growth", 0.0), state)
+    ceiling = state.norm_ceiling(options.get("max_norm_growth", 0.0))
     return {**options, "max_norm": ceiled_max_norm(options["max_norm"], ceiling)}
 
 
@@ -349,8 +351,12 @@ def federate(
             if not calibrating:  # a calibration round only measures
                 previous, x = x, new
             calibrating = False
+            growth = options.get("max_norm_growth", 0.0)
+            if growth > 0:  # as the legacy strategy's _next_norm_bound
+                state.anchor_norm(typical_norm(mean_sq, median))
             bound = next_norm_bound(bound, mean_sq, cfg["max-update-norm"],
-                                    cfg["max-update-norm-ratio"], median)  # fmt: skip
+                                    cfg["max-update-norm-ratio"], median,
+                                    state.norm_ceiling(growth))  # fmt: skip
             continue
         # framing wants rejections; an absent client sends nothing to scale
         knows_screen = attack not in SCREEN_ATTACKS + CONTROLS

@@ -288,8 +288,9 @@ _RUN_KEYS: tuple[Key, ...] = (
         "above it the update is clipped (counted as clipped, ceiling in the "
         "round's strategy diagnostics). Every other bound follows its own round, "
         "so a federation whose updates keep growing (three colluders of ten made "
-        "FedExP(M) and FedDuA diverge so) is held to it. 0 = off; inactive with "
-        "secure-aggregation. docs/robustness.md.", minimum=0.0),
+        "FedExP(M) and FedDuA diverge so) is held to it. 0 = off. Under secagg+ it "
+        "caps the bound the clients clip to; off with trust-reported-norms. "
+        "docs/robustness.md.", minimum=0.0),
     Key("project-opposing", False, "Remove from each update its component "
         "against the weighted mean of the other updates, where it has one: no "
         "client pulls the round back along what the others agree on (sign flip, "

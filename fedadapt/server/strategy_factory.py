@@ -63,10 +63,8 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "norm_bound_mode": cfg["norm-bound-mode"],
         "max_weight_ratio": cfg["max-weight-ratio"],
         "max_contribution_ratio": cfg["max-contribution-ratio"],
-        # the server's own norms only (SecAgg+ clients clip to the bound it sends)
-        "max_update_norm_growth": (
-            0.0 if cfg["secure-aggregation"] != "off" else cfg["max-update-norm-growth"]
-        ),
+        # under SecAgg+ a ceiling on the bound the clients clip to
+        "max_update_norm_growth": 0.0 if trusting else cfg["max-update-norm-growth"],
         "project_opposing": cfg["project-opposing"],
         "step_guard": cfg["step-guard"],
         "aggregation": cfg["aggregation"].replace("-", "_"),

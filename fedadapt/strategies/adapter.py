@@ -42,6 +42,7 @@ from fedadapt.strategies.core.aggregation import (
     AGGREGATIONS,
     NORM_BOUND_MODES,
     apply_statistics,
+    median_norm,
     round_statistics,
 )
 from fedadapt.strategies.core.influence import (
@@ -209,8 +210,9 @@ class RuleHost:
         whose clients' updates keep growing (a model driven off by
         colluders: every client's next update is larger, and so is the
         round's median) cannot feed that growth back into the server's
-        step. 0 = off. Needs the server's own norms: inactive with
-        ``secure_aggregation``.
+        step. 0 = off. Under SecAgg+ (legacy API) it caps the bound the
+        clients clip to (its anchor the first round's median from the norm
+        histogram); inactive with ``"trust-reported-norms"``.
     project_opposing : bool (default: False)
         Remove from each update its component against the weighted mean of
         the other updates, where it has one
@@ -714,7 +716,7 @@ def apply_rule(
     centre whose arrays do not fit ``reference`` is dropped with a
     warning) and the anchor of ``max_norm_growth`` g > 0: from the round
     after the first one with own norms and a non-zero median, updates are
-    clipped to g times that median as well (:func:`norm_ceiling`; the
+    clipped to g times that median as well (:meth:`AggregatorState.norm_ceiling`; the
     diagnostic ``update-norm-ceiling``). What they did goes to each reply's record
     (:func:`_record_defence`). ``num_nodes`` reaches the rule as
     ``stats.num_nodes`` (the federation's client count).
@@ -734,8 +736,8 @@ def apply_rule(
     if aggregation == "centered_clipping" and aggregator_state is not None:
         center = _fitting_center(aggregator_state.center, reference, round_label)
     ceiling = None
-    if not trusts_reports:
-        ceiling = norm_ceiling(max_norm_growth, aggregator_state)
+    if not trusts_reports and aggregator_state is not None:
+        ceiling = aggregator_state.norm_ceiling(max_norm_growth)
         max_norm = ceiled_max_norm(max_norm, ceiling)
 
     def aggregate(
@@ -827,13 +829,8 @@ def apply_rule(
         diagnostics["update-norm-bound"] = stats.norm_bound
     if ceiling is not None:
         diagnostics["update-norm-ceiling"] = ceiling
-    anchored = aggregator_state is not None and max_norm_growth > 0
-    if anchored and stats.client_sq_norms is not None:
-        assert aggregator_state is not None
-        if aggregator_state.first_median_norm is None:
-            median = float(np.median(np.sqrt(stats.client_sq_norms)))
-            if median > 0 and math.isfinite(median):
-                aggregator_state.first_median_norm = median
+    if aggregator_state is not None and max_norm_growth > 0:
+        aggregator_state.anchor_norm(median_norm(stats.client_sq_norms))
     _record_step_guard(
         ordered, rule.leave_one_out_steps, diagnostics, report, stats.a_left_out
     )
@@ -853,29 +850,6 @@ def apply_rule(
     }
     clean["norms-trusted"] = float(trusted is not None)
     return new, clean, ordered
-
-
-def norm_ceiling(
-    max_norm_growth: float, aggregator_state: AggregatorState | None
-) -> float | None:
-    """Return g times the first round's median update norm, or None.
-
-    The norm ceiling of ``max_norm_growth`` g (0: off; None also before
-    the anchor is known). Every bound of a round is relative to that round
-    (its median norm, its median pull), so when every client's update
-    grows, round after round, the bounds grow with it; the ceiling does
-    not. It is what three colluders of ten exploit against FedExP(M) and
-    FedDuA (docs/robustness.md, two and three hostile clients): their
-    reversed updates steer the model where every client's next update is
-    larger, and the adaptive step carries the larger updates further.
-    Our addition (no paper states it); anchored in the first round because
-    an honest federation's update norms rarely exceed their first round's
-    (local training starts where the loss is highest).
-    """
-    if max_norm_growth <= 0 or aggregator_state is None:
-        return None
-    anchor = aggregator_state.first_median_norm
-    return None if anchor is None else max_norm_growth * anchor
 
 
 def ceiled_max_norm(max_norm: float, ceiling: float | None) -> float:

@@ -83,6 +83,7 @@ from fedadapt.strategies.secagg import (
     guard_on_sums,
     next_norm_bound,
     next_weight_cap,
+    typical_norm,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
@@ -594,13 +595,22 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
     def _next_norm_bound(
         self, mean_sq_norm: float | None, median_norm: float | None = None
     ) -> float:
-        """Return B_{t+1} from this round's sums (:func:`.secagg.next_norm_bound`)."""
+        """Return B_{t+1} from this round's sums (:func:`.secagg.next_norm_bound`).
+
+        The first round whose typical norm is known anchors the norm ceiling
+        (``max_update_norm_growth``; the anchor is checkpointed with the
+        aggregator's state), which holds B_t from the next round on.
+        """
+        growth, state = self.max_update_norm_growth, self.aggregator_state
+        if growth > 0:
+            state.anchor_norm(typical_norm(mean_sq_norm, median_norm))
         return next_norm_bound(
             self.secagg_norm_bound,
             mean_sq_norm,
             self.max_update_norm,
             self.max_update_norm_ratio,
             median_norm,
+            state.norm_ceiling(growth),
         )
 
     def secagg_halted(self, server_round: int, why: str) -> None:

@@ -260,8 +260,9 @@ def next_norm_bound(
     max_norm: float,
     max_norm_ratio: float,
     median_norm: float | None = None,
+    ceiling: float | None = None,
 ) -> float:
-    """Return B_{t+1} = min(C, k·m_t), the bound the next round's clients clip to.
+    """Return B_{t+1} = min(C, k·m_t, ceiling), the next round's clients' bound.
 
     The plain mode's bound is k times the round's median norm; under SecAgg+
     the server has the weighted median m_t from the norm histogram
@@ -270,17 +271,35 @@ def next_norm_bound(
     so the clients of the next round clip to k·m_t (k = ``max_norm_ratio``),
     and to C = ``max_norm`` when that is smaller (0: none). A round whose
     clients did not move (A = 0, or nothing known) keeps ``current``. 0
-    means no bound.
+    means no bound. ``ceiling`` (None: none) is the norm ceiling of
+    ``max_update_norm_growth`` (g times the first measured typical norm,
+    :func:`typical_norm` and :meth:`~fedadapt.strategies.core.robust.
+    AggregatorState.norm_ceiling`): the bound k·m_t follows the clients'
+    norms when they all grow, the ceiling does not.
     """
     bounds = [max_norm] if max_norm > 0 else []
     if max_norm_ratio > 0:
-        typical = median_norm
-        if typical is None and mean_sq_norm is not None and mean_sq_norm > 0:
-            typical = math.sqrt(mean_sq_norm)
-        if typical is None or typical <= 0:
+        typical = typical_norm(mean_sq_norm, median_norm)
+        if typical is None:
             return current
         bounds.append(max_norm_ratio * typical)
+    if ceiling is not None and ceiling > 0:
+        bounds.append(ceiling)
     return min(bounds) if bounds else 0.0
+
+
+def typical_norm(
+    mean_sq_norm: float | None, median_norm: float | None = None
+) -> float | None:
+    """Return a SecAgg+ round's typical update norm, or None when unknown.
+
+    The weighted median of the norm histogram when the clients sent one,
+    else √A (≥ the clients' mean norm); None when neither is positive.
+    """
+    typical = median_norm
+    if typical is None and mean_sq_norm is not None and mean_sq_norm > 0:
+        typical = math.sqrt(mean_sq_norm)
+    return typical if typical is not None and typical > 0 else None
 
 
 def _walsh_hadamard(vector: NDArray[np.float64]) -> NDArray[np.float64]:

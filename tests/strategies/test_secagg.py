@@ -235,7 +235,9 @@ def test_secagg_against_plain_for_ten_rounds(strategy_cls, options, drift):
     (docs/secure-aggregation.md): the bound on the sums holds, the
     trajectory's sensitivity is the rule's.
     """
-    off = {"max_update_norm_ratio": 0.0, **options}
+    # the norm ceilings differ too: the median of the server's norms in the
+    # plain run, √A (no histogram without k) in the secure one
+    off = {"max_update_norm_ratio": 0.0, "max_update_norm_growth": 0.0, **options}
     guard = {"step_guard": False} if strategy_cls in (
         legacy.FedExP, legacy.FedExPM, legacy.FedDuA) else {}  # fmt: skip
     guard.update(max_contribution_ratio=0.0, project_opposing=False)
@@ -465,6 +467,39 @@ def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
     assert next_norm_bound(0.0, 0.25, 0.5, 2.0, median_norm=0.3) == pytest.approx(0.5)
     assert next_norm_bound(0.7, None, 0.0, 2.0) == 0.7  # nothing known: kept
     assert next_norm_bound(0.7, 0.25, 0.0, 0.0) == 0.0  # k = 0, no C: none
+    # the norm ceiling (#38) holds the bound whatever the round's median
+    assert next_norm_bound(0.0, 0.25, 0.0, 2.0, 0.3, ceiling=0.5) == 0.5
+    assert next_norm_bound(0.0, 0.25, 0.0, 2.0, 0.3, ceiling=0.9) == pytest.approx(0.6)
+    assert next_norm_bound(0.7, 0.25, 0.0, 0.0, ceiling=0.5) == 0.5
+
+
+def test_the_bound_the_clients_clip_to_stops_at_g_times_the_first_median():
+    """Round 1 (calibration) measures the median m_1; when the clients'
+    norms then grow tenfold, B_3 = min(k·m_2, g·m_1) = 3·m_1 (default g),
+    where g = 0 (off) gives k·m_2 as before. The anchor is checkpointed."""
+    levels = norm_levels()
+    ok = [{wire.SECAGG_CLIPPED: 0}] * 2
+    mean = np.array([0.1, -0.2, 0.05])
+    bounds = {}
+    for growth in (3.0, 0.0):
+        strategy = _secure_fedexp(
+            max_update_norm_ratio=2.0, max_update_norm_growth=growth
+        )
+        first = [mean, np.array([0.25]), np.array([0.0]), _histogram([0.3, 0.5])]
+        strategy.aggregate_fit(1, _results(first, ok), [])
+        grown = [mean, np.array([0.4]), np.array([0.0]), _histogram([3.0, 5.0])]
+        strategy.aggregate_fit(2, _results(grown, ok), [])
+        bounds[growth] = strategy.secagg_norm_bound
+        if growth:
+            m_1 = float(levels[levels > 0.3][0])
+            assert strategy.aggregator_state.first_median_norm == pytest.approx(m_1)
+            saved = strategy.state_dict()
+    m_1, m_2 = float(levels[levels > 0.3][0]), float(levels[levels > 3.0][0])
+    assert bounds[3.0] == pytest.approx(3 * m_1)
+    assert bounds[0.0] == pytest.approx(2 * m_2)
+    resumed = _secure_fedexp(max_update_norm_ratio=2.0)
+    resumed.load_state_dict(saved)
+    assert resumed.aggregator_state.first_median_norm == pytest.approx(m_1)
 
 
 def test_a_client_cannot_move_the_median_beyond_its_weight():

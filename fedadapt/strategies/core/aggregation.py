@@ -251,13 +251,13 @@ def norm_bound(
     scale to move the model by).
     """
     bounds = [max_norm] if max_norm > 0 else []
-    median = _median_norm(sq_norms) if max_norm_ratio > 0 else None
+    median = median_norm(sq_norms) if max_norm_ratio > 0 else None
     if median is not None:
         bounds.append(max_norm_ratio * median)
     return min(bounds) if bounds else None
 
 
-def _median_norm(sq_norms: Sequence[float] | NDArray[Any] | None) -> float | None:
+def median_norm(sq_norms: Sequence[float] | NDArray[Any] | None) -> float | None:
     """Return median_i ‖Δ_i‖ (unweighted), or None without norms."""
     if sq_norms is None or not len(sq_norms):
         return None
@@ -295,7 +295,7 @@ def clip_scales(
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN: dropped later
         if max_norm > 0:
             scales = np.where(norms > max_norm, max_norm / norms, scales)
-        median = _median_norm(sq_norms) if max_norm_ratio > 0 else None
+        median = median_norm(sq_norms) if max_norm_ratio > 0 else None
         if median is not None:
             threshold = max_norm_ratio * median
             flagged = norms > threshold

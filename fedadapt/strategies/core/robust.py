@@ -475,6 +475,36 @@ class AggregatorState:
     center: Arrays | None = None
     first_median_norm: float | None = None
 
+    def anchor_norm(self, typical: float | None) -> None:
+        """Keep ``typical`` as the ceiling's anchor, if none is kept yet.
+
+        A round's median update norm (None, zero or not finite: no anchor;
+        the next round tries again).
+        """
+        if self.first_median_norm is not None or typical is None:
+            return
+        if typical > 0 and math.isfinite(typical):
+            self.first_median_norm = float(typical)
+
+    def norm_ceiling(self, growth: float) -> float | None:
+        """Return g times the anchor (the norm ceiling), or None.
+
+        None when ``growth`` g is 0 (off) or before the anchor is known.
+        Every other bound of a round is relative to that round (its median
+        norm, its median pull), so when every client's update grows, round
+        after round, they grow with it; the ceiling does not. That growth
+        is what three colluders of ten drove FedExP(M) and FedDuA to
+        diverge by (docs/robustness.md, two and three hostile clients):
+        their reversed updates steer the model where every client's next
+        update is larger, and the adaptive step carries the larger updates
+        further. Our addition (no paper states it); anchored in the first
+        round because honest update norms rarely grow past their first
+        round's (local training starts where the loss is highest).
+        """
+        if growth <= 0 or self.first_median_norm is None:
+            return None
+        return growth * self.first_median_norm
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state (arrays by name; empty when nothing is kept)."""
         state: dict[str, Any] = {}
