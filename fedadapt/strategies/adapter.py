@@ -716,8 +716,10 @@ def apply_rule(
     centre whose arrays do not fit ``reference`` is dropped with a
     warning) and the anchor of ``max_norm_growth`` g > 0: from the round
     after the first one with own norms and a non-zero median, updates are
-    clipped to g times that median as well (:meth:`AggregatorState.norm_ceiling`; the
-    diagnostic ``update-norm-ceiling``). What they did goes to each reply's record
+    clipped to g times that median as well
+    (:meth:`~fedadapt.strategies.core.robust.AggregatorState.norm_ceiling`;
+    the diagnostic ``update-norm-ceiling``). What they did goes to each
+    reply's record
     (:func:`_record_defence`). ``num_nodes`` reaches the rule as
     ``stats.num_nodes`` (the federation's client count).
     Replies whose data turn out inconsistent or non-finite are dropped here
@@ -760,6 +762,7 @@ def apply_rule(
             center=center,
             max_contribution_ratio=max_contribution_ratio,
             project_opposing=project_opposing,
+            own_norms=max_norm_growth > 0,
         )
 
     # the influence screen's rejections left: set at its first pass

@@ -72,6 +72,17 @@ def test_a_resumed_run_keeps_the_anchor(api):
     np.testing.assert_allclose(fresh, x1 + 30 * E1, atol=1e-5)
 
 
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_the_ceiling_holds_where_no_other_defence_measures_norms(api):
+    """No relative bound, no pull cap: the server still measures the norms
+    for the anchor (in the same pass), and the ceiling still acts."""
+    module = ours if api == "message" else legacy
+    bare = {"max_update_norm_ratio": 0.0, "max_contribution_ratio": 0.0}
+    strategy, x1, x2 = _two_rounds(api, module.FedAvg(**bare))
+    np.testing.assert_allclose(x2, x1 + 9 * E1, atol=1e-5)
+    assert strategy.aggregator_state.first_median_norm == pytest.approx(3.0)
+
+
 def test_the_anchor_travels_in_flower_records():
     strategy, _, _ = _two_rounds("message", ours.FedAvg())
     resumed = ours.FedAvg()

@@ -630,6 +630,7 @@ def round_statistics(
     center: Mapping[str, NDArray[Any]] | None = None,
     max_contribution_ratio: float = 0.0,
     project_opposing: bool = False,
+    own_norms: bool = False,
 ) -> RoundStatistics:
     """Form Δ̄ and (when ``rule`` needs it) A from per-client arrays.
 
@@ -637,7 +638,8 @@ def round_statistics(
     aggregation requires: the server trusts them). Without them the
     server computes each ‖Δ_i‖² over the adaptive arrays in the same loop
     that sums Δ_i (no second pass) and returns them in
-    ``client_sq_norms``.
+    ``client_sq_norms`` (also when no defence needs them, with
+    ``own_norms``: the norm ceiling's anchor).
 
     Clipping: each client's adaptive update becomes ``s_i·Δ_i`` before
     it enters Δ̄ and A (A then uses the clipped norms s_i²‖Δ_i‖²); plain
@@ -703,7 +705,7 @@ def round_statistics(
     weights = client_weights(num_examples, rule.weighting, max_weight_ratio).tolist()
     adaptive = rule.adaptive_keys(current)
     compute = sq_norms is None and (
-        rule.needs_sq_norms or clip or limit_pull or project
+        rule.needs_sq_norms or clip or limit_pull or project or own_norms
     )
     norms = np.zeros(len(clients)) if compute else None
     one_pass = max_norm > 0 and max_norm_ratio == 0 and not limit_pull
