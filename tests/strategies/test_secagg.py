@@ -1032,13 +1032,14 @@ def _secure_run(base: dict, seen: list) -> dict:
     It must complete with both clients in every round, and the strategy
     must have received one masked mean per round (the same arrays for both
     replies; ``seen`` from :func:`_spy`). Without a norm bound
-    (``max-update-norm-ratio`` 0): no calibration round, so every round
+    (``max-update-norm-ratio`` 0, and no norm ceiling, which would bound
+    round 2 at 3× round 1's √A): no calibration round, so every round
     steps as the plain run's does and the two can be compared round by
     round.
     """
     run_legacy_in_process(
         {**base, "run-name": "secure", "secure-aggregation": "secagg+",
-         "max-update-norm-ratio": 0.0},
+         "max-update-norm-ratio": 0.0, "max-update-norm-growth": 0.0},
         num_supernodes=2,
     )  # fmt: skip
     folder = base["output-dir"]
