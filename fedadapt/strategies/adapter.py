@@ -817,6 +817,7 @@ def apply_rule(
     if stats.client_sq_norms is not None:
         _check_reported_norms(ordered, stats.client_sq_norms, report, round_label)
         if stats.clip_scales is not None:
+            ceiling_bound = ceiling is not None and stats.norm_bound == ceiling
             _count_clipped(
                 ordered,
                 stats.client_sq_norms,
@@ -824,6 +825,7 @@ def apply_rule(
                 stats.pull_scales,
                 report,
                 round_label,
+                "norm-ceiling" if ceiling_bound else "norm-bound",
             )
     rule.leave_one_out_steps = None
     stats = dataclasses.replace(stats, num_nodes=num_nodes)
@@ -1037,11 +1039,13 @@ def _count_clipped(
     pull_scales: Sequence[float] | None,
     report: ScreenReport,
     round_label: str,
+    norm_name: str = "norm-bound",
 ) -> None:
     """Count and log each clipped update: its node, both norms and which bound.
 
-    ``clipped_by`` in its record is ``"norm-bound"``, ``"pull-cap"`` (its
-    weight times its norm was above the cap,
+    ``clipped_by`` in its record is ``norm_name`` (``"norm-bound"``, or
+    ``"norm-ceiling"`` when the round's norm bound was the norm ceiling),
+    ``"pull-cap"`` (its weight times its norm was above the cap,
     :func:`~fedadapt.strategies.core.aggregation.contribution_scales`), both
     joined by ``+``, or None when not clipped.
     """
@@ -1053,7 +1057,7 @@ def _count_clipped(
             by_norm = pull > 0 and scale / pull < 1  # the norm bound's own factor
             by = [
                 name
-                for name, acted in (("norm-bound", by_norm), ("pull-cap", pull < 1))
+                for name, acted in ((norm_name, by_norm), ("pull-cap", pull < 1))
                 if acted
             ]
             record["clipped_by"] = "+".join(by) or None

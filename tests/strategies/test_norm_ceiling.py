@@ -49,6 +49,7 @@ def test_updates_are_held_to_g_times_the_first_rounds_median(api):
     assert report["train_replies"]["clipped"] == 5
     scales = [r["clip_scale"] for r in report["clients"]]
     np.testing.assert_allclose(scales, [9 / n for n in (10, 20, 30, 40, 50)])
+    assert {r["clipped_by"] for r in report["clients"]} == {"norm-ceiling"}
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
