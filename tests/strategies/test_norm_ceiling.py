@@ -94,3 +94,12 @@ def test_the_anchor_travels_in_flower_records():
 def test_impossible_growth_is_refused():
     with pytest.raises(ValueError, match="max_update_norm_growth"):
         ours.FedAvg(max_update_norm_growth=-1.0)
+
+
+@pytest.mark.parametrize("anchor", [float("nan"), -2.0, 0.0, float("inf")])
+def test_a_damaged_anchor_is_refused_when_the_state_is_loaded(anchor):
+    """Not mid-run: a NaN or negative ceiling would fail every later round."""
+    with pytest.raises(ValueError, match="first-median-norm"):
+        ours.FedAvg().load_state_dict(
+            {"rule": {}, "aggregator": {"first-median-norm": np.array(anchor)}}
+        )

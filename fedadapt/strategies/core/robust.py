@@ -521,4 +521,11 @@ class AggregatorState:
             None if center is None else {k: np.array(v) for k, v in center.items()}
         )
         anchor = state.get("first-median-norm")
-        self.first_median_norm = None if anchor is None else float(anchor)
+        if anchor is not None:
+            anchor = float(anchor)
+            if not (anchor > 0 and math.isfinite(anchor)):  # a damaged state
+                raise ValueError(
+                    "aggregator state: first-median-norm must be a finite "
+                    f"number > 0, got {anchor}"
+                )
+        self.first_median_norm = anchor
