@@ -451,3 +451,28 @@ def test_blocked_sums_equal_a_client_by_client_loop(monkeypatch, max_norm):
         for c in clients
     ]
     np.testing.assert_allclose(stats.client_sq_norms, norms, rtol=1e-6)
+
+
+def test_server_move_is_the_step_the_rule_took_over_its_adaptive_arrays():
+    """``server-move-sq-norm`` = ‖x_{t+1} − x_t‖² over the adaptive arrays
+    (#38). Closed forms: FedAvg moves by Δ̄ (‖Δ̄‖²), FedExP by η·Δ̄
+    (η²‖Δ̄‖²); a key the rule only averages (FedExP's and FedDuA's
+    BatchNorm buffers) is left out, FedAvg counts every array."""
+    x0 = {"w": np.zeros(3), "bn.running_mean": np.zeros(2)}
+    clients = [
+        {"w": np.array([1.0, 0.0, 0.0]), "bn.running_mean": np.array([5.0, 5.0])},
+        {"w": np.array([-0.5, 1.0, 0.0]), "bn.running_mean": np.array([5.0, 5.0])},
+    ]
+    _, avg = FedAvgRule(weighting="uniform").step(x0, clients, [1, 1])
+    assert avg["server-move-sq-norm"] == pytest.approx(0.25**2 + 0.5**2 + 2 * 25)
+    _, exp = FedExPRule(epsilon=0.0).step(x0, clients, [1, 1])
+    assert exp["mean-update-sq-norm"] == pytest.approx(0.25**2 + 0.5**2)
+    eta = exp["server-lr"]  # A/(2‖Δ̄‖²) = 1.125/0.625 = 1.8
+    assert eta == pytest.approx(1.8)
+    assert exp["server-move-sq-norm"] == pytest.approx(
+        eta**2 * exp["mean-update-sq-norm"]
+    )
+    new, dua = FedDuARule(variant="adagrad", epsilon=0.0).step(x0, clients, [1, 1])
+    assert dua["server-move-sq-norm"] == pytest.approx(
+        float(np.sum((new["w"] - x0["w"]) ** 2))
+    )
