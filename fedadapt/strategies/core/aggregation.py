@@ -48,6 +48,10 @@ class Rule(Protocol):
         """Return the keys the rule updates."""
         ...
 
+    def scratch(self, like: NDArray[Any], slot: int = 0) -> NDArray[Any]:
+        """Return a work array shaped like ``like`` (contents undefined)."""
+        ...
+
     def update(
         self, current: Arrays, stats: RoundStatistics
     ) -> tuple[Arrays, dict[str, float]]:
@@ -931,9 +935,12 @@ def apply_statistics(
         {k: stats.mean_update[k] for k in keys}
     )
     # how far the server moved the adaptive arrays: against A, how far an
-    # adaptive step carried the clients' updates (FedAvg's ≤ A)
+    # adaptive step carried the clients' updates (FedAvg's ≤ A); in the
+    # rule's scratch buffer and accumulated as sq_norm does (no temporaries)
+    moves = (
+        np.subtract(new[k], current[k], out=rule.scratch(current[k])) for k in keys
+    )  # one key at a time: the buffer is shared
     diagnostics["server-move-sq-norm"] = math.fsum(
-        float(np.vdot(d, d))
-        for d in (np.subtract(new[k], current[k], dtype=np.float64) for k in keys)
+        float(np.vdot(move, move)) for move in moves
     )
     return new, diagnostics
