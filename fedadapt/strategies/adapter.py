@@ -101,6 +101,11 @@ DEFAULT_CONTRIBUTION_RATIO = 2.0
 #: 20 rounds); honest digits-mlp runs never reach 3x (docs/robustness.md).
 DEFAULT_NORM_GROWTH = 3.0
 
+#: Fewest replies a round needs to anchor the norm ceiling: the median of
+#: two replies is their mean, which one client sets as it likes (a huge
+#: update in that round would lift the ceiling for good).
+ANCHOR_MIN_REPLIES = 3
+
 #: The key of the aggregator's state (centered clipping's centre) in
 #: :meth:`RuleHost.state_dict`.
 AGGREGATOR_STATE = "aggregator"
@@ -715,7 +720,8 @@ def apply_rule(
     holds centered clipping's centre, replaced by this round's Δ̄ (a
     centre whose arrays do not fit ``reference`` is dropped with a
     warning) and the anchor of ``max_norm_growth`` g > 0: from the round
-    after the first one with own norms and a non-zero median, updates are
+    after the first one with own norms, a non-zero median and at least
+    :data:`ANCHOR_MIN_REPLIES` replies, updates are
     clipped to g times that median as well
     (:meth:`~fedadapt.strategies.core.robust.AggregatorState.norm_ceiling`;
     the diagnostic ``update-norm-ceiling``). What they did goes to each
@@ -834,7 +840,8 @@ def apply_rule(
         diagnostics["update-norm-bound"] = stats.norm_bound
     if ceiling is not None:
         diagnostics["update-norm-ceiling"] = ceiling
-    if aggregator_state is not None and max_norm_growth > 0:
+    anchors = max_norm_growth > 0 and len(ordered) >= ANCHOR_MIN_REPLIES
+    if aggregator_state is not None and anchors:
         aggregator_state.anchor_norm(median_norm(stats.client_sq_norms))
     _record_step_guard(
         ordered, rule.leave_one_out_steps, diagnostics, report, stats.a_left_out

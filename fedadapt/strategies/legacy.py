@@ -59,6 +59,7 @@ from fedadapt.strategies._control import (
     StopKwargs,
 )
 from fedadapt.strategies.adapter import (
+    ANCHOR_MIN_REPLIES,
     FederationFailedError,
     RuleHost,
     ScreeningKwargs,
@@ -513,7 +514,9 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         if decoded.median_norm is not None:
             diagnostics["secagg-median-norm"] = decoded.median_norm
         a_t = decoded.stats.mean_sq_norm
-        self.secagg_norm_bound = self._next_norm_bound(a_t, decoded.median_norm)
+        self.secagg_norm_bound = self._next_norm_bound(
+            a_t, decoded.median_norm, len(valid)
+        )
         return self._output_of(server_round, new, diagnostics, valid)
 
     def secagg_fit_config(self, server_round: int) -> dict[str, float | int]:
@@ -593,16 +596,21 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         return names, None
 
     def _next_norm_bound(
-        self, mean_sq_norm: float | None, median_norm: float | None = None
+        self,
+        mean_sq_norm: float | None,
+        median_norm: float | None = None,
+        replies: int = ANCHOR_MIN_REPLIES,
     ) -> float:
         """Return B_{t+1} from this round's sums (:func:`.secagg.next_norm_bound`).
 
-        The first round whose typical norm is known anchors the norm ceiling
-        (``max_update_norm_growth``; the anchor is checkpointed with the
-        aggregator's state), which holds B_t from the next round on.
+        The first round whose typical norm is known, from at least
+        :data:`~fedadapt.strategies.adapter.ANCHOR_MIN_REPLIES` ``replies``,
+        anchors the norm ceiling (``max_update_norm_growth``; the anchor is
+        checkpointed with the aggregator's state), which holds B_t from the
+        next round on.
         """
         growth, state = self.max_update_norm_growth, self.aggregator_state
-        if growth > 0:
+        if growth > 0 and replies >= ANCHOR_MIN_REPLIES:
             state.anchor_norm(typical_norm(mean_sq_norm, median_norm))
         return next_norm_bound(
             self.secagg_norm_bound,

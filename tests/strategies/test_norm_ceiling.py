@@ -103,3 +103,17 @@ def test_a_damaged_anchor_is_refused_when_the_state_is_loaded(anchor):
         ours.FedAvg().load_state_dict(
             {"rule": {}, "aggregator": {"first-median-norm": np.array(anchor)}}
         )
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_a_round_of_two_replies_does_not_anchor_the_ceiling(api):
+    """The median of two replies is their mean: a client of a two-reply
+    first round could lift the ceiling for good. Such a round anchors
+    nothing; the next one of five does (its median, 3)."""
+    module = ours if api == "message" else legacy
+    strategy = module.FedAvg()
+    x0 = np.zeros(3, np.float32)
+    x1 = _round(api, strategy, x0, [x0 + E0, x0 + 1000 * E0], [10, 10])
+    assert strategy.aggregator_state.first_median_norm is None
+    _round(api, strategy, x1, [x1 + n * E1 for n in (1, 2, 3, 4, 5)], COUNTS)
+    assert strategy.aggregator_state.first_median_norm == pytest.approx(3.0)

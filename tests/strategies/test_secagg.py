@@ -476,9 +476,10 @@ def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
 def test_the_bound_the_clients_clip_to_stops_at_g_times_the_first_median():
     """Round 1 (calibration) measures the median m_1; when the clients'
     norms then grow tenfold, B_3 = min(k·m_2, g·m_1) = 3·m_1 (default g),
-    where g = 0 (off) gives k·m_2 as before. The anchor is checkpointed."""
+    where g = 0 (off) gives k·m_2 as before. The anchor is checkpointed.
+    A round of two replies anchors nothing (one of two sets their median)."""
     levels = norm_levels()
-    ok = [{wire.SECAGG_CLIPPED: 0}] * 2
+    ok = [{wire.SECAGG_CLIPPED: 0}] * 3
     mean = np.array([0.1, -0.2, 0.05])
     bounds = {}
     for growth in (3.0, 0.0):
@@ -500,6 +501,10 @@ def test_the_bound_the_clients_clip_to_stops_at_g_times_the_first_median():
     resumed = _secure_fedexp(max_update_norm_ratio=2.0)
     resumed.load_state_dict(saved)
     assert resumed.aggregator_state.first_median_norm == pytest.approx(m_1)
+    pair = _secure_fedexp(max_update_norm_ratio=2.0)
+    first = [mean, np.array([0.25]), np.array([0.0]), _histogram([0.3, 50.0])]
+    pair.aggregate_fit(1, _results(first, ok[:2]), [])
+    assert pair.aggregator_state.first_median_norm is None
 
 
 def test_a_client_cannot_move_the_median_beyond_its_weight():
