@@ -325,6 +325,8 @@ def federate(
                 else norm_cap(known_bounds(options, state), honest_sq, len(hostile)),
                 honest_examples=[examples[i] for i in honest_ids],
                 seed=seed * 1000 + server_round,
+                anchoring=options.get("max_norm_growth", 0.0) > 0
+                and state.first_median_norm is None,
                 **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):

@@ -46,6 +46,8 @@ ATTACKS = (
     "quiet-orthogonal-flip",
     "orthogonal-flip",
     "slack-reverse",
+    "anchor-inflate",
+    "anchor-deflate",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -58,6 +60,11 @@ UNDER_BOUND = 0.99
 #: Factor of a false report (``false-norm``: claimed ‖Δ‖²; ``false-weight``:
 #: claimed examples against the largest honest count).
 FALSE_REPORT_FACTOR = 100.0
+
+#: ``anchor-inflate``: the norm it sends in the anchoring round, as a
+#: multiple of the largest honest norm (above every honest one, so the
+#: round's median rises by as many ranks as there are colluders).
+INFLATE_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,11 @@ class RoundView:
         The most ``num-examples`` the server accepts without failing the
         round (``inf``: none, or the server caps it itself; under SecAgg+
         the cap it sends).
+    anchoring : bool
+        Whether this round's median update norm becomes the anchor of the
+        server's norm ceiling (``max_norm_growth``: the ceiling is on and
+        has no anchor yet), which ``anchor-inflate`` and ``anchor-deflate``
+        exploit.
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -98,6 +110,7 @@ class RoundView:
     claim_cap: float = math.inf
     weights: Sequence[float] = field(default_factory=tuple)
     weight_cap: float = math.inf
+    anchoring: bool = False
 
     @property
     def num_clients(self) -> int:
@@ -210,6 +223,18 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       contribution with ‖Δ̄‖² just under A (:func:`_slack_reverse`), the
       most that Jensen's check A ≥ ‖Δ̄‖² lets through. Where the server
       computes every norm (``claim_cap`` infinite) it is ``ipm``.
+    - ``anchor-inflate`` (against the norm ceiling, which is g times the
+      median norm of the round that anchors it): in that round the
+      colluders send their reversed updates at ``INFLATE_FACTOR`` times the
+      largest honest norm, above every honest one (the round's own norm
+      bound clips them as it clips any update), so the anchor is the median
+      moved up by f ranks and every later ceiling is that much higher; then
+      ``sign-flip`` at the (raised) bound.
+    - ``anchor-deflate``: in the anchoring round the colluders send zero
+      updates, moving the median down by f ranks, so that the ceiling clips
+      the honest clients' later updates sooner; then ``sign-flip``.
+    Outside the anchoring round (``view.anchoring`` false, or no ceiling)
+    both are ``sign-flip``.
     """
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}; choose from {ATTACKS}")
@@ -248,6 +273,15 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         return [HostileReply(_with_norm(_without_mean(view, _scaled(o, -1.0)),
                                         norm_target(view, o)))
                 for o in view.own]  # fmt: skip
+    if attack in ("anchor-inflate", "anchor-deflate") and view.anchoring:
+        if attack == "anchor-deflate":
+            return [HostileReply(_scaled(o, 0.0)) for o in view.own]
+        top = max([norm(h) for h in view.honest] + [norm_target(view, o)
+                                                    for o in view.own])  # fmt: skip
+        return [HostileReply(_with_norm(_scaled(o, -1.0), INFLATE_FACTOR * top))
+                for o in view.own]  # fmt: skip
+    if attack in ("anchor-inflate", "anchor-deflate"):
+        return craft("sign-flip", view)
     if attack == "slack-reverse":
         if not math.isfinite(view.claim_cap):
             return craft("ipm", view)

@@ -16,6 +16,7 @@ import pytest
 from fedadapt.attacks import (
     ATTACKS,
     FALSE_REPORT_FACTOR,
+    INFLATE_FACTOR,
     UNBOUNDED_SCALE,
     UNDER_BOUND,
     RoundView,
@@ -193,3 +194,30 @@ def test_slack_reverse_turns_the_mean_around_just_inside_jensens_check(f):
         craft("slack-reverse", plain), craft("ipm", plain), strict=True
     ):
         np.testing.assert_array_equal(got.update["w"], ipm.update["w"])
+
+
+@pytest.mark.parametrize("attack", ["anchor-inflate", "anchor-deflate"])
+def test_anchor_attacks_are_the_sign_flip_outside_the_anchoring_round(attack):
+    view = _view(cap=2.5, f=2)
+    for mine, flip in zip(craft(attack, view), craft("sign-flip", view), strict=True):
+        np.testing.assert_array_equal(mine.update["w"], flip.update["w"])
+
+
+def test_anchor_inflate_sends_its_reversed_update_above_every_honest_norm():
+    plain = _view(cap=2.5, f=2)
+    view = RoundView(plain.honest, plain.own, plain.norm_cap, seed=3, anchoring=True)
+    top = max(max(norm(h) for h in view.honest), UNDER_BOUND * 2.5)
+    for reply, own in zip(craft("anchor-inflate", view), view.own, strict=True):
+        sent, mine = reply.update["w"].astype(np.float64), own["w"].astype(np.float64)
+        assert norm(reply.update) == pytest.approx(INFLATE_FACTOR * top, rel=1e-5)
+        assert sent @ mine / (np.linalg.norm(sent) * np.linalg.norm(mine)) == (
+            pytest.approx(-1.0, abs=1e-6)
+        )
+
+
+def test_anchor_deflate_sends_nothing_in_the_anchoring_round():
+    plain = _view(cap=2.5, f=2)
+    view = RoundView(plain.honest, plain.own, plain.norm_cap, seed=3, anchoring=True)
+    for reply in craft("anchor-deflate", view):
+        assert norm(reply.update) == 0.0
+        assert reply.update["steps"] == 3  # integer arrays as they were

@@ -117,3 +117,28 @@ def test_a_round_of_two_replies_does_not_anchor_the_ceiling(api):
     assert strategy.aggregator_state.first_median_norm is None
     _round(api, strategy, x1, [x1 + n * E1 for n in (1, 2, 3, 4, 5)], COUNTS)
     assert strategy.aggregator_state.first_median_norm == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize(
+    ("colluder_norm", "anchor"),
+    [(70.0, 5.5), (1e6, 5.5), (0.0, 2.5)],
+    ids=["inflate", "inflate-harder", "deflate"],
+)
+def test_colluders_in_the_anchoring_round_move_it_by_their_number_of_ranks(
+    api, colluder_norm, anchor
+):
+    """``anchor-inflate`` / ``anchor-deflate`` (fedadapt.attacks) against the
+    ceiling: three colluders of ten in the anchoring round, honest norms
+    1..7. Honest alone, the median is 4; the colluders above every honest
+    norm make it the mean of the 5th and 6th honest norms, 5.5, however
+    large they go; at zero, the mean of the 2nd and 3rd, 2.5. So f
+    colluders can set the ceiling g times an honest norm f ranks away, no
+    further."""
+    module = ours if api == "message" else legacy
+    strategy = module.FedAvg()
+    x0 = np.zeros(3, np.float32)
+    honest = [x0 + n * E0 for n in range(1, 8)]
+    colluders = [x0 - colluder_norm * E1] * 3
+    _round(api, strategy, x0, honest + colluders, [10] * 10)
+    assert strategy.aggregator_state.first_median_norm == pytest.approx(anchor)
