@@ -214,7 +214,7 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "project_opposing": trust["project_opposing"],
         "step_guard": trust["step_guard"],
         "validation_loss": None,  # run_grid's, with validation-size > 0
-        "influence_tolerance": cfg["influence-tolerance"],
+        "influence_tolerance": trust["influence_tolerance"],
     }
 
 

@@ -74,6 +74,8 @@ def trust_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "clip_radius": cfg["clip-radius"],
         "clip_iterations": cfg["clip-iterations"],
         "max_failed_rounds": cfg["max-failed-rounds"],
+        # the screen itself is the ServerApp's validation_loss (validation-size)
+        "influence_tolerance": cfg["influence-tolerance"],
     }
 
 

@@ -493,10 +493,14 @@ def test_run_config_keys_reach_both_apis():
             "step-guard": False,
             "aggregation": "trimmed-mean",
             "trim-fraction": 0.1,
+            "influence-tolerance": 0.02,
+            "max-update-norm-growth": 5.0,
         }
     )
     for strategy in (build_strategy(cfg, num_nodes=5),
                      build_strategy(cfg, api="legacy")):  # fmt: skip
+        assert strategy.influence_tolerance == 0.02  # ignored before stop 59
+        assert strategy.max_update_norm_growth == 5.0
         assert strategy.max_update_norm_ratio == 3.0
         assert strategy.norm_bound_mode == "flag"
         assert strategy.max_weight_ratio == 4.0
