@@ -342,6 +342,7 @@ def federate(
                 set(hostile) if attack else set(),
                 server_round,
                 settings.step_guard,
+                calibrating,
             )
             if not uniform:
                 weight_cap = next_weight_cap(
@@ -541,6 +542,7 @@ def secure_round(
     hostile: set[int],
     server_round: int,
     step_guard: bool = False,
+    calibrating: bool = False,
 ) -> tuple[Arrays | None, tuple[float | None, float | None], list[float]]:
     """One SecAgg+ round as the server sees it: (new model or None, (A, median
     norm), counts).
@@ -560,8 +562,9 @@ def secure_round(
     :func:`~fedadapt.strategies.secagg.decode_sums` checks and splits and
     the rule steps on, as the legacy strategy's ``_aggregate_secure`` does
     (with its checks: a clear count above the cap fails the round; the step
-    guard on the sums). None when the server would refuse the round (the
-    model is kept).
+    guard on the sums; a ``calibrating`` round measures sums that fail the
+    checks on A instead of refusing them). None when the server would
+    refuse the round (the model is kept).
     """
     bound, weight_cap, histogram = bounds
     uniform = rule.weighting == "uniform"
@@ -610,6 +613,7 @@ def secure_round(
         x, mean, adaptive, len(sent), error, norm_bound=bound, clipping_range=c,
         rotated=rotated_indices(config, trainable), rotation_seed=server_round,
         coordinate_bound=settings.coordinate_bound, histogram=histogram,
+        measure_only=calibrating,
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from logging import ERROR
+from logging import ERROR, WARNING
 from typing import Any, Unpack
 
 from flwr.common import (
@@ -476,7 +476,12 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     rotation_seed=server_round,
                     coordinate_bound=self.secagg.coordinate_bound,
                     histogram=self.max_update_norm_ratio > 0,
+                    measure_only=self.secagg_calibrating,
                 )
+                if decoded is not None and decoded.impossible:
+                    log(WARNING, "Round %s (calibration, no step): %s; its norm "
+                        "histogram still sets the next bound", server_round,
+                        decoded.impossible)  # fmt: skip
                 if decoded is not None:
                     stats = decoded.stats
                     if not self.rule.needs_sq_norms:
@@ -502,6 +507,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         diagnostics["secagg-error-bound"] = bound
         diagnostics["secagg-norm-bound"] = self.secagg_norm_bound
         diagnostics["secagg-clipped-share"] = decoded.clipped_share
+        if decoded.impossible:
+            diagnostics["secagg-impossible-sums"] = 1.0
         if self.local_update is not None and decoded.local_mean:
             try:
                 diagnostics.update(

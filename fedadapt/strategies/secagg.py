@@ -609,12 +609,17 @@ class DecodedSums:
     median_norm : float | None
         The clients' weighted median ‖Δ_i‖ from their norm histogram
         (:func:`median_from_histogram`); None without one.
+    impossible : str | None
+        Why Δ̄ and A cannot come from honest clients, where
+        :func:`decode_sums` measured them anyway (``measure_only``); None
+        when they passed its checks.
     """
 
     stats: RoundStatistics
     clipped_share: float
     local_mean: Arrays = field(default_factory=dict)
     median_norm: float | None = None
+    impossible: str | None = None
 
 
 def decode_sums(
@@ -631,6 +636,7 @@ def decode_sums(
     rotation_seed: int = 0,
     coordinate_bound: float = 0.0,
     histogram: bool = False,
+    measure_only: bool = False,
 ) -> tuple[DecodedSums | None, str | None]:
     """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
@@ -651,6 +657,16 @@ def decode_sums(
     also caps ‖Δ̄‖ at B: a client whose update exceeds the bound while its
     norm entry stays in range fails the round once it pushes Δ̄ past what
     A allows.
+
+    ``measure_only`` (the calibration round, where the server does not step
+    and needs only the clients' norm histogram): sums that fail the checks
+    on A are returned all the same, with why in ``impossible``. Round 1
+    has no bound, so one client could otherwise fail it by sending an
+    update larger than its norm entry can say, round after round (the
+    round stays a calibration round until one passes): the attack suite's
+    ``anchor-inflate`` stalled FedExP and FedDuA that way under SecAgg+
+    (issue #38). Whatever one client sends moves the histogram's shares by
+    at most its weight (:func:`median_from_histogram`).
     """
     keys = list(reference)
     local = dict(local or {})
@@ -712,8 +728,9 @@ def decode_sums(
     e_a = e * norm_bound**2 / (2 * clipping_range) if norm_bound > 0 else e
     error = math.sqrt(error_sq)
     tol = e_a + 2 * error * math.sqrt(mean_sq) + error_sq
+    impossible = None
     if not math.isfinite(a_t) or a_t < -e_a or a_t < mean_sq - tol:
-        return None, (
+        impossible = (
             f"impossible sums: A = {a_t:.6g} but ‖Δ̄‖² = {mean_sq:.6g} "
             f"(honest clients give A ≥ ‖Δ̄‖² − {tol:.3g}, Jensen): a client's "
             "norm does not match its update"
@@ -723,6 +740,9 @@ def decode_sums(
                 else ""
             )
         )
+        if not measure_only:
+            return None, impossible
+        a_t = a_t if math.isfinite(a_t) else 0.0
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
     median = None
     if histogram:
@@ -742,7 +762,7 @@ def decode_sums(
         for j, (name, top) in enumerate(local.items())
     }
     clipped = min(max(share, 0.0), 1.0)
-    return DecodedSums(stats, clipped, local_mean, median), None
+    return DecodedSums(stats, clipped, local_mean, median, impossible), None
 
 
 def guard_on_sums(

@@ -461,6 +461,36 @@ def test_the_bound_is_k_times_the_median_norm_after_a_calibration_round():
     assert strategy.secagg.fit_config(True, 0.7)[wire.SECAGG_NORM_BOUND] == 0.7
 
 
+def test_impossible_sums_in_the_calibration_round_are_measured_not_refused():
+    """Round 1 has no bound: one client can send an update larger than its
+    norm entry says, so that A < ‖Δ̄‖² (impossible for honest clients). A
+    round that steps is refused for it; the calibration round does not step
+    and needs only the norm histogram, so it measures (a warning, the
+    diagnostic ``secagg-impossible-sums``) and sets B_2 from the median.
+    Before, it was refused and stayed a calibration round, so the same client
+    stalled the run round after round (the suite's ``anchor-inflate``)."""
+    mean = np.array([0.1, -0.2, 0.05])  # ‖Δ̄‖² = 0.0525
+    impossible = [mean, np.array([0.01]), np.array([0.0]), _histogram([0.3, 0.5])]
+    ok = [{wire.SECAGG_CLIPPED: 0}] * 2
+    strategy = _secure_fedexp(max_update_norm_ratio=2.0)
+    parameters, metrics = strategy.aggregate_fit(1, _results(impossible, ok), [])
+    from flwr.common import parameters_to_ndarrays
+
+    np.testing.assert_array_equal(parameters_to_ndarrays(parameters)[0], [1, 2, 3])
+    assert metrics["strategy-secagg-calibration"] == 1.0
+    assert metrics["strategy-secagg-impossible-sums"] == 1.0
+    assert strategy.rule.num_updates == 0
+    levels = norm_levels()
+    median = float(levels[levels > 0.3][0])
+    assert strategy.secagg_norm_bound == pytest.approx(2 * median)
+    assert not strategy.secagg_calibrating
+    # impossible sums in a round that steps are refused (A = 0 encodes as -c)
+    zero_a = [mean, np.array([-8.0]), np.array([0.0]), _histogram([0.3, 0.5])]
+    parameters, _ = strategy.aggregate_fit(2, _results(zero_a, ok), [])
+    assert parameters is None
+    assert strategy.rule.num_updates == 0
+
+
 def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0) == pytest.approx(1.0)  # 2·√A
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0, median_norm=0.3) == pytest.approx(0.6)
