@@ -563,8 +563,11 @@ def secure_round(
     the rule steps on, as the legacy strategy's ``_aggregate_secure`` does
     (with its checks: a clear count above the cap fails the round; the step
     guard on the sums; a ``calibrating`` round measures sums that fail the
-    checks on A instead of refusing them). None when the server would
-    refuse the round (the model is kept).
+    checks on A instead of refusing them, and steps neither the model nor
+    the rule's state: before stop 59 the suite stepped the rule there and
+    dropped only the model, so FedExPM's momentum and FedDuA's moments
+    carried round 1's sums where the legacy strategy's do not). None when
+    the server would refuse the round (the model is kept).
     """
     bound, weight_cap, histogram = bounds
     uniform = rule.weighting == "uniform"
@@ -625,6 +628,8 @@ def secure_round(
         rotated = rotated_indices(config, trainable)
         stats = guard_on_sums(stats, adaptive, ratios, bound if rotated else 0.0,
                               settings.coordinate_bound)  # fmt: skip
+    if calibrating:  # measured only: neither the model nor the rule's state moves
+        return dict(x), (a_t, decoded.median_norm), counts
     stats = dataclasses.replace(stats, num_nodes=NUM_CLIENTS)
     new, _ = apply_statistics(rule, x, stats)
     return new, (a_t, decoded.median_norm), counts

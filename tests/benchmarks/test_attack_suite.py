@@ -235,3 +235,36 @@ def test_three_colluders_that_know_the_ceiling_no_longer_drive_feddua_away():
 
     assert ratio("no-ceiling") > 30  # measured 115x (seed 0 of 2: 40-115x)
     assert ratio("default") < 10  # measured 5.7x (the colluders stay under it)
+
+
+def test_the_suites_secagg_calibration_round_steps_nothing_as_the_strategy():
+    """The legacy strategy's calibration round (SecAgg+, no bound yet) moves
+    neither the model nor the rule's state (test_secagg.py checks
+    ``rule.num_updates == 0``). The suite stepped the rule there and dropped
+    only the model, so FedExPM's momentum carried round 1's sums (and, with
+    ``anchor-inflate``, a hostile client's inflated update) where the
+    strategy's does not. Oracle: the rule is stepped once in two rounds."""
+    import numpy as np
+
+    suite = _suite()
+    cfg = suite.strategy_config(
+        "fedexpm", "synthetic-linreg", {"seed": 0, **suite.DEFENCE_CONFIG["secagg+"]}
+    )
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+"]}
+    _, train = suite.harness_problem(0)
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    steps = []
+    real = suite.apply_statistics
+
+    def counted(rule, x, stats):
+        steps.append(1)
+        return real(rule, x, stats)
+
+    suite.apply_statistics = counted
+    try:
+        for rounds, expected in ((1, 0), (2, 1)):
+            steps.clear()
+            suite.federate(cfg, options, x0, train, rounds, None, (), 0)
+            assert len(steps) == expected
+    finally:
+        suite.apply_statistics = real
