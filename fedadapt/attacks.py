@@ -48,6 +48,7 @@ ATTACKS = (
     "slack-reverse",
     "anchor-inflate",
     "anchor-deflate",
+    "stall",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -235,6 +236,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       the honest clients' later updates sooner; then ``sign-flip``.
     Outside the anchoring round (``view.anchoring`` false, or no ceiling)
     both are ``sign-flip``.
+    - ``stall`` (a liveness attack on SecAgg+'s check of the sums): the
+      honest mean scaled to the target norm, claiming ‖Δ‖² = 0. Under
+      SecAgg+ the decoded A then falls short of ‖Δ̄‖² where the honest
+      clients agree closely, and the server refuses the round without
+      knowing who caused it. Where the server computes every norm the
+      claim is a counted mismatch and the update a push along μ.
     """
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}; choose from {ATTACKS}")
@@ -282,6 +289,9 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
                 for o in view.own]  # fmt: skip
     if attack in ("anchor-inflate", "anchor-deflate"):
         return craft("sign-flip", view)
+    if attack == "stall":
+        along = _with_norm(honest_mean(view), _target(view))
+        return _same_for_all(view, along, {"update-sq-norm": 0.0})
     if attack == "slack-reverse":
         if not math.isfinite(view.claim_cap):
             return craft("ipm", view)

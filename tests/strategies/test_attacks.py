@@ -221,3 +221,15 @@ def test_anchor_deflate_sends_nothing_in_the_anchoring_round():
     for reply in craft("anchor-deflate", view):
         assert norm(reply.update) == 0.0
         assert reply.update["steps"] == 3  # integer arrays as they were
+
+
+def test_stall_pushes_along_the_mean_at_the_cap_and_claims_no_norm():
+    view = _view(cap=2.5, f=2)
+    mu = _mu(view)
+    for reply in craft("stall", view):
+        sent = reply.update["w"].astype(np.float64)
+        assert norm(reply.update) == pytest.approx(UNDER_BOUND * 2.5, rel=1e-5)
+        assert sent @ mu / (np.linalg.norm(sent) * np.linalg.norm(mu)) == (
+            pytest.approx(1.0, abs=1e-6)
+        )
+        assert reply.claims == {"update-sq-norm": 0.0}
