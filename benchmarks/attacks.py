@@ -562,8 +562,9 @@ def secure_round(
     :func:`~fedadapt.strategies.secagg.decode_sums` checks and splits and
     the rule steps on, as the legacy strategy's ``_aggregate_secure`` does
     (with its checks: a clear count above the cap fails the round; the step
-    guard on the sums; a ``calibrating`` round measures sums that fail the
-    checks on A instead of refusing them, and steps neither the model nor
+    guard on the sums; sums that fail the checks on A are taken with
+    A = ‖Δ̄‖² in a ``calibrating`` round and where the replies are rotated,
+    refused elsewhere; a calibrating round steps neither the model nor
     the rule's state: before stop 59 the suite stepped the rule there and
     dropped only the model, so FedExPM's momentum and FedDuA's moments
     carried round 1's sums where the legacy strategy's do not). None when
@@ -616,7 +617,7 @@ def secure_round(
         x, mean, adaptive, len(sent), error, norm_bound=bound, clipping_range=c,
         rotated=rotated_indices(config, trainable), rotation_seed=server_round,
         coordinate_bound=settings.coordinate_bound, histogram=histogram,
-        measure_only=calibrating,
+        tolerate_impossible=calibrating or bool(rotated_indices(config, trainable)),
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts

@@ -476,12 +476,14 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     rotation_seed=server_round,
                     coordinate_bound=self.secagg.coordinate_bound,
                     histogram=self.max_update_norm_ratio > 0,
-                    measure_only=self.secagg_calibrating,
+                    # no step, or every reply within κ·B: no extrapolation
+                    tolerate_impossible=self.secagg_calibrating or bool(rotated),
                 )
                 if decoded is not None and decoded.impossible:
-                    log(WARNING, "Round %s (calibration, no step): %s; its norm "
-                        "histogram still sets the next bound", server_round,
-                        decoded.impossible)  # fmt: skip
+                    log(WARNING, "Round %s: %s; taken as A = ‖Δ̄‖² (no "
+                        "extrapolation)%s", server_round, decoded.impossible,
+                        " in a calibration round, which does not step"
+                        if self.secagg_calibrating else "")  # fmt: skip
                 if decoded is not None:
                     stats = decoded.stats
                     if not self.rule.needs_sq_norms:

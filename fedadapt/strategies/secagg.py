@@ -611,8 +611,8 @@ class DecodedSums:
         (:func:`median_from_histogram`); None without one.
     impossible : str | None
         Why Δ̄ and A cannot come from honest clients, where
-        :func:`decode_sums` measured them anyway (``measure_only``); None
-        when they passed its checks.
+        :func:`decode_sums` returned them anyway (``tolerate_impossible``);
+        None when they passed its checks.
     """
 
     stats: RoundStatistics
@@ -636,7 +636,7 @@ def decode_sums(
     rotation_seed: int = 0,
     coordinate_bound: float = 0.0,
     histogram: bool = False,
-    measure_only: bool = False,
+    tolerate_impossible: bool = False,
 ) -> tuple[DecodedSums | None, str | None]:
     """Split SecAgg+'s mean [Δ̄…, norm entry, clip flag] into sums, or say why not.
 
@@ -658,15 +658,20 @@ def decode_sums(
     norm entry stays in range fails the round once it pushes Δ̄ past what
     A allows.
 
-    ``measure_only`` (the calibration round, where the server does not step
-    and needs only the clients' norm histogram): sums that fail the checks
-    on A are returned all the same, with why in ``impossible``. Round 1
-    has no bound, so one client could otherwise fail it by sending an
-    update larger than its norm entry can say, round after round (the
-    round stays a calibration round until one passes): the attack suite's
-    ``anchor-inflate`` stalled FedExP and FedDuA that way under SecAgg+
-    (issue #38). Whatever one client sends moves the histogram's shares by
-    at most its weight (:func:`median_from_histogram`).
+    ``tolerate_impossible``: sums that fail the checks on A are returned
+    all the same, with A raised to ‖Δ̄‖² (the least A honest clients could
+    have given: FedExP's and FedDuA's step then does not extrapolate) and
+    why in ``impossible``; otherwise they are refused. The legacy strategy
+    tolerates them in the calibration round, which does not step and needs
+    only the norm histogram (one client's shares move by at most its
+    weight), and in rounds whose replies the rotated block bounds by κ·B
+    each, where no reply can carry more into Δ̄ than in any other round.
+    Refusing them let one client stop rounds it cannot otherwise harm,
+    the server unable to tell who: round 1 has no bound, so an update larger
+    than its norm entry could say failed it again and again (the attack
+    suite's ``anchor-inflate`` stalled FedExP and FedDuA), and in later
+    rounds a zero norm claim beside a full update (``stall``) did the same
+    where the honest clients agree (issue #38).
     """
     keys = list(reference)
     local = dict(local or {})
@@ -740,9 +745,9 @@ def decode_sums(
                 else ""
             )
         )
-        if not measure_only:
+        if not tolerate_impossible:
             return None, impossible
-        a_t = a_t if math.isfinite(a_t) else 0.0
+        a_t = max(a_t, mean_sq) if math.isfinite(a_t) else mean_sq
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
     median = None
     if histogram:

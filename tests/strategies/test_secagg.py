@@ -491,6 +491,42 @@ def test_impossible_sums_in_the_calibration_round_are_measured_not_refused():
     assert strategy.rule.num_updates == 0
 
 
+def test_impossible_sums_under_the_rotated_block_step_without_extrapolation():
+    """The suite's ``stall``: a client sends a full update with a zero norm
+    claim, so that A < ‖Δ̄‖² where the clients agree. Under the rotated block
+    no reply carries more than κ·B into Δ̄, so such sums are taken at the
+    least A honest clients could give, A = ‖Δ̄‖²: FedExP steps as FedAvg
+    (η = 1) instead of the round being refused (three refusals in a row end
+    the run). Without the rotation (the calibration test above, round 2)
+    they are still refused."""
+    strategy = _secure_fedexp(rotate=True, max_update_norm=1.0)
+    config = strategy.secagg_fit_config(1)
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    delta = np.array([0.1, -0.2, 0.05], np.float32)
+    sq = float(delta @ delta)
+    vector, _, _ = encode_update([x], [x + delta], sq, 1, config, [True])
+    vector = [np.asarray(v, np.float64) for v in vector]
+    vector[1] = np.array([-strategy.secagg.clipping_range])  # claims A = 0
+    ok = {wire.SECAGG_CLIPPED: 0, wire.SECAGG_ROTATED: json.dumps([0])}
+    parameters, metrics = strategy.aggregate_fit(1, _results(vector, [ok] * 2), [])
+    assert parameters is not None
+    from flwr.common import parameters_to_ndarrays
+
+    new = parameters_to_ndarrays(parameters)[0]
+    np.testing.assert_allclose(new, x + delta, atol=1e-3)
+    assert metrics["strategy-server-lr"] == pytest.approx(1.0)
+    assert metrics["strategy-secagg-impossible-sums"] == 1.0
+    # the same reply with its true norm claim decodes A as claimed
+    honest, _, _ = encode_update([x], [x + delta], sq, 1, config, [True])
+    decoded, problem = decode_sums(
+        {"w": x}, [np.asarray(v, np.float64) for v in honest], ["w"], 2,
+        1e-6, norm_bound=1.0, clipping_range=strategy.secagg.clipping_range,
+        rotated=[0], rotation_seed=1, coordinate_bound=1.0,
+    )  # fmt: skip
+    assert problem is None and decoded.impossible is None
+    assert decoded.stats.mean_sq_norm == pytest.approx(sq, rel=1e-3)
+
+
 def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0) == pytest.approx(1.0)  # 2·√A
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0, median_norm=0.3) == pytest.approx(0.6)
