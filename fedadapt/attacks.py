@@ -247,7 +247,7 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         raise ValueError(f"unknown attack {attack!r}; choose from {ATTACKS}")
     if not view.own:
         return []
-    if not view.honest and attack in ("orthogonal", "alie", "ipm"):
+    if not view.honest and attack in ("orthogonal", "alie", "ipm", "stall"):
         raise ValueError(f"{attack} needs at least one honest update")
     if attack == "sign-flip":
         return [HostileReply(_with_norm(_scaled(o, -1.0), norm_target(view, o)))

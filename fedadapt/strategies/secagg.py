@@ -732,6 +732,8 @@ def decode_sums(
     mean_sq = sq_norm({k: mean[k] for k in adaptive})
     e_a = e * norm_bound**2 / (2 * clipping_range) if norm_bound > 0 else e
     error = math.sqrt(error_sq)
+    if not math.isfinite(mean_sq):  # no honest sum is: never tolerated
+        return None, f"the sums are not finite: ‖Δ̄‖² = {mean_sq}"
     tol = e_a + 2 * error * math.sqrt(mean_sq) + error_sq
     impossible = None
     if not math.isfinite(a_t) or a_t < -e_a or a_t < mean_sq - tol:

@@ -233,3 +233,10 @@ def test_stall_pushes_along_the_mean_at_the_cap_and_claims_no_norm():
             pytest.approx(1.0, abs=1e-6)
         )
         assert reply.claims == {"update-sq-norm": 0.0}
+
+
+@pytest.mark.parametrize("attack", ["orthogonal", "alie", "ipm", "stall"])
+def test_attacks_built_on_the_honest_mean_need_an_honest_update(attack):
+    view = RoundView([], _honest(seed=1, n=2), 2.5)
+    with pytest.raises(ValueError, match="at least one honest update"):
+        craft(attack, view)

@@ -527,6 +527,24 @@ def test_impossible_sums_under_the_rotated_block_step_without_extrapolation():
     assert decoded.stats.mean_sq_norm == pytest.approx(sq, rel=1e-3)
 
 
+@pytest.mark.parametrize("tolerate", [False, True])
+def test_sums_that_are_not_finite_are_refused_even_where_impossible_ones_pass(
+    tolerate,
+):
+    """A non-finite Δ̄ comes from no honest client: refused, also where sums
+    failing the checks on A are tolerated (it passed the Jensen check
+    before, since NaN compares false, and reached the rule)."""
+    x = {"w": np.array([1.0, 2.0, 3.0], np.float32)}
+    for bad in (np.nan, np.inf):
+        aggregate = [np.array([0.1, bad, 0.0]), np.array([0.5]), np.array([0.0])]
+        decoded, problem = decode_sums(
+            x, aggregate, ["w"], 2, 1e-6, clipping_range=8.0,
+            tolerate_impossible=tolerate,
+        )  # fmt: skip
+        assert decoded is None
+        assert "not finite" in problem
+
+
 def test_next_norm_bound_prefers_the_median_and_falls_back_on_the_rms():
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0) == pytest.approx(1.0)  # 2·√A
     assert next_norm_bound(0.0, 0.25, 0.0, 2.0, median_norm=0.3) == pytest.approx(0.6)
