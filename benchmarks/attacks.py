@@ -613,11 +613,12 @@ def secure_round(
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
     error = settings.error_bound([1.0 if uniform else n for n in examples])
+    rotated = rotated_indices(config, trainable)
     decoded, _ = decode_sums(
         x, mean, adaptive, len(sent), error, norm_bound=bound, clipping_range=c,
-        rotated=rotated_indices(config, trainable), rotation_seed=server_round,
+        rotated=rotated, rotation_seed=server_round,
         coordinate_bound=settings.coordinate_bound, histogram=histogram,
-        tolerate_impossible=calibrating or bool(rotated_indices(config, trainable)),
+        tolerate_impossible=calibrating or bool(rotated),
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts
@@ -626,7 +627,6 @@ def secure_round(
     if not rule.needs_sq_norms:
         stats = RoundStatistics(stats.mean_update, None, len(sent))
     elif step_guard:
-        rotated = rotated_indices(config, trainable)
         stats = guard_on_sums(stats, adaptive, ratios, bound if rotated else 0.0,
                               settings.coordinate_bound)  # fmt: skip
     if calibrating:  # measured only: neither the model nor the rule's state moves
