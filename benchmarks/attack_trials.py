@@ -1,4 +1,4 @@
-"""Defences tried against the attack suite and not kept (issue #38, stop 58).
+"""Defences tried against the attack suite and not kept (issue #38, stops 58 and 60).
 
 Each trial changes one thing in fedadapt's aggregation path for the length
 of a run (a patch of this process only) and runs the attack suite's own
@@ -18,15 +18,28 @@ against the unchanged default and FedAvg under the same attack:
   reports the largest ratio ρ = ‖x_{t+1} − x_t‖/√A_t seen in honest and
   attacked runs. Hypothesis tested: three colluders make the adaptive rules
   diverge through single large steps.
+- ``histogram-a`` (stop 60, under SecAgg+: ``--defence secagg+`` or
+  ``secagg+-guarded``): the step guard's A from the clients' norm
+  histogram. In plain mode the guard's A leaves out the shortest update, so
+  that no client lowers FedExP's and FedDuA's step with a short reply;
+  under SecAgg+ the histogram tells how short the shortest *claim* is, and
+  A' = max(A, (A − ω_min·τ*²)/(1 − ω_min)), τ* the first level with a
+  client at or below it (:func:`histogram_guarded_sq_norm`), is never above
+  plain mode's A' for the same claims and leaves a zero claim out exactly.
+  Hypothesis tested: the zero norm claims of ``stall`` cost FedExPM and
+  FedDuAdam 3–4 points (one client) through the lower A.
 
 Usage (from the repository root)::
 
     python benchmarks/attack_trials.py history-guard --attacks sign-flip,ipm
     python benchmarks/attack_trials.py move-cap --hostile 3 --kappa inf,10,4
+    python benchmarks/attack_trials.py histogram-a --defence secagg+ \
+        --seeds 3 --strategies fedexp,fedexpm,feddua,feddua-adagrad \
+        --attacks stall,ipm,false-norm,sign-flip
 
-Both were measured at stop 58 against the default of the time, before the
-norm ceiling: ``--defence no-ceiling`` reproduces them (the default is
-today's default).
+The first two were measured at stop 58 against the default of the time,
+before the norm ceiling: ``--defence no-ceiling`` reproduces them (the
+default is today's default).
 
 Results: a JSON file (``--out``) and a table on stdout (points lost against
 the same strategy's honest run, distance from it ÷ FedAvg's).
@@ -35,10 +48,11 @@ the same strategy's honest run, distance from it ÷ FedAvg's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -50,8 +64,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.attacks as suite  # noqa: E402
 import fedadapt.strategies.adapter as adapter  # noqa: E402
 from benchmarks._output import write_json  # noqa: E402
-from fedadapt.strategies.core.aggregation import apply_statistics  # noqa: E402
+from fedadapt.strategies.core.aggregation import (  # noqa: E402
+    GUARD_A_MIN_CLIENTS,
+    apply_statistics,
+)
 from fedadapt.strategies.feddua import FedDuARule  # noqa: E402
+from fedadapt.strategies.secagg import norm_levels  # noqa: E402
 
 TASK = "digits-mlp"
 ROUNDS = 20  # the attack suite's digits-mlp runs
@@ -115,6 +133,51 @@ def move_cap(kappa: float, ratios: list[float]) -> Iterator[None]:
         adapter.apply_statistics = apply_statistics
 
 
+def histogram_guarded_sq_norm(
+    mean_sq_norm: float, shares: Sequence[float], weights: Sequence[float]
+) -> float:
+    """Return A without the shortest norm the SecAgg+ histogram claims.
+
+    ``shares``: the weighted share of clients whose ‖Δ_j‖ exceeds each
+    τ_j (:func:`fedadapt.strategies.secagg.norm_levels`); ``weights``: the
+    clients' r_i. The first τ* with at least ω_min/2 of the weight at or
+    below it bounds the shortest claim from above; for s ≤ τ*² < A,
+    (A − ω s)/(1 − ω) rises with ω and falls with s, so the result is at
+    most plain mode's guarded A (max_j A_{−j},
+    :func:`fedadapt.strategies.core.aggregation.guarded_sq_norms`) for the
+    same claims. A as it is with fewer than ``GUARD_A_MIN_CLIENTS`` clients.
+    """
+    total = float(sum(weights))
+    if len(weights) < GUARD_A_MIN_CLIENTS or total <= 0 or len(shares) == 0:
+        return mean_sq_norm
+    smallest = min(weights) / total
+    for level, share in zip(norm_levels(), shares, strict=False):
+        if 1.0 - float(share) >= smallest / 2:  # someone at or below τ_j
+            without = (mean_sq_norm - smallest * float(level) ** 2) / (1 - smallest)
+            return max(mean_sq_norm, without)
+    return mean_sq_norm
+
+
+@contextmanager
+def histogram_a() -> Iterator[None]:
+    """Step SecAgg+ rounds on :func:`histogram_guarded_sq_norm`'s A."""
+    plain = suite.step_statistics
+
+    def guarded(decoded: Any, **kwargs: Any) -> Any:
+        stats = plain(decoded, **kwargs)
+        a = stats.mean_sq_norm
+        if a is None or decoded.norm_shares is None:
+            return stats
+        a_guard = histogram_guarded_sq_norm(a, decoded.norm_shares, kwargs["weights"])
+        return dataclasses.replace(stats, mean_sq_norm=a_guard)
+
+    suite.step_statistics = guarded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        suite.step_statistics = plain
+
+
 def run(
     strategy: str,
     seed: int,
@@ -124,8 +187,9 @@ def run(
     defence: str = "default",
 ) -> tuple[float, dict, dict]:
     """One run of the suite's loop under ``variant``; accuracy, model, x_0."""
+    overrides = {"seed": seed, "num-server-rounds": ROUNDS}
     cfg = suite.strategy_config(
-        strategy, TASK, {"seed": seed, "num-server-rounds": ROUNDS}
+        strategy, TASK, {**overrides, **suite.DEFENCE_CONFIG.get(defence, {})}
     )
     options = {**suite.apply_options(cfg), **suite.DEFENCES[defence]}
     x0, train, metric = suite.task_setup(cfg)
@@ -138,7 +202,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trial", choices=("history-guard", "move-cap"))
+    parser.add_argument("trial", choices=("history-guard", "move-cap", "histogram-a"))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--hostile", type=int, default=1)
     parser.add_argument("--attacks", default="sign-flip,scaled-copy,ipm")
@@ -152,6 +216,8 @@ def main() -> None:
     plain: Callable[[], Any] = nullcontext
     if args.trial == "history-guard":
         variants = {"default": plain, "history-guard": history_guard}
+    elif args.trial == "histogram-a":
+        variants = {"default": plain, "histogram-a": histogram_a}
     else:
         variants = {
             f"kappa={k}": (lambda k=float(k): move_cap(k, ratios))

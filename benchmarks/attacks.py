@@ -68,7 +68,6 @@ from fedadapt.strategies.adapter import (  # noqa: E402
     ceiled_max_norm,
     evaluation_average,
 )
-from fedadapt.strategies.core import RoundStatistics  # noqa: E402
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
@@ -83,10 +82,10 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     aggregate_problem,
     decode_sums,
     encode_update,
-    guard_on_sums,
     next_norm_bound,
     next_weight_cap,
     rotated_indices,
+    step_statistics,
     typical_norm,
 )
 from fedadapt.tasks import TASKS  # noqa: E402
@@ -622,13 +621,12 @@ def secure_round(
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts
-    stats = decoded.stats
-    a_t = stats.mean_sq_norm
-    if not rule.needs_sq_norms:
-        stats = RoundStatistics(stats.mean_update, None, len(sent))
-    elif step_guard:
-        stats = guard_on_sums(stats, adaptive, ratios, bound if rotated else 0.0,
-                              settings.coordinate_bound)  # fmt: skip
+    a_t = decoded.stats.mean_sq_norm
+    stats = step_statistics(
+        decoded, needs_sq_norms=rule.needs_sq_norms, adaptive=adaptive,
+        weights=ratios, norm_bound=bound if rotated else 0.0,
+        coordinate_bound=settings.coordinate_bound, step_guard=step_guard,
+    )  # fmt: skip
     if calibrating:  # measured only: neither the model nor the rule's state moves
         return dict(x), (a_t, decoded.median_norm), counts
     stats = dataclasses.replace(stats, num_nodes=NUM_CLIENTS)

@@ -65,7 +65,7 @@ from fedadapt.strategies.adapter import (
     ScreeningKwargs,
     evaluation_average,
 )
-from fedadapt.strategies.core import Arrays, RoundStatistics, ServerRule
+from fedadapt.strategies.core import Arrays, ServerRule
 from fedadapt.strategies.declaration import Algorithm
 from fedadapt.strategies.local_update import (
     LocalUpdate,
@@ -81,9 +81,9 @@ from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
     decode_sums,
-    guard_on_sums,
     next_norm_bound,
     next_weight_cap,
+    step_statistics,
     typical_norm,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
@@ -485,20 +485,17 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                         " in a calibration round, which does not step"
                         if self.secagg_calibrating else "")  # fmt: skip
                 if decoded is not None:
-                    stats = decoded.stats
-                    if not self.rule.needs_sq_norms:
-                        stats = RoundStatistics(stats.mean_update, None, len(valid))
-                    elif self.secagg.step_guard:
-                        stats = guard_on_sums(
-                            stats,
-                            adaptive,
-                            [
-                                self.secagg.weight_ratio(r.num_examples)
-                                for _, r in results
-                            ],
-                            self.secagg_norm_bound if rotated else 0.0,
-                            self.secagg.coordinate_bound,
-                        )
+                    stats = step_statistics(
+                        decoded,
+                        needs_sq_norms=self.rule.needs_sq_norms,
+                        adaptive=adaptive,
+                        weights=[
+                            self.secagg.weight_ratio(r.num_examples) for _, r in results
+                        ],
+                        norm_bound=self.secagg_norm_bound if rotated else 0.0,
+                        coordinate_bound=self.secagg.coordinate_bound,
+                        step_guard=self.secagg.step_guard,
+                    )
         calibrating = self.secagg_calibrating
         new, diagnostics = self.run_sums(
             server_round, candidates, self._sent, stats, problem, step=not calibrating

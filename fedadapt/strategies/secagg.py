@@ -613,6 +613,9 @@ class DecodedSums:
         Why Δ̄ and A cannot come from honest clients, where
         :func:`decode_sums` returned them anyway (``tolerate_impossible``);
         None when they passed its checks.
+    norm_shares : tuple[float, ...] | None
+        The revealed norm histogram: the weighted share of clients whose
+        ‖Δ_i‖ exceeds each τ_j (:func:`norm_levels`); None without one.
     """
 
     stats: RoundStatistics
@@ -620,6 +623,7 @@ class DecodedSums:
     local_mean: Arrays = field(default_factory=dict)
     median_norm: float | None = None
     impossible: str | None = None
+    norm_shares: tuple[float, ...] | None = None
 
 
 def decode_sums(
@@ -752,6 +756,7 @@ def decode_sums(
         a_t = max(a_t, mean_sq) if math.isfinite(a_t) else mean_sq
     stats = RoundStatistics(mean, max(a_t, 0.0), num_clients)
     median = None
+    norm_shares = None
     if histogram:
         shares = decode_in_range(
             np.asarray(aggregate[model_arrays + EXTRA_ARRAYS], np.float64).reshape(-1),
@@ -763,13 +768,41 @@ def decode_sums(
                 f"the norm histogram has {shares.size} levels, expected {NORM_LEVELS}"
             )
         median = median_from_histogram(list(shares))
+        norm_shares = tuple(float(v) for v in shares)
     first = model_arrays + extra
     local_mean = {
         name: np.asarray(decode_in_range(aggregate[first + j], top, clipping_range))
         for j, (name, top) in enumerate(local.items())
     }
     clipped = min(max(share, 0.0), 1.0)
-    return DecodedSums(stats, clipped, local_mean, median, impossible), None
+    decoded = DecodedSums(stats, clipped, local_mean, median, impossible, norm_shares)
+    return decoded, None
+
+
+def step_statistics(
+    decoded: DecodedSums,
+    *,
+    needs_sq_norms: bool,
+    adaptive: Sequence[str],
+    weights: Sequence[float],
+    norm_bound: float,
+    coordinate_bound: float,
+    step_guard: bool,
+) -> RoundStatistics:
+    """Return the statistics a rule steps on from one decoded SecAgg+ round.
+
+    What the legacy strategy and the attack suite do alike: a rule that
+    needs no A (FedAvg, FedAdam, …) gets none; under ``step_guard``
+    (:attr:`SecAggPlusSettings.step_guard`) the leave-one-out worst case of
+    :func:`guard_on_sums` (``weights``: the clients' r_i; ``norm_bound`` 0
+    where nothing bounds a reply, the unrotated rounds).
+    """
+    stats = decoded.stats
+    if not needs_sq_norms:
+        return RoundStatistics(stats.mean_update, None, stats.num_clients)
+    if step_guard:
+        stats = guard_on_sums(stats, adaptive, weights, norm_bound, coordinate_bound)
+    return stats
 
 
 def guard_on_sums(
