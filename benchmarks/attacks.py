@@ -72,7 +72,7 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
 )
-from fedadapt.strategies.core.robust import AggregatorState  # noqa: E402
+from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -326,6 +326,9 @@ def federate(
                 seed=seed * 1000 + server_round,
                 anchoring=options.get("max_norm_growth", 0.0) > 0
                 and state.first_median_norm is None,
+                selection=options["aggregation"]
+                if options["aggregation"] in SELECTIONS
+                else None,
                 **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):

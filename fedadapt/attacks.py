@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedadapt.strategies.core.robust import bulyan_select, krum_select
+
 Arrays = dict[str, NDArray[Any]]
 
 #: The attacks, in the suite's order (``label-flip`` poisons the training
@@ -49,6 +51,7 @@ ATTACKS = (
     "anchor-inflate",
     "anchor-deflate",
     "stall",
+    "selected-flip",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -101,6 +104,12 @@ class RoundView:
         server's norm ceiling (``max_norm_growth``: the ceiling is on and
         has no anchor yet), which ``anchor-inflate`` and ``anchor-deflate``
         exploit.
+    selection : str | None
+        The robust aggregator in force that keeps some replies whole and
+        drops the others (``"krum"``, ``"multi_krum"``, ``"bulyan"``:
+        :data:`~fedadapt.strategies.core.robust.SELECTIONS`), with the f it
+        assumes (``assumed_hostile``) and multi-Krum's ``krum_keep`` (0:
+        n − f); None for every other aggregation. ``selected-flip`` uses it.
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -112,6 +121,9 @@ class RoundView:
     weights: Sequence[float] = field(default_factory=tuple)
     weight_cap: float = math.inf
     anchoring: bool = False
+    selection: str | None = None
+    assumed_hostile: int = 1
+    krum_keep: int = 0
 
     @property
     def num_clients(self) -> int:
@@ -236,6 +248,16 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       the honest clients' later updates sooner; then ``sign-flip``.
     Outside the anchoring round (``view.anchoring`` false, or no ceiling)
     both are ``sign-flip``.
+    - ``selected-flip`` (against Krum, multi-Krum and Bulyan, which drop
+      the replies farthest from the others): μ + λ·u, u the colluder's
+      reversed direction −Δ_own/‖Δ_own‖, with the largest λ (up to the
+      target norm) at which the aggregator in force (``selection``) still
+      keeps every colluder (:func:`_selected_flip`; after Fang, Cao, Jia,
+      Gong, USENIX Security 2020, "Local Model Poisoning Attacks to
+      Byzantine-Robust Federated Learning", §3, the largest λ the
+      selection accepts). The honest mean is the most central reply of a
+      round, so it is kept, and an honest one is dropped in its place.
+      Elsewhere it is ``sign-flip``.
     - ``stall`` (a liveness attack on SecAgg+'s check of the sums): the
       honest mean scaled to the target norm, claiming ‖Δ‖² = 0. Under
       SecAgg+ the decoded A then falls short of ‖Δ̄‖² where the honest
@@ -289,6 +311,10 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
                 for o in view.own]  # fmt: skip
     if attack in ("anchor-inflate", "anchor-deflate"):
         return craft("sign-flip", view)
+    if attack == "selected-flip":
+        if view.selection is None:
+            return craft("sign-flip", view)
+        return [HostileReply(u) for u in _selected_flip(view)]
     if attack == "stall":
         along = _with_norm(honest_mean(view), _target(view))
         return _same_for_all(view, along, {"update-sq-norm": 0.0})
@@ -404,3 +430,78 @@ def _slack_reverse(view: RoundView) -> Arrays:
         else mean[k].copy()
         for k in first
     }
+
+
+#: Halvings of the search for the largest kept norm (``selected-flip``).
+SELECTION_SEARCH_STEPS = 30
+
+
+def _selected_flip(view: RoundView) -> list[Arrays]:
+    """Return μ + λ·u_i for each colluder, λ the largest still kept.
+
+    u_i = −Δ_own/‖Δ_own‖, the colluder's reversed direction; each reply is
+    held to its :func:`norm_target` (λ_i = min(λ, the λ at which
+    ‖μ + λu_i‖ reaches it)). λ is the largest (bisection,
+    :data:`SELECTION_SEARCH_STEPS` halvings) at which ``view.selection``
+    with f = ``assumed_hostile`` keeps every colluder, computed from the
+    Gram matrix of the honest updates, μ and the u_i (the aggregator's own
+    distances, over every float array). Starting from μ, the most central
+    point of the round, rather than from 0 (Fang et al.'s reference
+    model): it is kept at λ = 0 whether the honest updates agree or not.
+    The λ sent is ``UNDER_BOUND`` times the largest kept (just inside, as
+    under a norm bound). No λ > 0 kept: μ (``alie`` with z = 0).
+    """
+    mu = honest_mean(view)
+    units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
+    keys = _float_keys(mu)
+    basis = np.array([
+        np.concatenate([np.asarray(r[k], np.float64).ravel() for k in keys])
+        for r in [*view.honest, mu, *units]
+    ])  # fmt: skip
+    gram = basis @ basis.T
+    honest, f = len(view.honest), len(units)
+    n = honest + f
+    m_u = gram[honest, honest + 1 :]  # μ·u_i
+    reach = [
+        max(0.0, -b + math.sqrt(max(b * b - gram[honest, honest] + t * t, 0.0)))
+        for b, t in zip(m_u, (norm_target(view, o) for o in view.own), strict=True)
+    ]  # the λ at which ‖μ + λu_i‖ = target (0 if μ alone exceeds it)
+    assumed = view.assumed_hostile
+    keep = 1 if view.selection == "krum" else view.krum_keep or n - assumed
+
+    def replies(lam: float) -> NDArray[np.float64]:
+        coefficients = np.zeros((n, len(basis)))
+        coefficients[:honest, :honest] = np.eye(honest)
+        coefficients[honest:, honest] = 1.0
+        for i, top in enumerate(reach):
+            coefficients[honest + i, honest + 1 + i] = min(lam, top)
+        return coefficients
+
+    def kept(lam: float) -> bool:
+        c = replies(lam)
+        inner = c @ gram @ c.T
+        diag = np.diag(inner)
+        dist = np.maximum(diag[:, None] + diag[None, :] - 2 * inner, 0.0)
+        if view.selection == "bulyan":
+            chosen = set(bulyan_select(dist, assumed))
+        else:
+            chosen = set(krum_select(dist, assumed, min(keep, n - assumed)))
+        return all(i in chosen for i in range(honest, n))
+
+    low, high = 0.0, max(reach)
+    if kept(high):
+        low = high
+    else:
+        for _ in range(SELECTION_SEARCH_STEPS):
+            middle = 0.5 * (low + high)
+            low, high = (middle, high) if kept(middle) else (low, middle)
+    low *= UNDER_BOUND  # just inside, as under a norm bound
+    return [
+        {
+            k: (mu[k] + min(low, top) * u[k]).astype(mu[k].dtype)
+            if k in keys
+            else view.own[i][k].copy()
+            for k in mu
+        }
+        for i, (u, top) in enumerate(zip(units, reach, strict=True))
+    ]

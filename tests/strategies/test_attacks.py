@@ -240,3 +240,63 @@ def test_attacks_built_on_the_honest_mean_need_an_honest_update(attack):
     view = RoundView([], _honest(seed=1, n=2), 2.5)
     with pytest.raises(ValueError, match="at least one honest update"):
         craft(attack, view)
+
+
+def _kept_by(selection, replies, honest, f=1):
+    """Whether the defence's own selection (fedadapt's Krum, multi-Krum,
+    Bulyan: tested equal to Flower's) keeps every hostile reply."""
+    from fedadapt.strategies.core.robust import (
+        bulyan_select,
+        krum_select,
+        pairwise_sq_distances,
+    )
+
+    updates = [*honest, *replies]
+    stacks = {"w": np.stack([u["w"].astype(np.float64) for u in updates])}
+    dist = pairwise_sq_distances(stacks)
+    n = len(updates)
+    if selection == "bulyan":
+        chosen = set(bulyan_select(dist, f))
+    else:
+        chosen = set(krum_select(dist, f, 1 if selection == "krum" else n - f))
+    return all(i in chosen for i in range(len(honest), n))
+
+
+@pytest.mark.parametrize("selection", ["krum", "multi_krum", "bulyan"])
+def test_selected_flip_goes_against_its_update_as_far_as_the_selection_keeps_it(
+    selection,
+):
+    """After Fang et al. (2020), against a selection: μ + λ·u, u = −Δ_own
+    normalised, λ as large as the aggregator still keeps it. The defence's
+    own selection is the oracle: kept as sent, dropped 5 % further along u
+    (where the bound allowed it)."""
+    honest = _honest(n=9)
+    own = _honest(seed=1, n=1)
+    cap = 3 * max(norm(h) for h in honest)
+    view = RoundView(honest, own, cap, [10.0] * 9, seed=3, selection=selection)
+    (reply,) = craft("selected-flip", view)
+    mu = _mu(view)
+    push = reply.update["w"].astype(np.float64) - mu
+    mine = own[0]["w"].astype(np.float64)
+    assert np.linalg.norm(push) > 0 and norm(reply.update) < UNDER_BOUND * cap
+    cosine = push @ mine / (np.linalg.norm(push) * np.linalg.norm(mine))
+    assert cosine == pytest.approx(-1, abs=1e-5)
+    assert reply.update["steps"] == own[0]["steps"]
+    assert _kept_by(selection, [reply.update], honest)
+    further = {"w": (mu + 1.05 * push).astype(np.float32)}
+    assert not _kept_by(selection, [further], honest)
+    # no selection in force: the sign flip at the bound
+    plain = RoundView(honest, own, cap, [10.0] * 9, seed=3)
+    (flip,) = craft("selected-flip", plain)
+    assert norm(flip.update) == pytest.approx(UNDER_BOUND * cap, rel=1e-5)
+
+
+def test_selected_flip_colluders_are_all_kept_by_the_f_it_assumes():
+    honest = _honest(n=8)
+    own = _honest(seed=1, n=2)
+    view = RoundView(honest, own, 10.0, [10.0] * 8, seed=3,
+                     selection="multi_krum", assumed_hostile=2)  # fmt: skip
+    replies = craft("selected-flip", view)
+    assert len(replies) == 2
+    assert _kept_by("multi_krum", [r.update for r in replies], honest, f=2)
+    assert all(np.linalg.norm(r.update["w"] - _mu(view)) > 0 for r in replies)
