@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedadapt.strategies.core.robust import bulyan_select, krum_select
+from fedadapt.strategies.core.robust import (
+    DEFAULT_NUM_HOSTILE,
+    bulyan_select,
+    krum_select,
+    usable_hostile,
+)
 
 Arrays = dict[str, NDArray[Any]]
 
@@ -122,7 +127,7 @@ class RoundView:
     weight_cap: float = math.inf
     anchoring: bool = False
     selection: str | None = None
-    assumed_hostile: int = 1
+    assumed_hostile: int = DEFAULT_NUM_HOSTILE
     krum_keep: int = 0
 
     @property
@@ -314,6 +319,8 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
     if attack == "selected-flip":
         if view.selection is None:
             return craft("sign-flip", view)
+        if not view.honest:
+            raise ValueError(f"{attack} needs at least one honest update")
         return [HostileReply(u) for u in _selected_flip(view)]
     if attack == "stall":
         along = _with_norm(honest_mean(view), _target(view))
@@ -449,7 +456,10 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
     point of the round, rather than from 0 (Fang et al.'s reference
     model): it is kept at λ = 0 whether the honest updates agree or not.
     The λ sent is ``UNDER_BOUND`` times the largest kept (just inside, as
-    under a norm bound). No λ > 0 kept: μ (``alie`` with z = 0).
+    under a norm bound). No λ > 0 kept: μ (``alie`` with z = 0). A round
+    with too few replies for f is judged with the f the aggregator then
+    uses (:func:`~fedadapt.strategies.core.robust.usable_hostile`); under
+    three replies, where it takes the median, the sign flip.
     """
     mu = honest_mean(view)
     units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
@@ -466,7 +476,10 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
         max(0.0, -b + math.sqrt(max(b * b - gram[honest, honest] + t * t, 0.0)))
         for b, t in zip(m_u, (norm_target(view, o) for o in view.own), strict=True)
     ]  # the λ at which ‖μ + λu_i‖ = target (0 if μ alone exceeds it)
-    assumed = view.assumed_hostile
+    # the f the aggregator uses for a round of n replies (robust_statistics)
+    assumed = usable_hostile(view.selection, n, view.assumed_hostile)
+    if assumed is None:  # under 3 replies it takes the median: nothing to evade
+        return [r.update for r in craft("sign-flip", view)]
     keep = 1 if view.selection == "krum" else view.krum_keep or n - assumed
 
     def replies(lam: float) -> NDArray[np.float64]:

@@ -24,6 +24,11 @@ from fedadapt.attacks import (
     craft,
     norm,
 )
+from fedadapt.strategies.core.robust import (
+    bulyan_select,
+    krum_select,
+    pairwise_sq_distances,
+)
 
 
 def _honest(seed=0, n=7, dim=6):
@@ -245,12 +250,6 @@ def test_attacks_built_on_the_honest_mean_need_an_honest_update(attack):
 def _kept_by(selection, replies, honest, f=1):
     """Whether the defence's own selection (fedadapt's Krum, multi-Krum,
     Bulyan: tested equal to Flower's) keeps every hostile reply."""
-    from fedadapt.strategies.core.robust import (
-        bulyan_select,
-        krum_select,
-        pairwise_sq_distances,
-    )
-
     updates = [*honest, *replies]
     stacks = {"w": np.stack([u["w"].astype(np.float64) for u in updates])}
     dist = pairwise_sq_distances(stacks)
@@ -289,6 +288,23 @@ def test_selected_flip_goes_against_its_update_as_far_as_the_selection_keeps_it(
     plain = RoundView(honest, own, cap, [10.0] * 9, seed=3)
     (flip,) = craft("selected-flip", plain)
     assert norm(flip.update) == pytest.approx(UNDER_BOUND * cap, rel=1e-5)
+
+
+def test_selected_flip_judges_a_short_round_with_the_f_the_aggregator_uses():
+    """Bulyan with f = 1 needs 7 replies; with 5 the aggregator uses f = 0
+    (``usable_hostile``), and the attack is kept by that selection; with
+    two replies (the median) it is the sign flip; with no honest update it
+    says so."""
+    honest = _honest(n=4)
+    own = _honest(seed=1, n=1)
+    view = RoundView(honest, own, 10.0, [10.0] * 4, seed=3, selection="bulyan")
+    (reply,) = craft("selected-flip", view)
+    assert _kept_by("bulyan", [reply.update], honest, f=0)
+    lone = RoundView(honest[:1], own, 2.5, [10.0], seed=3, selection="bulyan")
+    (flip,) = craft("selected-flip", lone)
+    assert norm(flip.update) == pytest.approx(UNDER_BOUND * 2.5, rel=1e-5)
+    with pytest.raises(ValueError, match="at least one honest update"):
+        craft("selected-flip", RoundView([], own, 2.5, selection="krum"))
 
 
 def test_selected_flip_colluders_are_all_kept_by_the_f_it_assumes():
