@@ -1507,3 +1507,28 @@ def test_the_guard_on_sums_is_fedexps_step_with_the_worst_client_removed():
     assert FedExPRule(epsilon=0.0).update({"w": np.zeros(2)}, loose)[1][
         "server-lr"
     ] == pytest.approx(1.0)
+
+
+def test_step_statistics_gives_each_rule_what_the_legacy_strategy_steps_on():
+    """The one path of the legacy strategy and the attack suite: no A for
+    a rule that needs none; under the SecAgg+ step guard the worst case of
+    guard_on_sums (the oracle: called directly); otherwise the sums."""
+    from fedadapt.strategies.secagg import DecodedSums, step_statistics
+
+    mean = {"w": np.array([0.3, -0.4])}
+    decoded = DecodedSums(RoundStatistics(mean, 1.0, 10), 0.0)
+    common = dict(adaptive=["w"], weights=[1.0] * 10, norm_bound=1.2,
+                  coordinate_bound=2.0)  # fmt: skip
+    plain = step_statistics(decoded, needs_sq_norms=False, step_guard=True, **common)
+    assert plain.mean_sq_norm is None and plain.without_each is None
+    assert plain.num_clients == 10
+    unguarded = step_statistics(
+        decoded, needs_sq_norms=True, step_guard=False, **common
+    )
+    assert unguarded is decoded.stats
+    guarded = step_statistics(decoded, needs_sq_norms=True, step_guard=True, **common)
+    oracle = guard_on_sums(decoded.stats, ["w"], [1.0] * 10, 1.2, 2.0)
+    ((delta, a),) = list(guarded.without_each())
+    ((want_delta, want_a),) = list(oracle.without_each())
+    np.testing.assert_allclose(delta["w"], want_delta["w"])
+    assert a == pytest.approx(want_a)
