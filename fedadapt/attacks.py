@@ -461,6 +461,8 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
     uses (:func:`~fedadapt.strategies.core.robust.usable_hostile`); under
     three replies, where it takes the median, the sign flip.
     """
+    selection = view.selection
+    assert selection is not None, "craft() sends the sign flip without one"
     mu = honest_mean(view)
     units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
     keys = _float_keys(mu)
@@ -477,10 +479,10 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
         for b, t in zip(m_u, (norm_target(view, o) for o in view.own), strict=True)
     ]  # the λ at which ‖μ + λu_i‖ = target (0 if μ alone exceeds it)
     # the f the aggregator uses for a round of n replies (robust_statistics)
-    assumed = usable_hostile(view.selection, n, view.assumed_hostile)
+    assumed = usable_hostile(selection, n, view.assumed_hostile)
     if assumed is None:  # under 3 replies it takes the median: nothing to evade
         return [r.update for r in craft("sign-flip", view)]
-    keep = 1 if view.selection == "krum" else view.krum_keep or n - assumed
+    keep = 1 if selection == "krum" else view.krum_keep or n - assumed
 
     def replies(lam: float) -> NDArray[np.float64]:
         coefficients = np.zeros((n, len(basis)))
@@ -495,7 +497,7 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
         inner = c @ gram @ c.T
         diag = np.diag(inner)
         dist = np.maximum(diag[:, None] + diag[None, :] - 2 * inner, 0.0)
-        if view.selection == "bulyan":
+        if selection == "bulyan":
             chosen = set(bulyan_select(dist, assumed))
         else:
             chosen = set(krum_select(dist, assumed, min(keep, n - assumed)))
