@@ -67,6 +67,7 @@ from fedadapt.strategies.adapter import (  # noqa: E402
     apply_rule,
     ceiled_max_norm,
     evaluation_average,
+    round_aggregation,
 )
 from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
@@ -102,6 +103,8 @@ STRATEGIES = (
 #: setting anything.
 DEFENCES: dict[str, dict[str, Any]] = {
     "default": {},
+    # the default of stops 58-60: the norm ceiling, every rule on the mean
+    "mean": {"aggregation": "mean"},
     "off": {"max_norm_ratio": 0.0, "aggregation": "mean", "max_weight_ratio": 0.0,
             "max_contribution_ratio": 0.0, "project_opposing": False,
             "step_guard": False, "max_norm_growth": 0.0},
@@ -111,14 +114,17 @@ DEFENCES: dict[str, dict[str, Any]] = {
                   "project_opposing": False, "step_guard": False,
                   "max_norm_growth": 0.0},
     # the default of stops 43-48: clip 2x, weight cap 2x, step guard
-    "clip-wcap-guard": {"max_contribution_ratio": 0.0, "max_norm_growth": 0.0},
+    "clip-wcap-guard": {"max_contribution_ratio": 0.0, "max_norm_growth": 0.0,
+                        "aggregation": "mean"},
     # the default of stops 49-57 (with the pull cap, no norm ceiling)
-    "pull-cap": {"project_opposing": False, "max_norm_growth": 0.0},
-    "no-ceiling": {"max_norm_growth": 0.0},
+    "pull-cap": {"project_opposing": False, "max_norm_growth": 0.0,
+                 "aggregation": "mean"},
+    "no-ceiling": {"max_norm_growth": 0.0, "aggregation": "mean"},
     # the default plus the opposing projection (opt-in)
-    "pull-cap-projection": {"project_opposing": True, "max_norm_growth": 0.0},
+    "pull-cap-projection": {"project_opposing": True, "max_norm_growth": 0.0,
+                            "aggregation": "mean"},
     "projection": {"max_contribution_ratio": 0.0, "project_opposing": True,
-                   "max_norm_growth": 0.0},
+                   "max_norm_growth": 0.0, "aggregation": "mean"},
     "clip-median": {"max_norm_ratio": 1.0, "clip_mode": "clip", "aggregation": "mean"},
     "clip-median-wcap": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                          "aggregation": "mean", "max_weight_ratio": 1.0},
@@ -132,7 +138,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "clip-2median-wcap-guard": {"max_norm_ratio": 2.0, "clip_mode": "clip",
                                 "aggregation": "mean", "max_weight_ratio": 2.0,
                                 "step_guard": True},
-    "wcap-guard": {"max_weight_ratio": 1.0, "step_guard": True},
+    "wcap-guard": {"max_weight_ratio": 1.0, "step_guard": True,
+                   "aggregation": "mean"},
     "clip-median-wcap2-guard": {"max_norm_ratio": 1.0, "clip_mode": "clip",
                                 "aggregation": "mean", "max_weight_ratio": 2.0,
                                 "step_guard": True},
@@ -304,6 +311,13 @@ def federate(
             sent.update(frame_replies(server, sent, hostile))
         elif attack and hostile:
             honest_sq = [_sq(updates[i]) for i in honest_ids]
+            in_force = round_aggregation(  # "auto" as the server resolves it
+                options["aggregation"],
+                rule,
+                NUM_CLIENTS,
+                sees_updates=cfg["secure-aggregation"] == "off"
+                and options.get("validation_loss") is None,
+            )
             secure_view = {}
             if settings is not None:
                 ratios = [
@@ -326,9 +340,7 @@ def federate(
                 seed=seed * 1000 + server_round,
                 anchoring=options.get("max_norm_growth", 0.0) > 0
                 and state.first_median_norm is None,
-                selection=options["aggregation"]
-                if options["aggregation"] in SELECTIONS
-                else None,
+                selection=in_force if in_force in SELECTIONS else None,
                 **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):
@@ -740,7 +752,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     started = time.perf_counter()
     task = "synthetic-linreg" if args.level == "harness" else args.task
-    for seed in range(args.seeds):
+    first = getattr(args, "first_seed", 0)
+    for seed in range(first, first + args.seeds):
         for defence in args.defences:
             for name in args.strategies:
                 overrides: dict[str, Any] = {
@@ -962,6 +975,12 @@ def main() -> None:
     parser.add_argument("--task", default="digits-mlp")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds first..first+seeds-1 (to extend an earlier run's seeds)",
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--defences", default=",".join(DEFENCES))
     parser.add_argument("--attacks", default=",".join(ATTACKS))

@@ -9,8 +9,12 @@ arrays, per strategy, with
 - ``before``: the default before issue #38 (flag above 5x the median norm);
 - ``clip-wcap-guard``: the default of stops 43–48 (clip to 2x the median
   norm, the weight cap, the step guard);
-- ``default``: today's default (the same, plus the pull cap);
+- ``default``: the default of stops 49–60 (the same, plus the pull cap),
+  on the mean;
 - ``default+projection``: with the opt-in opposing projection as well;
+- ``auto``: today's default, ``default`` on the rule's own aggregator
+  (``aggregation="auto"``: multi-Krum for FedAdam, centered clipping for
+  FedExP and FedAdagrad, the mean for FedAvg and FedDuAdam);
 
 - ``default+influence`` (with ``--task``): the influence screen as well,
   on ``--validation-size`` examples of the task's training pool (the
@@ -59,6 +63,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "default+projection": {"max_norm_ratio": 2.0, "clip_mode": "clip",
                            "max_weight_ratio": 2.0, "step_guard": True,
                            "max_contribution_ratio": 2.0, "project_opposing": True},
+    "auto": {"max_norm_ratio": 2.0, "clip_mode": "clip",
+             "max_weight_ratio": 2.0, "step_guard": True,
+             "max_contribution_ratio": 2.0, "aggregation": "auto"},
 }  # fmt: skip
 
 

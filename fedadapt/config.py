@@ -323,16 +323,21 @@ _RUN_KEYS: tuple[Key, ...] = (
         "squared update norm the step grows with) the largest leave-one-out A, so "
         "no single client lowers it with a short update. Inactive with "
         "secure-aggregation and robust aggregation."),
-    Key("aggregation", "mean", "How the clients' updates form the Δ̄ the strategy "
-        "steps on: mean (weighted, the papers), median or trimmed-mean "
+    Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
+        "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
+        "num-hostile + 3 replies or more: multi-krum for fedadam, "
+        "centered-clipping for fedexp and feddua's adagrad variant; "
+        "else, and with secure-aggregation or validation-size, the mean; "
+        "docs/robustness.md), mean (weighted, the papers), median or trimmed-mean "
         "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg), "
         "krum, multi-krum or bulyan (keep the updates nearest the others, "
         "Blanchard et al. 2017, El Mhamdi et al. 2018, as Flower's Krum / "
         "MultiKrum / Bulyan; num-hostile), centered-clipping (clip each update's "
         "distance to the previous round's Δ̄, Karimireddy et al. 2021; "
-        "clip-radius, clip-iterations). Not with secure-aggregation.",
-        choices=("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
-                 "centered-clipping")),
+        "clip-radius, clip-iterations). The robust ones not with "
+        "secure-aggregation.",
+        choices=("auto", "mean", "median", "trimmed-mean", "krum", "multi-krum",
+                 "bulyan", "centered-clipping")),
     Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
         "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
         "below 0.5.", minimum=0.0, maximum=0.49),
@@ -513,7 +518,8 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             "stop-metric", "stop-target and stop-patience need the metric to watch"
         )
     _check_stop_metric_is_reported(config)
-    if config["secure-aggregation"] != "off" and config["aggregation"] != "mean":
+    robust = config["aggregation"] not in ("auto", "mean")
+    if config["secure-aggregation"] != "off" and robust:
         raise ConfigError(
             "aggregation",
             f"{config['aggregation']} needs the individual updates; with "

@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: fedadapt's default defences off (issue #38: norm clipping at 2x the
 #: median, the weight cap, the pull cap, the norm ceiling, the opposing
-#: projection, the step guard), for tests whose oracle is the bare rule
-#: (Flower's strategies, a formula written in the test)
+#: projection, the step guard, the rule's robust aggregator), for tests
+#: whose oracle is the bare rule (Flower's strategies, a formula written in
+#: the test)
 NO_DEFENCE = {
+    "aggregation": "mean",
     "max_update_norm_ratio": 0.0,
     "max_weight_ratio": 0.0,
     "max_contribution_ratio": 0.0,

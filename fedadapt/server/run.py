@@ -247,7 +247,7 @@ def server_validation_loss(
     size = cfg["validation-size"]
     if size == 0:
         return None
-    if cfg["secure-aggregation"] != "off" or cfg["aggregation"] != "mean":
+    if cfg["secure-aggregation"] != "off" or cfg["aggregation"] not in ("auto", "mean"):
         raise ConfigError(
             "validation-size",
             "the influence screen needs the individual updates and their mean: "

@@ -185,6 +185,20 @@ class FedDuARule(ServerRule):
         }
         return new, diagnostics
 
+    @property
+    def robust_aggregation(self) -> str:
+        """FedDuAdagrad: centered clipping; FedDuAdam: the mean.
+
+        See :attr:`ServerRule.robust_aggregation`. FedDuAdagrad on
+        digits-mlp, 5 seeds: honest 93.7 → 93.2 %, worst attack 4.8 → 1.1
+        points; mnist5k-cnn 94.7 → 96.4 %, 5.3 → 1.4. FedDuAdam loses 1.6
+        to 2.8 honest points with either robust aggregator and its worst
+        attack stays above 2 (docs/robustness.md), so it keeps the mean.
+        """
+        if self.variant == "adagrad" and self.preconditioner == "diagonal":
+            return "centered_clipping"
+        return "mean"
+
     def guard_step_size(self, stats: RoundStatistics) -> float | None:
         """Return min_i η_t^{(−i)}: the step size were any one client absent.
 

@@ -116,6 +116,18 @@ class FedExPRule(FedDuARule):
             "eps_decay", eps_decay, low=0, high=1, low_inclusive=False
         )
 
+    @property
+    def robust_aggregation(self) -> str:
+        """FedExP: centered clipping; FedExPM: the mean.
+
+        See :attr:`ServerRule.robust_aggregation`. FedExP on digits-mlp, 5
+        seeds: honest 92.8 → 92.7 %, worst attack 4.4 → 1.1 points;
+        mnist5k-cnn 94.0 → 96.2 %, 4.8 → 1.7. FedExPM loses 5 honest points
+        with either robust aggregator (docs/robustness.md), so it keeps the
+        mean.
+        """
+        return "centered_clipping" if self.server_momentum == 0 else "mean"
+
     def current_epsilon(self, num_clients: int) -> float:
         """Return ε for this update (decayed, times |S_t| in code form)."""
         eps = self.epsilon * self.eps_decay**self.num_updates

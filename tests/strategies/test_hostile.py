@@ -243,8 +243,11 @@ def test_strategies_clip_count_and_record_the_bound(api, caplog):
     eta = max(1.0, 7.25 / (2 * (float(mean @ mean) + 1e-3)))
     module = ours if api == "message" else legacy
     # the step's w_1, with the earlier flag rule (k = 5) and no step guard
+    # on the mean: the hand example is of the flag rule, not of FedExP's
+    # default aggregator (centered clipping)
     strategy = module.FedExP(average_last_two=False, max_update_norm_ratio=5.0,
-                             norm_bound_mode="flag", step_guard=False)  # fmt: skip
+                             norm_bound_mode="flag", step_guard=False,
+                             aggregation="mean")  # fmt: skip
     replies = [(c["w"], float(np.sum(np.square(d)))) for c, d in
                zip(_hand_clients(x0), HAND_DELTAS, strict=True)]  # fmt: skip
     # Execute

@@ -1,0 +1,128 @@
+"""Issue #38 item 2: ``aggregation="auto"``, every strategy's default.
+
+Oracles: the same strategy with the aggregator written out (multi-Krum for
+FedAdam; centered clipping for FedExP and FedDuAdagrad; the mean for the
+others: the choice docs/robustness.md measured), the mean
+written out for the rounds and modes in which ``auto`` is the mean, and
+the plain NumPy mean for the centre centered clipping carries over a round
+too small to clip in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedadapt import strategies as ours
+from fedadapt.config import validate_run_config
+from fedadapt.errors import ConfigError
+from fedadapt.strategies import legacy
+from fedadapt.strategies.adapter import AUTO_AGGREGATION, round_aggregation
+from fedadapt.strategies.core import FedAvgRule, FedExPRule
+from tests.strategies.test_hostile import FACTOR, _honest, _multi_step
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+#: (strategy, its arguments, the aggregator "auto" is in a round of ten)
+CHOICES = [
+    ("FedAvg", {}, "mean"),
+    ("FedAvgM", {}, "mean"),
+    ("FedAdam", {}, "multi_krum"),
+    ("FedAdagrad", {}, "mean"),
+    ("FedYogi", {}, "mean"),
+    ("FedExP", {}, "centered_clipping"),
+    ("FedExPM", {}, "mean"),
+    ("FedDuA", {}, "mean"),
+    ("FedDuA", {"variant": "adagrad"}, "centered_clipping"),
+]
+
+
+def _rounds(api, strategy, sizes, hostile=True):
+    """Rounds of ``sizes`` replies (client 0 sends ×1e6 if ``hostile``)."""
+    x = None
+    for server_round, size in enumerate(sizes, start=1):
+        x0, clients = _honest(server_round, size)
+        if hostile:
+            clients[0] = {
+                k: x0[k] + FACTOR * (v - x0[k]) if v.dtype.kind == "f" else v
+                for k, v in clients[0].items()
+            }
+        x = _multi_step(api, strategy, server_round, x0, clients)
+    return x
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize(("name", "kwargs", "chosen"), CHOICES)
+def test_auto_is_the_rules_measured_aggregator(name, kwargs, chosen, api):
+    # Prepare: the default and the aggregator written out
+    module = ours if api == "message" else legacy
+    default = getattr(module, name)(**kwargs)
+    written = getattr(module, name)(aggregation=chosen, **kwargs)
+    assert default.aggregation == AUTO_AGGREGATION
+    # Execute: three rounds of ten replies, one of them hostile
+    got = _rounds(api, default, [10, 10, 10])
+    want = _rounds(api, written, [10, 10, 10])
+    # Assert: the same model, bit for bit; the rule names its choice
+    assert default.rule.robust_aggregation == chosen
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize("name", ["FedAdam", "FedExP"])
+def test_auto_is_the_mean_in_rounds_too_small_to_outvote_a_client(name, api):
+    # Prepare: four replies, fewer than the 2f + 3 = 5 Krum needs
+    module = ours if api == "message" else legacy
+    default, mean = getattr(module, name)(), getattr(module, name)(aggregation="mean")
+    # Execute
+    got = _rounds(api, default, [4, 4], hostile=False)
+    want = _rounds(api, mean, [4, 4], hostile=False)
+    # Assert: the papers' method, as in a quickstart of two clients
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_the_centre_follows_a_round_that_was_too_small_to_clip(api):
+    # Prepare: FedExP (uniform weights), a round of four honest replies
+    module = ours if api == "message" else legacy
+    strategy = module.FedExP()
+    x0, clients = _honest(1, 4)
+    # Execute
+    _multi_step(api, strategy, 1, x0, clients)
+    # Assert: the centre of the next (clipped) round is this round's mean
+    # Δ̄ over the arrays the rule steps on (the BatchNorm buffer is averaged)
+    center = list(strategy.aggregator_state.center.values())
+    want = np.mean([c["fc.weight"] - x0["fc.weight"] for c in clients], axis=0)
+    np.testing.assert_allclose(center[0], want, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_is_the_mean_where_the_server_cannot_judge_each_update():
+    # Prepare / Execute / Assert: sums only (secure aggregation), the
+    # influence screen (measured over the mean), and any rule without one
+    rule = FedExPRule()
+    assert round_aggregation("auto", rule, 10) == "centered_clipping"
+    assert round_aggregation("auto", rule, 4) == "mean"
+    assert round_aggregation("auto", rule, 10, sees_updates=False) == "mean"
+    assert round_aggregation("auto", rule, 10, num_hostile=4) == "mean"  # 2f+3 = 11
+    assert round_aggregation("auto", FedAvgRule(), 10) == "mean"
+    assert round_aggregation("median", rule, 2) == "median"  # written out: as given
+    # the strategies accept the default where a written-out aggregator fails
+    legacy.FedExP(secure_aggregation="secagg+")
+    ours.FedExP(validation_loss=lambda arrays: 0.0)
+    with pytest.raises(ValueError, match="only their sum"):
+        legacy.FedExP(secure_aggregation="secagg+", aggregation="centered_clipping")
+    with pytest.raises(ValueError, match="influence screen"):
+        ours.FedExP(validation_loss=lambda arrays: 0.0, aggregation="multi_krum")
+
+
+def test_run_config_default_is_auto_and_is_the_mean_under_secure_aggregation():
+    # Prepare / Execute
+    config = validate_run_config(
+        {"strategy": "fedexp", "secure-aggregation": "secagg+"}
+    )
+    # Assert: the default runs under SecAgg+; a written-out aggregator cannot
+    assert config["aggregation"] == "auto"
+    with pytest.raises(ConfigError, match="aggregation"):
+        validate_run_config({"strategy": "fedexp", "secure-aggregation": "secagg+",
+                             "aggregation": "centered-clipping"})  # fmt: skip
