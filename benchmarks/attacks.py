@@ -341,6 +341,9 @@ def federate(
                 anchoring=options.get("max_norm_growth", 0.0) > 0
                 and state.first_median_norm is None,
                 selection=in_force if in_force in SELECTIONS else None,
+                center=dict(state.center or {})
+                if in_force == "centered_clipping"
+                else None,
                 **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):

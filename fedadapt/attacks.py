@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Any
 
@@ -57,6 +57,7 @@ ATTACKS = (
     "anchor-deflate",
     "stall",
     "selected-flip",
+    "centered-flip",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -115,6 +116,11 @@ class RoundView:
         :data:`~fedadapt.strategies.core.robust.SELECTIONS`), with the f it
         assumes (``assumed_hostile``) and multi-Krum's ``krum_keep`` (0:
         n − f); None for every other aggregation. ``selected-flip`` uses it.
+    center : mapping of str to array, or None
+        v, the centre centered clipping measures each update's distance
+        from (the previous round's Δ̄; an array it lacks is zero, as in the
+        first round) when that aggregator is in force; None otherwise.
+        ``centered-flip`` uses it.
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -129,6 +135,7 @@ class RoundView:
     selection: str | None = None
     assumed_hostile: int = DEFAULT_NUM_HOSTILE
     krum_keep: int = 0
+    center: Mapping[str, NDArray[Any]] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -263,6 +270,14 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       selection accepts). The honest mean is the most central reply of a
       round, so it is kept, and an honest one is dropped in its place.
       Elsewhere it is ``sign-flip``.
+    - ``centered-flip`` (against centered clipping, which clips each
+      update's distance from the centre v to τ): v + R·u with u = −μ/‖μ‖
+      and R as large as the target norm allows (:func:`_centered_flip`).
+      Clipped to τ, its displacement is τ·u: the largest push against the
+      honest mean that clipping lets one reply make (Karimireddy, He,
+      Jaggi 2021 bound each reply's effect by τ/n; this reply reaches the
+      bound along −μ, where a sign flip reaches it along its own reversed
+      update less v). Elsewhere (``center`` None) it is ``sign-flip``.
     - ``stall`` (a liveness attack on SecAgg+'s check of the sums): the
       honest mean scaled to the target norm, claiming ‖Δ‖² = 0. Under
       SecAgg+ the decoded A then falls short of ‖Δ̄‖² where the honest
@@ -322,6 +337,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         if not view.honest:
             raise ValueError(f"{attack} needs at least one honest update")
         return [HostileReply(u) for u in _selected_flip(view)]
+    if attack == "centered-flip":
+        if view.center is None:
+            return craft("sign-flip", view)
+        if not view.honest:
+            raise ValueError(f"{attack} needs at least one honest update")
+        return [HostileReply(_centered_flip(view, o)) for o in view.own]
     if attack == "stall":
         along = _with_norm(honest_mean(view), _target(view))
         return _same_for_all(view, along, {"update-sq-norm": 0.0})
@@ -441,6 +462,41 @@ def _slack_reverse(view: RoundView) -> Arrays:
 
 #: Halvings of the search for the largest kept norm (``selected-flip``).
 SELECTION_SEARCH_STEPS = 30
+
+
+def _centered_flip(view: RoundView, own: Mapping[str, NDArray[Any]]) -> Arrays:
+    """Return v + R·u, u = −μ/‖μ‖, R the largest with ‖v + R·u‖ = the target.
+
+    R = −⟨v, u⟩ + √(⟨v, u⟩² − ‖v‖² + t²) for t = :func:`norm_target`
+    (``UNDER_BOUND`` × the norm cap). Where no point of that ray is within
+    t of the origin, its point nearest the origin scaled to t; where μ = 0,
+    the sign flip. Integer arrays are the client's own.
+    """
+    assert view.center is not None, "craft() sends the sign flip without one"
+    mu = honest_mean(view)
+    length = norm(mu)
+    if length == 0:
+        return craft("sign-flip", replace(view, own=[own]))[0].update
+    keys = _float_keys(mu)
+    u = {k: -np.asarray(mu[k], np.float64) / length for k in keys}
+    v = {
+        k: np.asarray(view.center[k], np.float64).reshape(mu[k].shape)
+        if k in view.center
+        else np.zeros(mu[k].shape)
+        for k in keys
+    }
+    along = math.fsum(float(np.vdot(v[k], u[k])) for k in keys)
+    centre_sq = math.fsum(float(np.vdot(v[k], v[k])) for k in keys)
+    target = norm_target(view, own)
+    room = along * along - centre_sq + target * target
+    reach = -along + math.sqrt(room) if room >= 0 else max(0.0, -along)
+    point = {k: v[k] + reach * u[k] for k in keys}
+    if room < 0:
+        point = _with_norm(point, target)
+    return {
+        k: np.asarray(point[k]).astype(mu[k].dtype) if k in keys else own[k].copy()
+        for k in mu
+    }
 
 
 def _selected_flip(view: RoundView) -> list[Arrays]:

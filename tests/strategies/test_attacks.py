@@ -26,6 +26,7 @@ from fedadapt.attacks import (
 )
 from fedadapt.strategies.core.robust import (
     bulyan_select,
+    centered_clipping,
     krum_select,
     pairwise_sq_distances,
 )
@@ -316,3 +317,52 @@ def test_selected_flip_colluders_are_all_kept_by_the_f_it_assumes():
     assert len(replies) == 2
     assert _kept_by("multi_krum", [r.update for r in replies], honest, f=2)
     assert all(np.linalg.norm(r.update["w"] - _mu(view)) > 0 for r in replies)
+
+
+def _cc_output(replies, center, tau):
+    """Centered clipping's v_1 (one iteration, fixed τ) over ``replies``' "w"."""
+    stack = np.stack([r["w"].astype(np.float64) for r in replies])
+    v, _, _, _ = centered_clipping({"w": stack}, {"w": center}, tau, 1)
+    return v["w"]
+
+
+def test_centered_flip_pushes_against_the_mean_as_far_as_clipping_allows():
+    # Prepare: a centre near the honest mean (the last round's Δ̄), a cap
+    honest = _honest()
+    mu = np.mean([h["w"].astype(np.float64) for h in honest], axis=0)
+    center = (0.8 * mu + 0.1 * np.random.default_rng(5).normal(size=mu.size)).astype(
+        np.float32
+    )
+    cap, tau = 2.5, 0.5
+    view = RoundView(honest, _honest(seed=1, n=1), cap, [10.0] * len(honest),
+                     seed=3, center={"w": center})  # fmt: skip
+    # Execute
+    (reply,) = craft("centered-flip", view)
+    # Assert: on the ray from v against μ, at the target norm
+    sent = reply.update["w"].astype(np.float64)
+    away = sent - center
+    unit = -mu / np.linalg.norm(mu)
+    assert away @ unit / np.linalg.norm(away) == pytest.approx(1.0, abs=1e-6)
+    assert norm(reply.update) == pytest.approx(UNDER_BOUND * cap, rel=1e-5)
+    assert reply.update["steps"] == view.own[0]["steps"]
+    # ... so clipping (the aggregator's own code, τ below its distance)
+    # leaves it τ/n along −μ: against a reply at v itself (no push) ...
+    n = len(honest) + 1
+    silent = {"w": center.copy()}
+    shift = _cc_output([*honest, reply.update], center, tau) - _cc_output(
+        [*honest, silent], center, tau
+    )
+    np.testing.assert_allclose(shift, tau / n * unit, atol=1e-6)
+    # ... and no other attack at the same cap pushes CC's output further
+    # against μ
+    push = _cc_output([*honest, reply.update], center, tau) @ unit
+    for other in ("sign-flip", "ipm", "orthogonal", "orthogonal-flip", "scaled-copy"):
+        (alt,) = craft(other, view)
+        assert _cc_output([*honest, alt.update], center, tau) @ unit <= push + 1e-9
+
+
+def test_centered_flip_is_the_sign_flip_without_centered_clipping():
+    view = _view(cap=2.0)
+    (flip,) = craft("sign-flip", view)
+    (reply,) = craft("centered-flip", view)
+    np.testing.assert_array_equal(reply.update["w"], flip.update["w"])
