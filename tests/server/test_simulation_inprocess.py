@@ -357,3 +357,29 @@ def test_the_influence_screen_runs_in_the_app(tmp_path, api):
     assert all(line["influence"] > tolerance for line in rejected)
     assert all(r["replies"]["rejected"] <= 1 for r in data["rounds"])
     assert data["rounds"][-1]["eval"]["loss"] < data["initial"]["eval"]["loss"]
+
+
+def test_the_apps_default_aggregator_acts_in_a_round_of_five(tmp_path):
+    """Issue #38 item 2, in the app: FedExP's default (``aggregation =
+    "auto"``) clips with centered clipping in rounds of five replies, and
+    every reply's clients.jsonl line says by how much."""
+    run_in_process(
+        {
+            "output-dir": str(tmp_path),
+            "run-name": "auto",
+            "strategy": "fedexp",
+            "num-server-rounds": 2,
+            "clients-per-round": 5,
+        },  # fmt: skip
+        num_supernodes=5,
+    )
+    run = tmp_path / "auto"
+    data = json.loads((run / "results.json").read_text())
+    assert data["status"] == "completed"
+    text = (run / "clients.jsonl").read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    scales = [line["center_clip_scale"] for line in lines]
+    assert len(scales) == 10 and all(0 < s <= 1 for s in scales)
+    # τ is the round's median distance from the centre: some are clipped
+    assert sum(s < 1 for s in scales) >= 2
+    assert all(r["strategy"]["center-clip-radius"] > 0 for r in data["rounds"])
