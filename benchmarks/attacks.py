@@ -315,8 +315,9 @@ def federate(
                 options["aggregation"],
                 rule,
                 NUM_CLIENTS,
-                sees_updates=cfg["secure-aggregation"] == "off"
-                and options.get("validation_loss") is None,
+                mean_required=cfg["secure-aggregation"] != "off"
+                or options.get("validation_loss") is not None
+                or bool(options.get("project_opposing")),
             )
             secure_view = {}
             if settings is not None:

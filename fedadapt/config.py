@@ -281,7 +281,9 @@ _RUN_KEYS: tuple[Key, ...] = (
         "median pull; above it the update is scaled down (counted as clipped). "
         "The norm bound and the weight cap alone let one client pull like 4 "
         "typical ones. 0 = off; adds nothing under uniform weighting; inactive "
-        "with secure-aggregation and robust aggregation. docs/robustness.md.",
+        "with secure-aggregation and robust aggregation (also the one "
+        "aggregation=auto picks: fedadam, fedexp, feddua adagrad in rounds of 5 "
+        "or more). docs/robustness.md.",
         minimum=0.0),
     Key("max-update-norm-growth", 3.0, "Ceiling on every update's norm, as a "
         "multiple of the first round's median update norm (kept in checkpoints); "
@@ -298,7 +300,8 @@ _RUN_KEYS: tuple[Key, ...] = (
         "flip 12.8 -> 5.4 points). Off by default: where clients hold one class "
         "each, honest updates oppose one another and it moved honest runs by up "
         "to 6 points. clients.jsonl has each reply's consensus_cos. Inactive with "
-        "secure-aggregation and robust aggregation. docs/robustness.md."),
+        "secure-aggregation and a robust aggregation written out; turned on, it "
+        "makes aggregation=auto the mean. docs/robustness.md."),
     Key("validation-size", 0, "Influence screen (RONI, reject on negative "
         "influence): the server holds this many examples, drawn with the run's seed "
         "from the task's training pool (or validation-data-path), and rejects, one "
@@ -308,7 +311,8 @@ _RUN_KEYS: tuple[Key, ...] = (
         "cost FedAvg 8 points on non-IID digits under every bound. 0 = off (it "
         "rejects many honest replies: honest FedExPM lost 0.6 points on mnist5k-cnn, "
         "digits-mlp runs nothing measurable); refused with secure-aggregation and "
-        "robust aggregation. docs/robustness.md.",
+        "a robust aggregation written out; turned on, it makes aggregation=auto "
+        "the mean. docs/robustness.md.",
         minimum=0),
     Key("influence-tolerance", 0.005, "How much (relative) one reply may raise the "
         "validation loss of the round's aggregate before the influence screen "
@@ -322,12 +326,15 @@ _RUN_KEYS: tuple[Key, ...] = (
         "so no single client raises the extrapolation; and use as A (the mean "
         "squared update norm the step grows with) the largest leave-one-out A, so "
         "no single client lowers it with a short update. Inactive with "
-        "secure-aggregation and robust aggregation."),
+        "secure-aggregation and robust aggregation (also the one aggregation=auto "
+        "picks: fedexp and feddua adagrad in rounds of 5 or more, whose centered "
+        "clipping bounds each client's push instead)."),
     Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "
         "centered-clipping for fedexp and feddua's adagrad variant; "
-        "else, and with secure-aggregation or validation-size, the mean; "
+        "else, and with secure-aggregation, validation-size or project-opposing, "
+        "the mean; "
         "docs/robustness.md), mean (weighted, the papers), median or trimmed-mean "
         "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg), "
         "krum, multi-krum or bulyan (keep the updates nearest the others, "

@@ -90,15 +90,16 @@ def round_aggregation(
     num_replies: int | None,
     num_hostile: int = DEFAULT_NUM_HOSTILE,
     *,
-    sees_updates: bool = True,
+    mean_required: bool = False,
 ) -> str:
     """Return the aggregator a round of ``num_replies`` replies runs.
 
     Any ``aggregation`` but ``"auto"`` as given. ``"auto"``: the rule's
-    ``robust_aggregation`` when the server sees each update
-    (``sees_updates``: not under secure aggregation, whose sums no
-    aggregator of an update's content can judge, nor with the influence
-    screen, which was measured over the mean) and the round has at least
+    ``robust_aggregation`` unless the round must be the mean
+    (``mean_required``: under secure aggregation, whose sums no aggregator
+    of an update's content can judge; with the influence screen or the
+    opposing projection, opt-in defences that act on the mean, so that
+    turning one on is never a silent no-op) and when the round has at least
     2f + 3 replies (f = ``num_hostile``; Krum's n > 2f + 2, the fewest in
     which f hostile updates are outvoted; None: any number); the mean
     otherwise (our choice: where no single client can be outvoted, as in
@@ -106,7 +107,7 @@ def round_aggregation(
     """
     if aggregation != AUTO_AGGREGATION:
         return aggregation
-    if not sees_updates:
+    if mean_required:
         return "mean"
     if num_replies is not None and num_replies < required_replies("krum", num_hostile):
         return "mean"
@@ -289,8 +290,9 @@ class RuleHost:
         others: :data:`AUTO_AGGREGATION`, :func:`round_aggregation`)
         in rounds of at least 2·``num_hostile`` + 3 replies, the mean in
         smaller ones, under ``secure_aggregation`` and with
-        ``validation_loss``. ``"mean"`` (Σω_iΔ_i, the papers), ``"median"``
-        or ``"trimmed_mean"``: the
+        ``validation_loss`` or ``project_opposing`` (they act on the
+        mean). ``"mean"`` (Σω_iΔ_i, the papers), ``"median"`` or
+        ``"trimmed_mean"``: the
         coordinate-wise median / trimmed mean of the updates as the Δ̄ the
         rule steps on (Flower's FedMedian / FedTrimmedAvg applied to
         updates, composed with any rule; see
@@ -474,7 +476,9 @@ class RuleHost:
             rule,
             None,
             self.robust_options.num_hostile,
-            sees_updates=not self.secure_aggregation and validation_loss is None,
+            mean_required=self.secure_aggregation
+            or validation_loss is not None
+            or self.project_opposing,
         )
         if self.aggregation == AUTO_AGGREGATION and chosen != "mean":
             log(
@@ -815,7 +819,7 @@ def apply_rule(
         aggregation,
         rule,
         num_hostile=options.num_hostile,
-        sees_updates=not trusts_reports and validation_loss is None,
+        mean_required=trusts_reports or validation_loss is not None or project_opposing,
     )
     # centered clipping's centre follows Δ̄ in every round, also in those
     # too small for "auto" to clip in

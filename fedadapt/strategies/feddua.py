@@ -191,7 +191,7 @@ class FedDuARule(ServerRule):
 
         See :attr:`ServerRule.robust_aggregation`. FedDuAdagrad on
         digits-mlp, 5 seeds: honest 93.7 → 93.2 %, worst attack 4.8 → 1.1
-        points; mnist5k-cnn 94.7 → 96.4 %, 5.3 → 1.4. FedDuAdam loses 1.6
+        points; mnist5k-cnn 94.5 → 96.2 %, 4.4 → 1.0. FedDuAdam loses 1.6
         to 2.8 honest points with either robust aggregator and its worst
         attack stays above 2 (docs/robustness.md), so it keeps the mean.
         """

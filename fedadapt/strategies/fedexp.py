@@ -122,7 +122,7 @@ class FedExPRule(FedDuARule):
 
         See :attr:`ServerRule.robust_aggregation`. FedExP on digits-mlp, 5
         seeds: honest 92.8 → 92.7 %, worst attack 4.4 → 1.1 points;
-        mnist5k-cnn 94.0 → 96.2 %, 4.8 → 1.7. FedExPM loses 5 honest points
+        mnist5k-cnn 93.7 → 96.2 %, 4.7 → 1.3. FedExPM loses 5 honest points
         with either robust aggregator (docs/robustness.md), so it keeps the
         mean.
         """

@@ -97,13 +97,31 @@ def test_the_centre_follows_a_round_that_was_too_small_to_clip(api):
     np.testing.assert_allclose(center[0], want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_turning_on_the_opposing_projection_gets_the_mean_it_acts_on(api):
+    # Prepare: FedExP (whose "auto" is centered clipping) with the opt-in
+    # projection, and the same on the mean written out
+    module = ours if api == "message" else legacy
+    default = module.FedExP(project_opposing=True)
+    mean = module.FedExP(project_opposing=True, aggregation="mean")
+    # Execute: rounds of ten, one hostile
+    got = _rounds(api, default, [10, 10])
+    want = _rounds(api, mean, [10, 10])
+    # Assert: the projection acts (it is inactive under any robust
+    # aggregator), so asking for it is not a silent no-op
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    records = default.round_reports[2]["clients"]
+    assert all(r["consensus_cos"] is not None for r in records)
+
+
 def test_auto_is_the_mean_where_the_server_cannot_judge_each_update():
     # Prepare / Execute / Assert: sums only (secure aggregation), the
     # influence screen (measured over the mean), and any rule without one
     rule = FedExPRule()
     assert round_aggregation("auto", rule, 10) == "centered_clipping"
     assert round_aggregation("auto", rule, 4) == "mean"
-    assert round_aggregation("auto", rule, 10, sees_updates=False) == "mean"
+    assert round_aggregation("auto", rule, 10, mean_required=True) == "mean"
     assert round_aggregation("auto", rule, 10, num_hostile=4) == "mean"  # 2f+3 = 11
     assert round_aggregation("auto", FedAvgRule(), 10) == "mean"
     assert round_aggregation("median", rule, 2) == "median"  # written out: as given
