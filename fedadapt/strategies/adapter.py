@@ -870,12 +870,19 @@ def apply_rule(
             bad = [c for c in ordered if c.arrays is error.arrays]
             reason = error.reason
         else:
+            dropped = _dropped_by_selection(ordered, stats.defence)
             if not _statistics_finite(stats):
                 bad = [c for c in ordered if not all_finite(c.arrays)]
                 reason = "arrays contain NaN or Inf"
                 if not bad:  # finite inputs whose sums overflow: none to single out
                     bad = list(ordered)
                     reason = "aggregate overflowed (values too large)"
+            elif any(not all_finite(c.arrays) for c in dropped):
+                # a selection left a broken reply out of finite statistics: it
+                # is rejected and counted as the mean's path does, not merely
+                # not selected (only the few dropped replies are checked)
+                bad = [c for c in dropped if not all_finite(c.arrays)]
+                reason = "arrays contain NaN or Inf"
             elif influence_budget is None or influence_budget > 0:
                 assert validation_loss is not None
                 if influence_budget is None:  # of the replies that are sound
@@ -945,6 +952,15 @@ def apply_rule(
     }
     clean["norms-trusted"] = float(trusted is not None)
     return new, clean, ordered
+
+
+def _dropped_by_selection(
+    replies: Sequence[TrainReply], defence: Defence | None
+) -> list[TrainReply]:
+    """Return the replies Krum, multi-Krum or Bulyan left out (none else)."""
+    if defence is None or defence.selected is None:
+        return []
+    return [c for c, kept in zip(replies, defence.selected, strict=True) if not kept]
 
 
 def ceiled_max_norm(max_norm: float, ceiling: float | None) -> float:

@@ -144,3 +144,24 @@ def test_run_config_default_is_auto_and_is_the_mean_under_secure_aggregation():
     with pytest.raises(ConfigError, match="aggregation"):
         validate_run_config({"strategy": "fedexp", "secure-aggregation": "secagg+",
                              "aggregation": "centered-clipping"})  # fmt: skip
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize("bad", ["nan", "shape"])
+@pytest.mark.parametrize("name", ["FedAdam", "FedExP"])
+def test_a_broken_reply_is_rejected_under_the_default_aggregators(name, bad, api):
+    # Prepare: ten replies, one with NaN arrays or arrays of the wrong shape
+    strategy = getattr(ours if api == "message" else legacy, name)()
+    x0, clients = _honest(1, 10)
+    broken = {
+        "nan": lambda v: v * np.nan,
+        "shape": lambda v: np.zeros((3, 3), v.dtype),
+    }[bad]
+    clients[2] = {k: broken(v) if v.dtype.kind == "f" else v
+                  for k, v in clients[2].items()}  # fmt: skip
+    # Execute
+    x = _multi_step(api, strategy, 1, x0, clients)
+    # Assert: counted and left out; the model the others give is finite
+    report = strategy.round_reports[1]["train_replies"]
+    assert (report["used"], report["rejected"]) == (9, 1)
+    assert all(np.isfinite(v).all() for v in x.values())
