@@ -73,11 +73,7 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
 )
-from fedadapt.strategies.core.robust import (  # noqa: E402
-    SELECTED_CLIPPING,
-    SELECTIONS,
-    AggregatorState,
-)
+from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -156,7 +152,6 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "multi-krum": {"aggregation": "multi_krum"},
     "bulyan": {"aggregation": "bulyan"},
     "centered-clipping": {"aggregation": "centered_clipping"},
-    "multi-krum-clipping": {"aggregation": SELECTED_CLIPPING},
     # Flower's SecAgg+: the server sees Δ̄ and A only; the clients clip to
     # the bound B_t it sends (run config below, not apply_rule's options)
     "secagg+": {},
@@ -346,13 +341,9 @@ def federate(
                 seed=seed * 1000 + server_round,
                 anchoring=options.get("max_norm_growth", 0.0) > 0
                 and state.first_median_norm is None,
-                selection=in_force
-                if in_force in SELECTIONS
-                else "multi_krum"
-                if in_force == SELECTED_CLIPPING
-                else None,
+                selection=in_force if in_force in SELECTIONS else None,
                 center=dict(state.center or {})
-                if in_force in ("centered_clipping", SELECTED_CLIPPING)
+                if in_force == "centered_clipping"
                 else None,
                 **secure_view,
             )

@@ -342,7 +342,7 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
             return craft("sign-flip", view)
         if not view.honest:
             raise ValueError(f"{attack} needs at least one honest update")
-        return [HostileReply(u) for u in _centered_flip(view)]
+        return [HostileReply(_centered_flip(view, o)) for o in view.own]
     if attack == "stall":
         along = _with_norm(honest_mean(view), _target(view))
         return _same_for_all(view, along, {"update-sq-norm": 0.0})
@@ -464,23 +464,19 @@ def _slack_reverse(view: RoundView) -> Arrays:
 SELECTION_SEARCH_STEPS = 30
 
 
-def _centered_flip(view: RoundView) -> list[Arrays]:
-    """Return v + R·u for each colluder, u = −μ/‖μ‖, R the largest allowed.
+def _centered_flip(view: RoundView, own: Mapping[str, NDArray[Any]]) -> Arrays:
+    """Return v + R·u, u = −μ/‖μ‖, R the largest with ‖v + R·u‖ = the target.
 
-    R = −⟨v, u⟩ + √(⟨v, u⟩² − ‖v‖² + t²), so that ‖v + R·u‖ = t, the
-    colluder's :func:`norm_target` (``UNDER_BOUND`` × the norm cap). Where
-    no point of that ray is within t of the origin, its point nearest the
-    origin scaled to t; where μ = 0, the sign flip. Where a selection is in
-    force as well (``aggregation = "multi_krum_clipping"``), R is also held
-    to the largest at which the selection keeps every colluder
-    (:func:`_largest_kept`, times ``UNDER_BOUND``): a dropped reply pushes
-    nothing. Integer arrays are the colluder's own.
+    R = −⟨v, u⟩ + √(⟨v, u⟩² − ‖v‖² + t²) for t = :func:`norm_target`
+    (``UNDER_BOUND`` × the norm cap). Where no point of that ray is within
+    t of the origin, its point nearest the origin scaled to t; where μ = 0,
+    the sign flip. Integer arrays are the client's own.
     """
     assert view.center is not None, "craft() sends the sign flip without one"
     mu = honest_mean(view)
     length = norm(mu)
     if length == 0:
-        return [r.update for r in craft("sign-flip", replace(view, center=None))]
+        return craft("sign-flip", replace(view, own=[own]))[0].update
     keys = _float_keys(mu)
     u = {k: -np.asarray(mu[k], np.float64) / length for k in keys}
     v = {
@@ -491,71 +487,69 @@ def _centered_flip(view: RoundView) -> list[Arrays]:
     }
     along = math.fsum(float(np.vdot(v[k], u[k])) for k in keys)
     centre_sq = math.fsum(float(np.vdot(v[k], v[k])) for k in keys)
-    reach, outside = [], []
-    for own in view.own:
-        target = norm_target(view, own)
-        room = along * along - centre_sq + target * target
-        reach.append(-along + math.sqrt(room) if room >= 0 else max(0.0, -along))
-        outside.append(room < 0)
-    if view.selection is not None:
-        kept = _largest_kept(view, v, [u] * len(view.own), reach)
-        if kept is None:  # under 3 replies the selection takes the median
-            return [r.update for r in craft("sign-flip", replace(view, center=None))]
-        reach = [min(r, kept * UNDER_BOUND) for r in reach]
-    replies = []
-    for own, r, off_ray in zip(view.own, reach, outside, strict=True):
-        point = {k: v[k] + r * u[k] for k in keys}
-        if off_ray:
-            point = _with_norm(point, norm_target(view, own))
-        replies.append(
-            {
-                k: np.asarray(point[k]).astype(mu[k].dtype)
-                if k in keys
-                else own[k].copy()
-                for k in mu
-            }
-        )
-    return replies
+    target = norm_target(view, own)
+    room = along * along - centre_sq + target * target
+    reach = -along + math.sqrt(room) if room >= 0 else max(0.0, -along)
+    point = {k: v[k] + reach * u[k] for k in keys}
+    if room < 0:
+        point = _with_norm(point, target)
+    return {
+        k: np.asarray(point[k]).astype(mu[k].dtype) if k in keys else own[k].copy()
+        for k in mu
+    }
 
 
-def _largest_kept(
-    view: RoundView,
-    base: Mapping[str, NDArray[Any]],
-    units: Sequence[Mapping[str, NDArray[Any]]],
-    reach: Sequence[float],
-) -> float | None:
-    """Return the largest λ at which ``view.selection`` keeps every colluder.
+def _selected_flip(view: RoundView) -> list[Arrays]:
+    """Return μ + λ·u_i for each colluder, λ the largest still kept.
 
-    Colluder i sends base + min(λ, reach_i)·units_i; the honest replies are
-    ``view.honest``. Judged with the aggregator's own distances (over every
-    float array, from the Gram matrix of the honest updates, ``base`` and
-    the units) and the f it uses for a round of n replies
-    (:func:`~fedadapt.strategies.core.robust.usable_hostile`): bisection,
-    :data:`SELECTION_SEARCH_STEPS` halvings, up to max(reach). 0: no λ > 0
-    is kept. None: under three replies, where the aggregator takes the
-    coordinate-wise median and keeps every reply.
+    u_i = −Δ_own/‖Δ_own‖, the colluder's reversed direction; each reply is
+    held to its :func:`norm_target` (λ_i = min(λ, the λ at which
+    ‖μ + λu_i‖ reaches it)). λ is the largest (bisection,
+    :data:`SELECTION_SEARCH_STEPS` halvings) at which ``view.selection``
+    with f = ``assumed_hostile`` keeps every colluder, computed from the
+    Gram matrix of the honest updates, μ and the u_i (the aggregator's own
+    distances, over every float array). Starting from μ, the most central
+    point of the round, rather than from 0 (Fang et al.'s reference
+    model): it is kept at λ = 0 whether the honest updates agree or not.
+    The λ sent is ``UNDER_BOUND`` times the largest kept (just inside, as
+    under a norm bound). No λ > 0 kept: μ (``alie`` with z = 0). A round
+    with too few replies for f is judged with the f the aggregator then
+    uses (:func:`~fedadapt.strategies.core.robust.usable_hostile`); under
+    three replies, where it takes the median, the sign flip.
     """
     selection = view.selection
-    assert selection is not None, "only under a selection"
-    keys = _float_keys(view.honest[0])
+    assert selection is not None, "craft() sends the sign flip without one"
+    mu = honest_mean(view)
+    units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
+    keys = _float_keys(mu)
     basis = np.array([
         np.concatenate([np.asarray(r[k], np.float64).ravel() for k in keys])
-        for r in [*view.honest, base, *units]
+        for r in [*view.honest, mu, *units]
     ])  # fmt: skip
     gram = basis @ basis.T
     honest, f = len(view.honest), len(units)
     n = honest + f
+    m_u = gram[honest, honest + 1 :]  # μ·u_i
+    reach = [
+        max(0.0, -b + math.sqrt(max(b * b - gram[honest, honest] + t * t, 0.0)))
+        for b, t in zip(m_u, (norm_target(view, o) for o in view.own), strict=True)
+    ]  # the λ at which ‖μ + λu_i‖ = target (0 if μ alone exceeds it)
+    # the f the aggregator uses for a round of n replies (robust_statistics)
     assumed = usable_hostile(selection, n, view.assumed_hostile)
-    if assumed is None:
-        return None
+    if assumed is None:  # under 3 replies it takes the median: nothing to evade
+        return [r.update for r in craft("sign-flip", view)]
     keep = 1 if selection == "krum" else view.krum_keep or n - assumed
 
-    def kept(lam: float) -> bool:
-        c = np.zeros((n, len(basis)))
-        c[:honest, :honest] = np.eye(honest)
-        c[honest:, honest] = 1.0
+    def replies(lam: float) -> NDArray[np.float64]:
+        coefficients = np.zeros((n, len(basis)))
+        coefficients[:honest, :honest] = np.eye(honest)
+        coefficients[honest:, honest] = 1.0
         for i, top in enumerate(reach):
-            c[honest + i, honest + 1 + i] = min(lam, top)
+            coefficients[honest + i, honest + 1 + i] = min(lam, top)
+        return coefficients
+
+    def kept(lam: float) -> bool:
+        c = replies(lam)
         inner = c @ gram @ c.T
         diag = np.diag(inner)
         dist = np.maximum(diag[:, None] + diag[None, :] - 2 * inner, 0.0)
@@ -565,42 +559,13 @@ def _largest_kept(
             chosen = set(krum_select(dist, assumed, min(keep, n - assumed)))
         return all(i in chosen for i in range(honest, n))
 
-    low, high = 0.0, max(reach, default=0.0)
+    low, high = 0.0, max(reach)
     if kept(high):
-        return high
-    for _ in range(SELECTION_SEARCH_STEPS):
-        middle = 0.5 * (low + high)
-        low, high = (middle, high) if kept(middle) else (low, middle)
-    return low
-
-
-def _selected_flip(view: RoundView) -> list[Arrays]:
-    """Return μ + λ·u_i for each colluder, λ the largest still kept.
-
-    u_i = −Δ_own/‖Δ_own‖, the colluder's reversed direction; each reply is
-    held to its :func:`norm_target` (λ_i = min(λ, the λ at which
-    ‖μ + λu_i‖ reaches it)). λ is the largest at which ``view.selection``
-    with f = ``assumed_hostile`` keeps every colluder
-    (:func:`_largest_kept`). Starting from μ, the most central point of
-    the round, rather than from 0 (Fang et al.'s reference model): it is
-    kept at λ = 0 whether the honest updates agree or not. The λ sent is
-    ``UNDER_BOUND`` times the largest kept (just inside, as under a norm
-    bound). No λ > 0 kept: μ (``alie`` with z = 0). Under three replies,
-    where the aggregator takes the median, the sign flip.
-    """
-    assert view.selection is not None, "craft() sends the sign flip without one"
-    mu = honest_mean(view)
-    units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
-    keys = _float_keys(mu)
-    m_u = [math.fsum(float(np.vdot(mu[k], u[k])) for k in keys) for u in units]  # μ·u_i
-    mu_sq = norm(mu) ** 2
-    reach = [
-        max(0.0, -b + math.sqrt(max(b * b - mu_sq + t * t, 0.0)))
-        for b, t in zip(m_u, (norm_target(view, o) for o in view.own), strict=True)
-    ]  # the λ at which ‖μ + λu_i‖ = target (0 if μ alone exceeds it)
-    low = _largest_kept(view, mu, units, reach)
-    if low is None:  # under 3 replies it takes the median: nothing to evade
-        return [r.update for r in craft("sign-flip", view)]
+        low = high
+    else:
+        for _ in range(SELECTION_SEARCH_STEPS):
+            middle = 0.5 * (low + high)
+            low, high = (middle, high) if kept(middle) else (low, middle)
     low *= UNDER_BOUND  # just inside, as under a norm bound
     return [
         {

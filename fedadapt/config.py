@@ -344,7 +344,7 @@ _RUN_KEYS: tuple[Key, ...] = (
         "clip-radius, clip-iterations). The robust ones not with "
         "secure-aggregation.",
         choices=("auto", "mean", "median", "trimmed-mean", "krum", "multi-krum",
-                 "bulyan", "centered-clipping", "multi-krum-clipping")),
+                 "bulyan", "centered-clipping")),
     Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
         "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
         "below 0.5.", minimum=0.0, maximum=0.49),

@@ -53,7 +53,6 @@ from fedadapt.strategies.core.influence import (
 )
 from fedadapt.strategies.core.robust import (
     DEFAULT_NUM_HOSTILE,
-    SELECTED_CLIPPING,
     AggregatorState,
     Defence,
     RobustOptions,
@@ -80,9 +79,6 @@ if TYPE_CHECKING:
 #: with their aggregator at most 1.3, their honest runs within 0.5
 #: (docs/robustness.md).
 AUTO_AGGREGATION = "auto"
-
-#: The aggregators that clip around a centre kept across rounds.
-CENTERED = ("centered_clipping", SELECTED_CLIPPING)
 
 #: What a strategy's ``aggregation`` accepts.
 STRATEGY_AGGREGATIONS = (AUTO_AGGREGATION, *AGGREGATIONS)
@@ -827,7 +823,7 @@ def apply_rule(
     )
     # centered clipping's centre follows Δ̄ in every round, also in those
     # too small for "auto" to clip in
-    centered = choose(None) in CENTERED and aggregator_state is not None
+    centered = choose(None) == "centered_clipping" and aggregator_state is not None
     center = None
     if centered:
         assert aggregator_state is not None
@@ -1065,24 +1061,20 @@ def _record_defence(
     """
     if defence.fallback is not None:
         log(WARNING, "%s: %s: %s", round_label, defence.aggregation, defence.fallback)
-    diagnostics: dict[str, float] = {}
-    selected = defence.selected
-    if selected is not None:
-        for candidate, kept in zip(used, selected, strict=True):
-            report.record_of(candidate)["selected"] = kept
-        diagnostics["hostile-assumed"] = float(defence.num_hostile or 0)
-        diagnostics["excluded"] = float(sum(not kept for kept in selected))
     if defence.center_scales is not None:
-        kept_ones = selected or (True,) * len(used)
-        clipped = 0
-        for candidate, scale, kept in zip(
-            used, defence.center_scales, kept_ones, strict=True
-        ):
-            report.record_of(candidate)["center_clip_scale"] = scale if kept else None
-            clipped += kept and scale < 1
-        diagnostics["center-clip-radius"] = float(defence.radius or 0.0)
-        diagnostics["center-clipped"] = float(clipped)
-    return diagnostics
+        for candidate, scale in zip(used, defence.center_scales, strict=True):
+            report.record_of(candidate)["center_clip_scale"] = scale
+        return {
+            "center-clip-radius": float(defence.radius or 0.0),
+            "center-clipped": float(sum(s < 1 for s in defence.center_scales)),
+        }
+    selected = defence.selected or ()
+    for candidate, kept in zip(used, selected, strict=True):
+        report.record_of(candidate)["selected"] = kept
+    return {
+        "hostile-assumed": float(defence.num_hostile or 0),
+        "excluded": float(sum(not kept for kept in selected)),
+    }
 
 
 def _record_step_guard(

@@ -42,10 +42,8 @@ Arrays = dict[str, NDArray[Any]]
 
 #: Aggregators that keep some updates whole and drop the others.
 SELECTIONS = ("krum", "multi_krum", "bulyan")
-#: Multi-Krum's selection, then centered clipping over the selected.
-SELECTED_CLIPPING = "multi_krum_clipping"
 #: Every aggregator of this module (the ``aggregation`` names).
-AGGREGATIONS = (*SELECTIONS, "centered_clipping", SELECTED_CLIPPING)
+AGGREGATIONS = (*SELECTIONS, "centered_clipping")
 
 #: Default of ``num_hostile``: f, the hostile clients Krum and Bulyan assume.
 DEFAULT_NUM_HOSTILE = 1
@@ -235,7 +233,7 @@ def required_replies(aggregation: str, num_hostile: int) -> int:
     """
     if aggregation == "bulyan":
         return 4 * num_hostile + 3
-    if aggregation in ("krum", "multi_krum", SELECTED_CLIPPING):
+    if aggregation in ("krum", "multi_krum"):
         return 2 * num_hostile + 3
     return 1
 
@@ -264,7 +262,6 @@ def centered_clipping(
     radius: float,
     iterations: int,
     sq_norm_keys: Sequence[str] | None = None,
-    weights: NDArray[Any] | None = None,
 ) -> tuple[Arrays, NDArray[np.float64], float, float | None]:
     """Return (v_L, last clip factors, last τ, A) of centered clipping.
 
@@ -288,7 +285,6 @@ def centered_clipping(
     A ≥ ‖Δ̄‖² as with the plain mean). None: A is not computed (None).
     """
     n = next(iter(stacks.values())).shape[0]
-    share = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, float)
     v = {k: np.array(center[k], dtype=s.dtype).reshape(s.shape[1:])
          for k, s in stacks.items()}  # fmt: skip
     scales = np.ones(n)
@@ -311,10 +307,10 @@ def centered_clipping(
                 centre = np.asarray(v[k], dtype=np.float64).reshape(1, -1)
                 effective = centre + scales[:, None] * (s - centre)
                 total += np.einsum("ij,ij->i", effective, effective)
-            mean_sq = float(np.dot(share, total))
+            mean_sq = float(np.mean(total))
         for k, s in stacks.items():
-            factors = (scales * share).astype(s.dtype)
-            shift = np.tensordot(factors, s - v[k], axes=1)
+            weights = (scales / n).astype(s.dtype)
+            shift = np.tensordot(weights, s - v[k], axes=1)
             v[k] = np.asarray(v[k] + shift, dtype=s.dtype)
     return v, scales, float(tau), mean_sq
 
@@ -396,9 +392,12 @@ def robust_statistics(
     stacks = update_stacks(current, clients, adaptive, scales)
     n = len(clients)
     if aggregation == "centered_clipping":
+        start = {k: np.zeros(s.shape[1:], s.dtype) for k, s in stacks.items()}
+        if center is not None:
+            start = {k: np.asarray(center[k]) for k in stacks}
         v, factors, tau, mean_sq = centered_clipping(
             stacks,
-            _start(stacks, center),
+            start,
             options.clip_radius,
             options.clip_iterations,
             list(adaptive) if need_sq_norm else None,
@@ -408,7 +407,7 @@ def robust_statistics(
             mean_sq,
             Defence(aggregation, center_scales=tuple(factors.tolist()), radius=tau),
         )
-    if aggregation not in (*SELECTIONS, SELECTED_CLIPPING):
+    if aggregation not in SELECTIONS:
         raise ValueError(f"Invalid aggregation: {aggregation!r}")
     sq = _sq_norms(stacks, adaptive) if need_sq_norm else None
     hostile = usable_hostile(aggregation, n, options.num_hostile)
@@ -428,7 +427,6 @@ def robust_statistics(
             f"num_hostile={options.num_hostile}: num_hostile={hostile} this round"
         )
     dist = pairwise_sq_distances(stacks)
-    center_scales = radius = None
     if aggregation == "bulyan":
         chosen = bulyan_select(dist, hostile)
         beta = len(chosen) - 2 * hostile
@@ -448,48 +446,18 @@ def robust_statistics(
         chosen = krum_select(dist, hostile, keep)
         w = np.asarray(weights, dtype=np.float64)[chosen]
         w = w / w.sum()
-        if aggregation == SELECTED_CLIPPING:
-            start = _start(stacks, center)
-            mean, factors, radius, mean_sq = centered_clipping(
-                {k: s[chosen] for k, s in stacks.items()},
-                start,
-                options.clip_radius,
-                options.clip_iterations,
-                list(adaptive) if need_sq_norm else None,
-                weights=w,
-            )
-            full = np.zeros(n)
-            full[chosen] = factors
-            center_scales = tuple(full.tolist())
-        else:
-            mean = {
-                k: np.tensordot(w.astype(s.dtype), s[chosen], axes=1)
-                for k, s in stacks.items()
-            }
-            mean_sq = None if sq is None else float(np.dot(w, sq[chosen]))
+        mean = {
+            k: np.tensordot(w.astype(s.dtype), s[chosen], axes=1)
+            for k, s in stacks.items()
+        }
+        mean_sq = None if sq is None else float(np.dot(w, sq[chosen]))
     picked = set(chosen)
     selected = tuple(i in picked for i in range(n))
     return (
         mean,
         mean_sq,
-        Defence(
-            aggregation,
-            hostile,
-            selected,
-            center_scales=center_scales,
-            radius=radius,
-            fallback="; ".join(reasons) or None,
-        ),
+        Defence(aggregation, hostile, selected, fallback="; ".join(reasons) or None),
     )
-
-
-def _start(
-    stacks: Mapping[str, NDArray[Any]], center: Mapping[str, NDArray[Any]] | None
-) -> Arrays:
-    """Return centered clipping's v_0: ``center``, or zero (the first round)."""
-    if center is None:
-        return {k: np.zeros(s.shape[1:], s.dtype) for k, s in stacks.items()}
-    return {k: np.asarray(center[k]) for k in stacks}
 
 
 @dataclass
