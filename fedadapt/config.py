@@ -326,9 +326,10 @@ _RUN_KEYS: tuple[Key, ...] = (
         "so no single client raises the extrapolation; and use as A (the mean "
         "squared update norm the step grows with) the largest leave-one-out A, so "
         "no single client lowers it with a short update. Inactive with "
-        "secure-aggregation and robust aggregation (also the one aggregation=auto "
-        "picks: fedexp and feddua adagrad in rounds of 5 or more, whose centered "
-        "clipping bounds each client's push instead)."),
+        "secure-aggregation and with the robust aggregations other than "
+        "centered-clipping; under centered-clipping (what aggregation=auto picks "
+        "for fedexp and feddua adagrad in rounds of 5 or more) each client is left "
+        "out of the mean of clipped updates, same radius and centre."),
     Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "

@@ -283,7 +283,10 @@ class RuleHost:
         <fedadapt.strategies.feddua.FedDuARule.guard_step_size>`), so no
         single client raises the extrapolation. Other rules have no step
         size to guard. Needs the individual updates: inactive under
-        ``secure_aggregation`` and with a robust ``aggregation``.
+        ``secure_aggregation`` and with a robust ``aggregation`` other than
+        ``"centered_clipping"`` (``"auto"``'s choice for FedExP and
+        FedDuAdagrad), whose last iteration is a mean of clipped updates:
+        there each client is left out of that mean, same τ and centre.
     aggregation : str (default: "auto")
         ``"auto"``: the rule's robust aggregator (multi-Krum for FedAdam;
         centered clipping for FedExP and FedDuAdagrad; the mean for the

@@ -322,8 +322,7 @@ def test_selected_flip_colluders_are_all_kept_by_the_f_it_assumes():
 def _cc_output(replies, center, tau):
     """Centered clipping's v_1 (one iteration, fixed τ) over ``replies``' "w"."""
     stack = np.stack([r["w"].astype(np.float64) for r in replies])
-    v, _, _, _ = centered_clipping({"w": stack}, {"w": center}, tau, 1)
-    return v["w"]
+    return centered_clipping({"w": stack}, {"w": center}, tau, 1).update["w"]
 
 
 def test_centered_flip_pushes_against_the_mean_as_far_as_clipping_allows():

@@ -156,6 +156,85 @@ def test_the_guard_needs_three_clients_and_the_mean():
     assert stats.without_each is None
 
 
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_under_centered_clipping_the_guard_leaves_one_client_out_of_the_clip(
+    iterations,
+):
+    # Prepare: six updates, a centre, norm bounding on (it scales before CC)
+    x = np.zeros(8)
+    deltas = _updates(n=6)
+    deltas[5] = deltas[5] * 6.0  # far: clipped by the bound and by CC
+    center = 0.5 * np.mean(deltas[:5], axis=0)
+    clients = [{"w": x + d} for d in deltas]
+    # Execute
+    stats = round_statistics(
+        FedExPRule(), {"w": x}, clients, [1.0] * 6, step_guard=True,
+        max_norm_ratio=2.0, clip_mode="clip", aggregation="centered_clipping",
+        center={"w": center},
+        robust_options=aggregation.RobustOptions(clip_iterations=iterations),
+    )  # fmt: skip
+    # Assert, by hand: the norm bound, then CC's iterations; its last one
+    # is a mean of e_i = v + c_i (s_i Δ_i − v) around v = v_{L−1}
+    bounded = [d * s for d, s in zip(deltas, stats.clip_scales, strict=True)]
+    v = center
+    for _ in range(iterations):
+        dist = [np.linalg.norm(d - v) for d in bounded]
+        tau = float(np.median(dist))
+        factors = [min(1.0, tau / r) for r in dist]
+        effective = [v + c * (d - v) for c, d in zip(factors, bounded, strict=True)]
+        v = np.mean(effective, axis=0)
+    np.testing.assert_allclose(stats.mean_update["w"], v, rtol=1e-12)
+    sq = [float(e @ e) for e in effective]
+    assert stats.mean_sq_norm == pytest.approx(guard_a([1.0] * 6, sq), rel=1e-12)
+    assert stats.unguarded_sq_norm == pytest.approx(np.mean(sq), rel=1e-12)
+    assert stats.a_left_out == int(np.argmin(sq))
+    # each leave-one-out: the others' clipped mean (same τ, same centre),
+    # and the guard's A over the others' e_j
+    pairs = list(stats.without_each())
+    assert len(pairs) == 6
+    for i, (delta, a) in enumerate(pairs):
+        others = [e for j, e in enumerate(effective) if j != i]
+        np.testing.assert_allclose(delta["w"], np.mean(others, axis=0), rtol=1e-12)
+        assert a == pytest.approx(guard_a([1.0] * 6, sq, (i,)), rel=1e-12)
+    assert min(factors) < 1 and max(stats.clip_scales) <= 1  # both acted
+
+
+@pytest.mark.parametrize("name", ["fedexp", "fedduadagrad"])
+def test_a_client_clipped_by_centered_clipping_cannot_raise_the_step(name):
+    # Prepare: nine honest clients and one that knows centered clipping: it
+    # sends from the centre straight against the honest mean, so that,
+    # clipped to τ, it shortens Δ̄ as much as one reply can (centered-flip)
+    x = np.zeros(8)
+    honest = _updates(n=9)
+    mu = np.mean(honest, axis=0)
+    center = 0.8 * mu
+    hostile = center - 50.0 * mu / np.linalg.norm(mu)
+
+    def step(updates, guard, capped=True, tau=0.0):
+        stats = round_statistics(
+            RULES[name](), {"w": x}, [{"w": x + d} for d in updates],
+            [1.0] * len(updates), step_guard=guard, center={"w": center},
+            aggregation="centered_clipping",
+            robust_options=aggregation.RobustOptions(clip_radius=tau),
+        )  # fmt: skip
+        if not capped:  # the guard's A, not its cap
+            stats = dataclasses.replace(stats, without_each=None)
+        return apply_statistics(RULES[name](), {"w": x}, stats)[1]["server-lr"], stats
+
+    # Execute
+    attacked, stats = step([*honest, hostile], guard=False)
+    guarded, _ = step([*honest, hostile], guard=True)
+    # the honest clients' own step, clipped with the round's τ (the guard's
+    # A, uncapped): what the round gives without the hostile client
+    alone, _ = step(honest, guard=True, capped=False, tau=stats.defence.radius)
+    # Assert: the hostile reply was clipped; guarded, the step is at most
+    # the honest clients' own
+    assert stats.defence.center_scales[-1] < 0.1
+    assert guarded <= alone * (1 + 1e-9)
+    if name == "fedexp":  # η = A/(2‖Δ̄‖²): unguarded, the shorter Δ̄ raises it
+        assert attacked > alone * 1.01
+
+
 @pytest.mark.parametrize("api", ["message", "legacy"])
 def test_the_guard_is_on_by_default_and_recorded_per_client(api):
     # Prepare: nine honest clients and one sign-flipping just under 2x the
@@ -166,8 +245,8 @@ def test_the_guard_is_on_by_default_and_recorded_per_client(api):
     flip = (-honest[0] / norms[0] * 1.98 * np.median(norms)).astype(np.float32)
     clients = [x + d for d in [*honest, flip]]
     module = ours if api == "message" else legacy
-    # the guard acts on the mean: FedExP's default aggregator, centered
-    # clipping, has its own bound and leaves the guard inactive
+    # the guard on the mean (under FedExP's default, centered clipping, the
+    # test above)
     strategy = module.FedExP(average_last_two=False, aggregation="mean")
     # Execute
     _round(api, strategy, x, clients, [10] * len(clients))

@@ -105,8 +105,8 @@ class RoundStatistics:
     without_each : Callable[[], Iterator[tuple[Arrays, float | None]]] | None
         The step guard's leave-one-out statistics (:func:`leave_one_out`):
         called, it yields (Δ̄_{−i}, A_{−i}) client by client; None when the
-        guard is off or cannot apply (fewer than 3 replies, robust
-        aggregation, trusted norms).
+        guard is off or cannot apply (fewer than 3 replies, a robust
+        aggregation other than centered clipping, trusted norms).
     defence : Defence | None
         What an aggregator of :mod:`.robust` did (which updates it kept,
         centered clipping's factors); None for the others.
@@ -677,7 +677,9 @@ def round_statistics(
     removes from each update its part against the others' mean
     (:func:`opposing_projection`; Δ̄, A and the step guard's leave-one-out
     statistics then use the projected updates). Both are inactive with
-    ``sq_norms`` and with a robust ``aggregation``, as the step guard.
+    ``sq_norms`` and with a robust ``aggregation``. So is the step guard,
+    but for centered clipping, whose last iteration is a mean of clipped
+    updates that the guard leaves one client out of (:func:`_clipping_guard`).
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
@@ -790,6 +792,16 @@ def round_statistics(
                 robust_mean(np.asarray(per_client), aggregation, trim_fraction)
             )
     without_each = None
+    clipped_around = (
+        defence is not None
+        and defence.center_scales is not None
+        and defence.center_origin is not None
+    )
+    if step_guard and clipped_around and len(clients) >= GUARD_MIN_CLIENTS:
+        assert defence is not None and defence.center_origin is not None
+        mean_sq_norm, without_each, a_left_out, untrimmed_sq_norm = _clipping_guard(
+            current, clients, scales, defence, mean_update, mean_sq_norm, adaptive
+        )
     guarded = step_guard and aggregation == "mean" and sq_norms is None
     if guarded and len(clients) >= GUARD_MIN_CLIENTS:
         sq_without = None
@@ -831,6 +843,58 @@ def round_statistics(
         unguarded_sq_norm=untrimmed_sq_norm,
         a_left_out=a_left_out,
     )
+
+
+def _clipping_guard(
+    current: Mapping[str, NDArray[Any]],
+    clients: Sequence[Mapping[str, NDArray[Any]]],
+    scales: NDArray[Any] | None,
+    defence: Defence,
+    mean_update: Mapping[str, NDArray[Any]],
+    mean_sq_norm: float | None,
+    adaptive: Sequence[str],
+) -> tuple[
+    float | None,
+    Callable[[], Iterator[tuple[Arrays, float | None]]],
+    int | None,
+    float | None,
+]:
+    """Return the step guard's A, leave-one-out, A's left-out client, plain A.
+
+    Centered clipping's last iteration is a plain mean of the effective
+    updates e_i = v + c_i (s_i Δ_i − v) (v its centre, c_i its factor, s_i
+    the norm bound's), Δ̄ = (1/n) Σ e_i and A = (1/n) Σ ‖e_i‖²
+    (:class:`~fedadapt.strategies.core.robust.CenteredClipping`), so the
+    guard of the mean applies to the e_i unchanged: client i's part of Δ̄ is
+    (c_i s_i / n) Δ_i + ((1 − c_i)/n) v, and leaving it out gives the
+    clipped mean of the others around the same centre and with the same τ
+    (:func:`leave_one_out`); A is guarded as the mean's
+    (:func:`guarded_sq_norms`, uniform weights). Our addition: without it
+    a hostile reply clipped to τ could still shorten Δ̄ and so raise
+    FedExP's step A/(2‖Δ̄‖²), which the guard exists to stop.
+    """
+    factors = np.asarray(defence.center_scales, dtype=np.float64)
+    n = len(clients)
+    uniform = np.full(n, 1.0 / n)
+    bound = np.ones(n) if scales is None else np.asarray(scales, dtype=np.float64)
+    sq_without, a_left_out, plain = None, None, None
+    if mean_sq_norm is not None and defence.effective_sq_norms is not None:
+        plain = mean_sq_norm
+        mean_sq_norm, sq_without, a_left_out = guarded_sq_norms(
+            uniform, np.asarray(defence.effective_sq_norms), mean_sq_norm
+        )
+    without_each = leave_one_out(
+        current,
+        clients,
+        (factors * bound / n).tolist(),
+        uniform.tolist(),
+        mean_update,
+        sq_without,
+        list(adaptive),
+        ((1.0 - factors) / n).tolist(),
+        defence.center_origin,
+    )
+    return mean_sq_norm, without_each, a_left_out, None if a_left_out is None else plain
 
 
 def _robust_update(

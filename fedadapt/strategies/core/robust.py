@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -132,6 +132,12 @@ class Defence:
         iteration; None otherwise.
     radius : float | None
         Centered clipping: τ of the last iteration.
+    center_origin : dict of str to array, or None
+        Centered clipping: v_{L−1}, the centre its last iteration clipped
+        around (:class:`CenteredClipping`); None otherwise.
+    effective_sq_norms : tuple[float, ...] | None
+        Centered clipping: each client's ‖e_i‖² over the rule's arrays,
+        e_i = v_{L−1} + c_i (Δ_i − v_{L−1}); None otherwise or without A.
     fallback : str | None
         Why the round did not run the aggregator as configured, else None.
     """
@@ -142,6 +148,8 @@ class Defence:
     center_scales: tuple[float, ...] | None = None
     radius: float | None = None
     fallback: str | None = None
+    center_origin: Arrays | None = field(default=None, compare=False, repr=False)
+    effective_sq_norms: tuple[float, ...] | None = None
 
 
 # --- Krum, multi-Krum, Bulyan -------------------------------------------------
@@ -256,14 +264,31 @@ def usable_hostile(aggregation: str, n: int, num_hostile: int) -> int | None:
 # --- centered clipping --------------------------------------------------------
 
 
+class CenteredClipping(NamedTuple):
+    """What :func:`centered_clipping` returns.
+
+    ``update`` v_L; ``scales`` the last iteration's factors c_i; ``radius``
+    its τ; ``mean_sq_norm`` A (None when not asked for); ``origin``
+    v_{L−1}, the centre of the last iteration (v_0 with one iteration);
+    ``effective_sq_norms`` each ‖e_i‖² over A's arrays (None with A).
+    """
+
+    update: Arrays
+    scales: NDArray[np.float64]
+    radius: float
+    mean_sq_norm: float | None
+    origin: Arrays
+    effective_sq_norms: NDArray[np.float64] | None
+
+
 def centered_clipping(
     stacks: Mapping[str, NDArray[Any]],
     center: Mapping[str, NDArray[Any]],
     radius: float,
     iterations: int,
     sq_norm_keys: Sequence[str] | None = None,
-) -> tuple[Arrays, NDArray[np.float64], float, float | None]:
-    """Return (v_L, last clip factors, last τ, A) of centered clipping.
+) -> CenteredClipping:
+    """Return v_L, the last clip factors, τ and A of centered clipping.
 
     Karimireddy, He and Jaggi, ICML 2021, §4, eq. (CC), with v_0 = ``center``
     (their momentum; the previous round's aggregate) and the update of
@@ -283,6 +308,12 @@ def centered_clipping(
     update in the last iteration (our choice: the A of FedExP/FedDuA must
     not let a clipped client's own norm back in; Δ̄ is their mean, so
     A ≥ ‖Δ̄‖² as with the plain mean). None: A is not computed (None).
+
+    The last iteration is a plain mean: v_L = (1/n) Σ_i e_i with
+    e_i = v_{L−1} + c_i (Δ_i − v_{L−1}), each client's effective update.
+    The result keeps v_{L−1} and each ‖e_i‖², so that the step guard can
+    leave one client out of it (:func:`~fedadapt.strategies.core.
+    aggregation.leave_one_out`).
     """
     n = next(iter(stacks.values())).shape[0]
     v = {k: np.array(center[k], dtype=s.dtype).reshape(s.shape[1:])
@@ -290,6 +321,8 @@ def centered_clipping(
     scales = np.ones(n)
     tau = radius
     mean_sq: float | None = None
+    effective_sq: NDArray[np.float64] | None = None
+    origin = v
     for step in range(iterations):
         sq = np.zeros(n)
         for k, s in stacks.items():
@@ -308,11 +341,13 @@ def centered_clipping(
                 effective = centre + scales[:, None] * (s - centre)
                 total += np.einsum("ij,ij->i", effective, effective)
             mean_sq = float(np.mean(total))
+            effective_sq = total
+        origin = dict(v)
         for k, s in stacks.items():
             weights = (scales / n).astype(s.dtype)
             shift = np.tensordot(weights, s - v[k], axes=1)
             v[k] = np.asarray(v[k] + shift, dtype=s.dtype)
-    return v, scales, float(tau), mean_sq
+    return CenteredClipping(v, scales, float(tau), mean_sq, origin, effective_sq)
 
 
 # --- one round ---------------------------------------------------------------
@@ -395,17 +430,24 @@ def robust_statistics(
         start = {k: np.zeros(s.shape[1:], s.dtype) for k, s in stacks.items()}
         if center is not None:
             start = {k: np.asarray(center[k]) for k in stacks}
-        v, factors, tau, mean_sq = centered_clipping(
+        clipped = centered_clipping(
             stacks,
             start,
             options.clip_radius,
             options.clip_iterations,
             list(adaptive) if need_sq_norm else None,
         )
+        sq = clipped.effective_sq_norms
         return (
-            v,
-            mean_sq,
-            Defence(aggregation, center_scales=tuple(factors.tolist()), radius=tau),
+            clipped.update,
+            clipped.mean_sq_norm,
+            Defence(
+                aggregation,
+                center_scales=tuple(clipped.scales.tolist()),
+                radius=clipped.radius,
+                center_origin=clipped.origin,
+                effective_sq_norms=None if sq is None else tuple(sq.tolist()),
+            ),
         )
     if aggregation not in SELECTIONS:
         raise ValueError(f"Invalid aggregation: {aggregation!r}")
