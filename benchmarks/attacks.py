@@ -345,6 +345,7 @@ def federate(
                 center=dict(state.center or {})
                 if in_force == "centered_clipping"
                 else None,
+                coordinate_wise=in_force in ("median", "trimmed_mean"),
                 **secure_view,
             )
             for i, reply in zip(hostile, craft(attack, view), strict=True):

@@ -58,6 +58,7 @@ ATTACKS = (
     "stall",
     "selected-flip",
     "centered-flip",
+    "coordinate-flip",
 )
 
 #: Without a norm bound, how many times its own honest norm an attacker
@@ -121,6 +122,9 @@ class RoundView:
         from (the previous round's Δ̄; an array it lacks is zero, as in the
         first round) when that aggregator is in force; None otherwise.
         ``centered-flip`` uses it.
+    coordinate_wise : bool
+        Whether the aggregator in force is coordinate-wise (the median or
+        the trimmed mean), which ``coordinate-flip`` exploits.
     """
 
     honest: Sequence[Mapping[str, NDArray[Any]]]
@@ -136,6 +140,7 @@ class RoundView:
     assumed_hostile: int = DEFAULT_NUM_HOSTILE
     krum_keep: int = 0
     center: Mapping[str, NDArray[Any]] | None = None
+    coordinate_wise: bool = False
 
     @property
     def num_clients(self) -> int:
@@ -278,6 +283,16 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       Jaggi 2021 bound each reply's effect by τ/n; this reply reaches the
       bound along −μ, where a sign flip reaches it along its own reversed
       update less v). Elsewhere (``center`` None) it is ``sign-flip``.
+    - ``coordinate-flip`` (against the coordinate-wise median and trimmed
+      mean): in each coordinate j the honest extreme on the side against
+      μ_j, min_h Δ_hj where μ_j > 0 and max_h Δ_hj elsewhere, the whole
+      held to the target norm (:func:`_coordinate_flip`; Fang, Cao, Jia,
+      Gong, USENIX Security 2020, §4, the full-knowledge attack on the
+      trimmed mean and the median, which samples beyond the extreme: both
+      aggregators are monotone in each value and a value past the extreme
+      counts as the extreme, so the extreme itself moves each coordinate
+      as far as any value can, at the smallest norm). Elsewhere
+      (``coordinate_wise`` false) it is ``sign-flip``.
     - ``stall`` (a liveness attack on SecAgg+'s check of the sums): the
       honest mean scaled to the target norm, claiming ‖Δ‖² = 0. Under
       SecAgg+ the decoded A then falls short of ‖Δ̄‖² where the honest
@@ -343,6 +358,12 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
         if not view.honest:
             raise ValueError(f"{attack} needs at least one honest update")
         return [HostileReply(_centered_flip(view, o)) for o in view.own]
+    if attack == "coordinate-flip":
+        if not view.coordinate_wise:
+            return craft("sign-flip", view)
+        if not view.honest:
+            raise ValueError(f"{attack} needs at least one honest update")
+        return _same_for_all(view, _coordinate_flip(view))
     if attack == "stall":
         along = _with_norm(honest_mean(view), _target(view))
         return _same_for_all(view, along, {"update-sq-norm": 0.0})
@@ -410,6 +431,24 @@ def _alie(view: RoundView) -> Arrays:
             value = value - z * stack.std(axis=0)
         out[k] = value.astype(a.dtype)
     return out
+
+
+def _coordinate_flip(view: RoundView) -> Arrays:
+    """Return each coordinate's honest extreme against μ, within the target.
+
+    min_h Δ_hj where μ_j > 0, max_h Δ_hj elsewhere (float arrays; others
+    from μ), scaled down to the colluders' common target norm if above it.
+    """
+    mu = honest_mean(view)
+    out: Arrays = {}
+    for k, m in mu.items():
+        if m.dtype.kind != "f":
+            out[k] = m.copy()
+            continue
+        stack = np.stack([np.asarray(h[k]) for h in view.honest])
+        out[k] = np.where(m > 0, stack.min(axis=0), stack.max(axis=0)).astype(m.dtype)
+    target = _target(view)
+    return out if norm(out) <= target else _with_norm(out, target)
 
 
 def _slack_reverse(view: RoundView) -> Arrays:

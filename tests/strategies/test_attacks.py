@@ -365,3 +365,56 @@ def test_centered_flip_is_the_sign_flip_without_centered_clipping():
     (flip,) = craft("sign-flip", view)
     (reply,) = craft("centered-flip", view)
     np.testing.assert_array_equal(reply.update["w"], flip.update["w"])
+
+
+@pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])
+def test_coordinate_flip_moves_every_coordinate_as_far_against_the_mean_as_any_reply(
+    aggregator,
+):
+    """Fang et al. 2020's attack on the coordinate-wise aggregators, judged
+    with the library's own ``robust_mean``: both are monotone in each value,
+    so no reply at all (the suite's other attacks, random ones) moves any
+    coordinate of the aggregate further against μ."""
+    from fedadapt.strategies.core.aggregation import robust_mean
+
+    # Prepare: nine honest updates, a cap loose enough not to bind
+    honest = _honest(n=9)
+    mu = _mu(RoundView(honest, _honest(seed=1, n=1)))
+    view = RoundView(honest, _honest(seed=1, n=1), 50.0, [10.0] * 9, seed=3,
+                     coordinate_wise=True)  # fmt: skip
+
+    def against_mu(reply):
+        stack = np.stack([u["w"].astype(np.float64) for u in [*honest, reply]])
+        return robust_mean(stack, aggregator, 0.2) * -np.sign(mu)
+
+    # Execute
+    (reply,) = craft("coordinate-flip", view)
+    # Assert: each coordinate is the honest extreme on the side against μ_j
+    stack = np.stack([h["w"] for h in honest])
+    np.testing.assert_array_equal(
+        reply.update["w"], np.where(mu > 0, stack.min(axis=0), stack.max(axis=0))
+    )
+    assert reply.update["steps"] == honest[0]["steps"]
+    best = against_mu(reply.update)
+    rng = np.random.default_rng(0)
+    others = [craft(a, view)[0].update for a in ("sign-flip", "ipm", "alie",
+                                                  "orthogonal", "orthogonal-flip")]
+    others += [{"w": (10 * rng.normal(size=mu.size)).astype(np.float32)}
+               for _ in range(20)]  # fmt: skip
+    for other in others:
+        assert np.all(against_mu(other) <= best + 1e-6)
+    # ... and it moves the aggregate against μ, against a reply at μ itself
+    silent = {"w": mu.astype(np.float32)}
+    assert np.all(best >= against_mu(silent) - 1e-6)
+    assert np.any(best > against_mu(silent) + 1e-4)
+
+
+def test_coordinate_flip_keeps_to_the_cap_and_is_the_sign_flip_elsewhere():
+    view = _view(cap=0.5)
+    capped = RoundView(view.honest, view.own, 0.5, [10.0] * 7, seed=3,
+                       coordinate_wise=True)  # fmt: skip
+    (reply,) = craft("coordinate-flip", capped)
+    assert norm(reply.update) == pytest.approx(UNDER_BOUND * 0.5, rel=1e-5)
+    (flip,) = craft("sign-flip", view)
+    (plain,) = craft("coordinate-flip", view)
+    np.testing.assert_array_equal(plain.update["w"], flip.update["w"])
