@@ -55,7 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._output import OutputBusyError, owned, write_json  # noqa: E402
-from fedadapt.attacks import ATTACKS, RoundView, craft  # noqa: E402
+from fedadapt.attacks import ATTACKS, UNDER_BOUND, RoundView, craft  # noqa: E402
 from fedadapt.config import validate_run_config  # noqa: E402
 from fedadapt.server.run import server_validation_loss  # noqa: E402
 from fedadapt.server.strategy_factory import (  # noqa: E402
@@ -63,6 +63,7 @@ from fedadapt.server.strategy_factory import (  # noqa: E402
     secagg_settings,
     trust_kwargs,
 )
+from fedadapt.strategies import wire  # noqa: E402
 from fedadapt.strategies.adapter import (  # noqa: E402
     apply_rule,
     ceiled_max_norm,
@@ -74,6 +75,7 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
     norm_bound,
 )
 from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
+from fedadapt.strategies.fedlamb import SecondMoments  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -188,6 +190,14 @@ SCREEN_ATTACKS = ("frame",)
 #: moves further than FedAvg when one client is absent is sensitive, not
 #: attacked.
 CONTROLS = ("absent",)
+#: Attacks on Fed-LAMB's second-moment channel (its v, not its model):
+#: ``moment-inflate`` sends its honest model update and a v whose total is
+#: just under the server's cap (``fed-lamb.max-moment-ratio`` c times the
+#: round's median total, the hostile totals placed above every honest one),
+#: spread evenly over every coordinate, so that it raises v̂ most where the
+#: honest v are smallest (v̂ is a running maximum: a raise lasts, and shrinks
+#: the LAMB step there for good). Elsewhere an honest client.
+MOMENT_ATTACKS = ("moment-inflate",)
 #: The framing attack's candidates: multiples of one honest update ...
 FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: ... of each of the honest clients with the largest updates.
@@ -258,8 +268,54 @@ def float_distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> 
     )
 
 
-#: train(client, x, round, poisoned) -> (x_i, num_examples)
-Trainer = Callable[[int, Arrays, int, bool], tuple[Arrays, float]]
+#: The server's local-update exchange of a round: (train config, arrays),
+#: e.g. Fed-LAMB's v̂; None for the strategies without one.
+Exchange = tuple[Mapping[str, Any], Arrays] | None
+#: train(client, x, round, poisoned, exchange) -> (x_i, num_examples,
+#: the local-update arrays it sends back: Fed-LAMB's v, else None)
+Trainer = Callable[[int, Arrays, int, bool, Exchange], tuple[Arrays, float, Any]]
+
+
+def second_moments(cfg: Mapping[str, Any]) -> SecondMoments | None:
+    """Fed-LAMB's server half of the v̂ exchange, as the strategy runs it."""
+    if cfg["strategy"] != "fed-lamb":
+        return None
+    return SecondMoments.from_run_config(cfg)  # type: ignore[return-value]
+
+
+def inflated_moments(
+    honest: Sequence[Mapping[str, np.ndarray]], ratio: float, colluders: int
+) -> dict[str, np.ndarray]:
+    """``moment-inflate``'s v: the largest total the cap leaves unscaled, even.
+
+    With ``ratio`` c = 0 (no cap), 1e6 times the largest honest total.
+    """
+    totals = [
+        math.fsum(float(np.sum(a, dtype=np.float64)) for a in v.values())
+        for v in honest
+    ]
+    if ratio > 0:
+        total = UNDER_BOUND * ratio * float(np.median(totals + [math.inf] * colluders))
+    else:
+        total = 1e6 * max(totals)
+    size = sum(a.size for a in honest[0].values())
+    return {k: np.full(a.shape, total / size, a.dtype) for k, a in honest[0].items()}
+
+
+def exchange_moments(
+    moments: SecondMoments,
+    used: Sequence[TrainReply],
+    sent_moments: Mapping[int | str, Any],
+) -> None:
+    """Fold the used replies' v into v̂ as the strategy does (checked first)."""
+    kept, weights = [], []
+    for reply in used:
+        v = sent_moments.get(reply.node)
+        if moments.check_reply(v, reply.metrics) is None:
+            kept.append(v)
+            weights.append(float(reply.metrics["num-examples"]))
+    if kept:
+        moments.aggregate(kept, weights)
 
 
 def federate(
@@ -291,13 +347,23 @@ def federate(
     weight_cap = settings.max_weight if settings is not None else 0.0
     uniform = rule.weighting == "uniform"
     calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
+    moments = second_moments(cfg)
+    if moments is not None and secure:
+        raise ValueError("the suite runs Fed-LAMB's v̂ exchange in plain mode only")
     for server_round in range(1, rounds + 1):
+        exchange: Exchange = None
+        if moments is not None:
+            scalars, v_hat = moments.configure(server_round, x, NUM_CLIENTS)
+            exchange = ({wire.LOCAL_UPDATE: moments.name, **scalars}, v_hat)
         trained = [
-            train(i, x, server_round, attack == "label-flip" and i in hostile)
+            train(i, x, server_round, attack == "label-flip" and i in hostile, exchange)
             for i in range(NUM_CLIENTS)
         ]
-        updates = [_diff(xi, x) for xi, _ in trained]
-        examples = [n for _, n in trained]
+        updates = [_diff(xi, x) for xi, _, _ in trained]
+        examples = [n for _, n, _ in trained]
+        sent_moments: dict[int | str, Any] = {
+            i: v for i, (_, _, v) in enumerate(trained)
+        }
         honest_ids = [i for i in range(NUM_CLIENTS) if i not in hostile or not attack]
         if secure and bound > 0:  # what the honest clients send: clipped to B_t
             updates = [_clip_to(u, bound) for u in updates]
@@ -306,6 +372,18 @@ def federate(
         }
         if attack in CONTROLS:
             pass  # absent: the hostile clients send nothing
+        elif attack in MOMENT_ATTACKS and hostile:
+            if moments is None:  # no v̂ exchange: an honest client
+                sent.update({i: (updates[i], {}) for i in hostile})
+            else:
+                inflated = inflated_moments(
+                    [sent_moments[i] for i in honest_ids],
+                    moments.max_moment_ratio,
+                    len(hostile),
+                )
+                for i in hostile:
+                    sent[i] = (updates[i], {})
+                    sent_moments[i] = inflated
         elif attack in SCREEN_ATTACKS and hostile:
             server = ServerRound(rule, options, x, examples, state)
             sent.update(frame_replies(server, sent, hostile))
@@ -381,7 +459,7 @@ def federate(
                                     state.norm_ceiling(growth))  # fmt: skip
             continue
         # framing wants rejections; an absent client sends nothing to scale
-        knows_screen = attack not in SCREEN_ATTACKS + CONTROLS
+        knows_screen = attack not in SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS
         screened = options.get("validation_loss") is not None
         if attack and hostile and knows_screen and screened:
             server = ServerRound(rule, options, x, examples, state)
@@ -392,8 +470,10 @@ def federate(
         label = f"round {server_round}"
         valid, report = screen(candidates, x, weight_key, label,
                                weight_optional=rule.weighting == "uniform")  # fmt: skip
-        new, _, _ = apply_rule(rule, x, valid, weight_key, report, label,
-                               aggregator_state=state, **options)  # fmt: skip
+        new, _, used = apply_rule(rule, x, valid, weight_key, report, label,
+                                  aggregator_state=state, **options)  # fmt: skip
+        if moments is not None and new is not None:
+            exchange_moments(moments, used, sent_moments)
         clipped += report.clipped
         mismatches += report.norm_mismatches
         for reply in report.replies:  # the influence screen's (and NaN) rejections
@@ -681,14 +761,14 @@ def harness_problem(seed: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], Tra
         data.append((m, y))
 
     def train(
-        i: int, x: Arrays, server_round: int, poisoned: bool
-    ) -> tuple[Arrays, float]:
+        i: int, x: Arrays, server_round: int, poisoned: bool, exchange: Exchange
+    ) -> tuple[Arrays, float, None]:
         m, y = data[i]
         target = -y if poisoned else y
         w = x["x"].astype(np.float64)
         for _ in range(LOCAL_STEPS):
             w = w - CLIENT_LR * m.T @ (m @ w - target) / len(target)
-        return {"x": w.astype(np.float32)}, float(len(y))
+        return {"x": w.astype(np.float32)}, float(len(y)), None
 
     return data, train
 
@@ -706,6 +786,7 @@ def task_setup(
 ) -> tuple[Arrays, Trainer, Callable[[Arrays], float]]:
     """The initial model, a trainer and the central accuracy of ``cfg``'s task."""
     import torch
+    from flwr.app import RecordDict
     from torch.utils.data import Dataset
 
     from fedadapt.client import local
@@ -730,19 +811,21 @@ def task_setup(
     honest_data = local.partition_data
 
     def train(
-        i: int, x: Arrays, server_round: int, poisoned: bool
-    ) -> tuple[Arrays, float]:
+        i: int, x: Arrays, server_round: int, poisoned: bool, exchange: Exchange
+    ) -> tuple[Arrays, float, Any]:
+        config, local_arrays = exchange if exchange is not None else (None, None)
         if poisoned:
             local.partition_data = lambda c, p, n: (  # type: ignore[assignment]
                 lambda d: ClientData(Flipped(d.train), d.test)
             )(honest_data(c, p, n))
         try:
             result = local.train_round(cfg, i, NUM_CLIENTS, x, cfg["client-lr"],
-                                       server_round)  # fmt: skip
+                                       server_round, config, local_arrays,
+                                       RecordDict())  # fmt: skip
         finally:
             local.partition_data = honest_data
         state = {k: v.numpy() for k, v in result.state.items()}
-        return state, float(result.metrics["num-examples"])
+        return state, float(result.metrics["num-examples"]), result.local_arrays
 
     evaluate = central_evaluator(task, cfg)
     assert evaluate is not None
@@ -768,6 +851,13 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 if args.level == "task":
                     overrides["num-server-rounds"] = args.rounds
                 cfg = strategy_config(name, task, overrides)
+                if second_moments(cfg) and cfg["secure-aggregation"] != "off":
+                    print(
+                        f"skipped: {name} under {defence} (the suite runs "
+                        "Fed-LAMB's v̂ exchange in plain mode only)",
+                        flush=True,
+                    )
+                    continue
                 options = {**apply_options(cfg), **DEFENCES[defence]}
                 if args.level == "harness":
                     data, train = harness_problem(seed)
@@ -988,7 +1078,7 @@ def main() -> None:
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--defences", default=",".join(DEFENCES))
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", default=",".join(ATTACKS + MOMENT_ATTACKS))
     parser.add_argument("--hostile", default="1,2,3")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -1000,7 +1090,7 @@ def main() -> None:
         args.strategies = args.strategies.split(",")
         args.defences = args.defences.split(",")
         args.attacks = args.attacks.split(",")
-        known = ATTACKS + SCREEN_ATTACKS + CONTROLS
+        known = ATTACKS + SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS
         unknown_attacks = set(args.attacks) - set(known)
         if unknown_attacks:
             parser.error(f"unknown attacks {sorted(unknown_attacks)}; "

@@ -107,11 +107,11 @@ def test_the_attacker_that_knows_the_screen_pushes_to_its_edge():
     options["influence_tolerance"] = 0.05
     rule, _ = suite.build_rule(cfg)
     x = {"x": np.zeros(suite.DIM, dtype=np.float32)}
-    trained = [train(i, x, 1, False) for i in range(suite.NUM_CLIENTS)]
-    sent = {i: ({"x": xi["x"] - x["x"]}, {}) for i, (xi, _) in enumerate(trained)}
+    trained = [train(i, x, 1, False, None) for i in range(suite.NUM_CLIENTS)]
+    sent = {i: ({"x": xi["x"] - x["x"]}, {}) for i, (xi, _, _) in enumerate(trained)}
     sent[0] = ({"x": -4 * sent[0][0]["x"]}, {})
     server = suite.ServerRound(
-        rule, options, x, [n for _, n in trained], suite.AggregatorState()
+        rule, options, x, [n for _, n, _ in trained], suite.AggregatorState()
     )
 
     def scaled(c):
@@ -183,9 +183,9 @@ def test_the_absent_control_is_fedavg_over_the_clients_that_reply():
 
     x = x0
     for server_round in (1, 2, 3):
-        trained = [train(i, x, server_round, False) for i in range(2, 10)]
-        total = sum(n for _, n in trained)
-        x = {"x": sum(xi["x"].astype(np.float64) * n / total for xi, n in trained)}
+        trained = [train(i, x, server_round, False, None) for i in range(2, 10)]
+        total = sum(n for _, n, _ in trained)
+        x = {"x": sum(xi["x"].astype(np.float64) * n / total for xi, n, _ in trained)}
     np.testing.assert_allclose(model["x"], x["x"], rtol=1e-5, atol=1e-6)
     honest, _ = suite.federate(cfg, options, x0, train, 3, None, (), 0)
     assert not np.allclose(honest["x"], model["x"])  # the two clients mattered
@@ -268,3 +268,49 @@ def test_the_suites_secagg_calibration_round_steps_nothing_as_the_strategy():
             assert len(steps) == expected
     finally:
         suite.apply_statistics = real
+
+
+def test_the_suite_runs_fed_lambs_moment_exchange_and_its_attack():
+    """Fed-LAMB's clients get v̂ and send v each round (the strategy's
+    SecondMoments, as the app runs it); ``moment-inflate`` sends the largest
+    v the moment cap leaves unscaled. Oracles: the library's own
+    ``aggregate_second_moments`` and ``clip_moments``, with a trainer whose
+    v is known."""
+    import numpy as np
+
+    from fedadapt.strategies.fedlamb import aggregate_second_moments, clip_moments
+
+    suite = _suite()
+    cfg = suite.strategy_config("fed-lamb", "synthetic-linreg", {"seed": 0})
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["default"]}
+    _, plain = suite.harness_problem(0)
+    received = []
+
+    def train(i, x, server_round, poisoned, exchange):
+        received.append((server_round, exchange))
+        state, n, _ = plain(i, x, server_round, poisoned, None)
+        v = {"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
+        return state, n, v
+
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    honest_v = [{"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
+                for i in range(suite.NUM_CLIENTS)]  # fmt: skip
+    # honest: round 1 sends no v̂, round 2 the mean of round 1's v
+    suite.federate(cfg, options, x0, train, 2, None, (), 0)
+    first = {len(e[1]) for r, e in received if r == 1}
+    assert first == {0}  # the name of the exchange, no arrays yet
+    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
+    want = aggregate_second_moments(None, honest_v, eps=1e-8)
+    np.testing.assert_allclose(sent, want["x"], rtol=1e-6)
+    assert all(e[0]["local-update"] == "fed-lamb" for _, e in received)
+    # the attack: just under the cap, so the cap leaves it as it is
+    inflated = suite.inflated_moments(honest_v[1:], 4.0, 1)
+    clipped = clip_moments([*honest_v[1:], inflated], 4.0)[-1]
+    np.testing.assert_array_equal(clipped["x"], inflated["x"])
+    louder = {"x": inflated["x"] * 1.05}
+    assert np.all(clip_moments([*honest_v[1:], louder], 4.0)[-1]["x"] < louder["x"])
+    received.clear()
+    suite.federate(cfg, options, x0, train, 2, "moment-inflate", [0], 0)
+    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
+    want = aggregate_second_moments(None, [inflated, *honest_v[1:]], eps=1e-8)
+    np.testing.assert_allclose(sent, want["x"], rtol=1e-6)
