@@ -397,8 +397,10 @@ def test_coordinate_flip_moves_every_coordinate_as_far_against_the_mean_as_any_r
     assert reply.update["steps"] == honest[0]["steps"]
     best = against_mu(reply.update)
     rng = np.random.default_rng(0)
-    others = [craft(a, view)[0].update for a in ("sign-flip", "ipm", "alie",
-                                                  "orthogonal", "orthogonal-flip")]
+    others = [
+        craft(a, view)[0].update
+        for a in ("sign-flip", "ipm", "alie", "orthogonal", "orthogonal-flip")
+    ]
     others += [{"w": (10 * rng.normal(size=mu.size)).astype(np.float32)}
                for _ in range(20)]  # fmt: skip
     for other in others:
