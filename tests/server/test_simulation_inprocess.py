@@ -362,7 +362,8 @@ def test_the_influence_screen_runs_in_the_app(tmp_path, api):
 def test_the_apps_default_aggregator_acts_in_a_round_of_five(tmp_path):
     """Issue #38 item 2, in the app: FedExP's default (``aggregation =
     "auto"``) clips with centered clipping in rounds of five replies, and
-    every reply's clients.jsonl line says by how much."""
+    every reply's clients.jsonl line says by how much and what the step
+    guard saw."""
     run_in_process(
         {
             "output-dir": str(tmp_path),
@@ -383,3 +384,12 @@ def test_the_apps_default_aggregator_acts_in_a_round_of_five(tmp_path):
     # τ is the round's median distance from the centre: some are clipped
     assert sum(s < 1 for s in scales) >= 2
     assert all(r["strategy"]["center-clip-radius"] > 0 for r in data["rounds"])
+    # the step guard leaves each client out of the clipped mean (stop 62):
+    # every reply has the step the round would take without it, and the
+    # round's step is at most the smallest of them
+    for round_ in data["rounds"]:
+        number = round_["round"]
+        steps = [line["server_lr_without"] for line in lines
+                 if line["round"] == number]  # fmt: skip
+        assert len(steps) == 5 and all(s is not None and s >= 1 for s in steps)
+        assert round_["strategy"]["server-lr"] <= min(steps) * (1 + 1e-9)
