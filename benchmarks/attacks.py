@@ -150,6 +150,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "influence-0.01": {},  # its first default tolerance
     "median": {"aggregation": "median"},
     "trimmed-mean": {"aggregation": "trimmed_mean"},
+    "trimmed-mean-0.1": {"aggregation": "trimmed_mean", "trim_fraction": 0.1},
     "krum": {"aggregation": "krum"},
     "multi-krum": {"aggregation": "multi_krum"},
     "bulyan": {"aggregation": "bulyan"},

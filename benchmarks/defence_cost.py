@@ -14,7 +14,7 @@ arrays, per strategy, with
 - ``default+projection``: with the opt-in opposing projection as well;
 - ``auto``: today's default, ``default`` on the rule's own aggregator
   (``aggregation="auto"``: multi-Krum for FedAdam, centered clipping for
-  FedExP and FedAdagrad, the mean for FedAvg and FedDuAdam);
+  FedExP (and FedDuAdagrad), the mean for FedAvg and FedDuAdam);
 
 - ``default+influence`` (with ``--task``): the influence screen as well,
   on ``--validation-size`` examples of the task's training pool (the

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 #: (strategy, its arguments, the aggregator "auto" is in a round of ten)
 CHOICES = [
     ("FedAvg", {}, "mean"),
-    ("FedAvgM", {}, "mean"),
+    ("FedAvgM", {}, "trimmed_mean"),
     ("FedAdam", {}, "multi_krum"),
     ("FedAdagrad", {}, "mean"),
     ("FedYogi", {}, "mean"),
@@ -57,7 +57,8 @@ def test_auto_is_the_rules_measured_aggregator(name, kwargs, chosen, api):
     # Prepare: the default and the aggregator written out
     module = ours if api == "message" else legacy
     default = getattr(module, name)(**kwargs)
-    written = getattr(module, name)(aggregation=chosen, **kwargs)
+    trim = {"trim_fraction": 0.1} if chosen == "trimmed_mean" else {}
+    written = getattr(module, name)(aggregation=chosen, **trim, **kwargs)
     assert default.aggregation == AUTO_AGGREGATION
     # Execute: three rounds of ten replies, one of them hostile
     got = _rounds(api, default, [10, 10, 10])
@@ -165,3 +166,18 @@ def test_a_broken_reply_is_rejected_under_the_default_aggregators(name, bad, api
     report = strategy.round_reports[1]["train_replies"]
     assert (report["used"], report["rejected"]) == (9, 1)
     assert all(np.isfinite(v).all() for v in x.values())
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_fedavgm_auto_cuts_its_own_trim_fraction_whatever_trim_fraction_says(api):
+    """Under ``auto`` FedAvgM's trimmed mean cuts the 0.1 measured for it;
+    ``trim_fraction`` is for ``aggregation="trimmed_mean"`` written out."""
+    module = ours if api == "message" else legacy
+    got = _rounds(api, module.FedAvgM(trim_fraction=0.3), [10, 10])
+    want = _rounds(api, module.FedAvgM(aggregation="trimmed_mean",
+                                       trim_fraction=0.1), [10, 10])  # fmt: skip
+    other = _rounds(api, module.FedAvgM(aggregation="trimmed_mean",
+                                        trim_fraction=0.3), [10, 10])  # fmt: skip
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    assert any(not np.array_equal(got[k], other[k]) for k in want)
