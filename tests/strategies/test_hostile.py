@@ -416,17 +416,23 @@ FLOWER = {
 
 @pytest.mark.parametrize("hostile", [False, True])
 @pytest.mark.parametrize("api", ["message", "legacy"])
-@pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
+@pytest.mark.parametrize(
+    "aggregation, trim",
+    # of five replies, 0.2 cuts one value at each end (the sum less the
+    # extremes, as FedAvgM's default 0.1 of ten), 0.4 two (a partition)
+    [("median", 0.2), ("trimmed_mean", 0.2), ("trimmed_mean", 0.4)],
+)
 def test_robust_aggregation_equals_flowers_fedmedian_and_fedtrimmedavg(
-    aggregation, api, hostile
+    aggregation, trim, api, hostile
 ):
     # Prepare: FedAvg (server step 1) with the aggregator, clipping off when
     # a hostile client is present (Flower's strategies do not clip)
     x0, clients = _float_clients(hostile)
     message_cls, legacy_cls, kwargs = FLOWER[aggregation]
+    kwargs = {"beta": trim} if kwargs else kwargs
     ratio = {"max_update_norm_ratio": 0.0} if hostile else {}
     module = ours if api == "message" else legacy
-    strategy = module.FedAvg(aggregation=aggregation, trim_fraction=0.2, **ratio)
+    strategy = module.FedAvg(aggregation=aggregation, trim_fraction=trim, **ratio)
     flower = (message_cls if api == "message" else legacy_cls)(**kwargs)
     # Execute
     got = _multi_step(api, strategy, 1, x0, clients)
