@@ -334,7 +334,7 @@ _RUN_KEYS: tuple[Key, ...] = (
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "
         "centered-clipping for fedexp and feddua's adagrad variant, "
-        "trimmed-mean cutting 0.1 at each end for fedavgm; "
+        "trimmed-mean cutting num-hostile values at each end for fedavgm; "
         "else, and with secure-aggregation, validation-size or project-opposing, "
         "the mean; "
         "docs/robustness.md), mean (weighted, the papers), median or trimmed-mean "
@@ -349,7 +349,8 @@ _RUN_KEYS: tuple[Key, ...] = (
                  "bulyan", "centered-clipping")),
     Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
         "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
-        "below 0.5 (aggregation=auto's trimmed mean for fedavgm cuts 0.1).",
+        "below 0.5 (aggregation=auto's trimmed mean for fedavgm cuts "
+        "num-hostile values at each end instead).",
         minimum=0.0, maximum=0.49),
     Key("num-hostile", 1, "f, the hostile clients per round aggregation=krum, "
         "multi-krum and bulyan assume (Flower's num_malicious_clients). Krum needs "

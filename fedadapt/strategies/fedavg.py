@@ -90,17 +90,14 @@ class FedAvgRule(ServerRule):
 
         See :attr:`ServerRule.robust_aggregation`. FedAvgM (β > 0) on
         digits-mlp, 5 seeds, with one value cut at each end per coordinate
-        in a round of ten (:attr:`robust_trim_fraction` 0.1): honest 94.1 →
-        93.9 %, worst attack 3.7 → 1.8 points (at 0.2, Flower's default:
-        93.2 %, 1.7). FedAvg loses 2.6 honest points or more with every
-        robust aggregator (docs/robustness.md), so it keeps the mean.
+        in a round of ten (under ``"auto"`` the trimmed mean cuts f =
+        ``num_hostile`` values at each end: :func:`~fedadapt.strategies.
+        adapter.auto_trim_fraction`): honest 94.1 → 93.9 %, worst attack
+        3.7 → 1.8 points (at 0.2, Flower's default: 93.2 %, 1.7). FedAvg
+        loses 2.6 honest points or more with every robust aggregator
+        (docs/robustness.md), so it keeps the mean.
         """
         return "trimmed_mean" if self.server_momentum > 0 else "mean"
-
-    @property
-    def robust_trim_fraction(self) -> float | None:
-        """0.1 for FedAvgM's trimmed mean (see :attr:`robust_aggregation`)."""
-        return 0.1 if self.server_momentum > 0 else None
 
     def _state(self) -> dict[str, Any]:
         return {"momentum": self.momentum}

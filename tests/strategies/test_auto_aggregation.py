@@ -169,15 +169,29 @@ def test_a_broken_reply_is_rejected_under_the_default_aggregators(name, bad, api
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
-def test_fedavgm_auto_cuts_its_own_trim_fraction_whatever_trim_fraction_says(api):
-    """Under ``auto`` FedAvgM's trimmed mean cuts the 0.1 measured for it;
-    ``trim_fraction`` is for ``aggregation="trimmed_mean"`` written out."""
+@pytest.mark.parametrize(("size", "one_cut"), [(10, 0.1), (5, 0.2), (7, 0.15)])
+def test_fedavgm_auto_cuts_one_value_at_each_end_in_any_round(api, size, one_cut):
+    """Under ``auto`` FedAvgM's trimmed mean cuts f = ``num_hostile`` = 1
+    value at each end of every coordinate, whatever the round's size (a
+    fixed 0.1 would cut nothing in a round of five) and whatever
+    ``trim_fraction`` says (it is for ``trimmed_mean`` written out)."""
     module = ours if api == "message" else legacy
-    got = _rounds(api, module.FedAvgM(trim_fraction=0.3), [10, 10])
-    want = _rounds(api, module.FedAvgM(aggregation="trimmed_mean",
-                                       trim_fraction=0.1), [10, 10])  # fmt: skip
-    other = _rounds(api, module.FedAvgM(aggregation="trimmed_mean",
-                                        trim_fraction=0.3), [10, 10])  # fmt: skip
+    got = _rounds(api, module.FedAvgM(trim_fraction=0.4), [size, size])
+    sizes = [size, size]
+    written = module.FedAvgM(aggregation="trimmed_mean", trim_fraction=one_cut)
+    want = _rounds(api, written, sizes)
+    no_cut = module.FedAvgM(aggregation="trimmed_mean", trim_fraction=0.0)
+    uncut = _rounds(api, no_cut, sizes)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key])
-    assert any(not np.array_equal(got[k], other[k]) for k in want)
+    # a value was cut (0.1 of five or seven would have cut none)
+    assert any(not np.array_equal(got[k], uncut[k]) for k in want)
+
+
+def test_auto_trim_fraction_cuts_exactly_f_values_in_every_round_auto_trims():
+    from fedadapt.strategies.adapter import auto_trim_fraction
+
+    for n in range(3, 200):
+        for f in range(0, (n - 3) // 2 + 1):  # n >= 2f + 3, where auto trims
+            fraction = auto_trim_fraction(f, n)
+            assert int(fraction * n) == f and 0 <= fraction < 0.5, (f, n)

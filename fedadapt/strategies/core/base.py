@@ -155,17 +155,6 @@ class ServerRule(ABC):
         """
         return "mean"
 
-    @property
-    def robust_trim_fraction(self) -> float | None:
-        """The trim fraction of :attr:`robust_aggregation` when it is the trimmed mean.
-
-        None: the strategy's ``trim_fraction`` (the rules that do not choose
-        the trimmed mean). Under ``aggregation="auto"`` this, not the
-        strategy's ``trim_fraction``, is what the rule's trimmed mean cuts:
-        both are what was measured.
-        """
-        return None
-
     # --- shared machinery ------------------------------------------------------
 
     def __repr__(self) -> str:
