@@ -877,7 +877,10 @@ def _clipping_guard(
     (c_i s_i / n) Δ_i + ((1 − c_i)/n) v, and leaving it out gives the
     clipped mean of the others around the same centre and with the same τ
     (:func:`leave_one_out`); A is guarded as the mean's
-    (:func:`guarded_sq_norms`, uniform weights). Our addition: without it
+    (:func:`guarded_sq_norms`, uniform weights). With more than one
+    iteration it leaves the client out of the last one: v_{L−1} still holds
+    its part of the earlier ones (exact for one iteration, the default).
+    Our addition: without it
     a hostile reply clipped to τ could still shorten Δ̄ and so raise
     FedExP's step A/(2‖Δ̄‖²), which the guard exists to stop.
     """
