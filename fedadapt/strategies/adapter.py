@@ -897,7 +897,7 @@ def apply_rule(
             bad = [c for c in ordered if c.arrays is error.arrays]
             reason = error.reason
         else:
-            dropped = _dropped_by_selection(ordered, stats.defence)
+            dropped = _left_out_unseen(ordered, stats.defence, choose(len(ordered)))
             if not _statistics_finite(stats):
                 bad = [c for c in ordered if not all_finite(c.arrays)]
                 reason = "arrays contain NaN or Inf"
@@ -905,9 +905,10 @@ def apply_rule(
                     bad = list(ordered)
                     reason = "aggregate overflowed (values too large)"
             elif any(not all_finite(c.arrays) for c in dropped):
-                # a selection left a broken reply out of finite statistics: it
-                # is rejected and counted as the mean's path does, not merely
-                # not selected (only the few dropped replies are checked)
+                # an aggregator left a broken reply out of finite statistics
+                # (a selection dropped it, a median or trimmed mean cut its
+                # values): it is rejected and counted as the mean's path
+                # does, not merely left out
                 bad = [c for c in dropped if not all_finite(c.arrays)]
                 reason = "arrays contain NaN or Inf"
             elif influence_budget is None or influence_budget > 0:
@@ -981,10 +982,20 @@ def apply_rule(
     return new, clean, ordered
 
 
-def _dropped_by_selection(
-    replies: Sequence[TrainReply], defence: Defence | None
+def _left_out_unseen(
+    replies: Sequence[TrainReply], defence: Defence | None, aggregation: str
 ) -> list[TrainReply]:
-    """Return the replies Krum, multi-Krum or Bulyan left out (none else)."""
+    """Return the replies whose NaN or Inf could miss the round's statistics.
+
+    The mean and centered clipping carry any NaN/Inf into Δ̄, where the
+    finiteness check finds it for free. Krum, multi-Krum and Bulyan drop
+    whole replies: the dropped ones (few). The coordinate-wise median and
+    trimmed mean can cut a broken value in any coordinate: every reply (one
+    more pass over the round's arrays, for aggregators that already sort
+    each coordinate).
+    """
+    if aggregation in ("median", "trimmed_mean"):
+        return list(replies)
     if defence is None or defence.selected is None:
         return []
     return [c for c, kept in zip(replies, defence.selected, strict=True) if not kept]

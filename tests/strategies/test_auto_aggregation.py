@@ -148,14 +148,29 @@ def test_run_config_default_is_auto_and_is_the_mean_under_secure_aggregation():
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
-@pytest.mark.parametrize("bad", ["nan", "shape"])
-@pytest.mark.parametrize("name", ["FedAdam", "FedExP"])
-def test_a_broken_reply_is_rejected_under_the_default_aggregators(name, bad, api):
-    # Prepare: ten replies, one with NaN arrays or arrays of the wrong shape
-    strategy = getattr(ours if api == "message" else legacy, name)()
+@pytest.mark.parametrize("bad", ["nan", "inf", "shape"])
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("FedAdam", {}),
+        ("FedExP", {}),
+        ("FedAvgM", {}),
+        # the coordinate-wise aggregators written out: a cut value must not
+        # vanish unseen (a partition sorts NaN and Inf to the ends it cuts)
+        ("FedAvg", {"aggregation": "median"}),
+        ("FedAvg", {"aggregation": "trimmed_mean"}),
+    ],
+)
+def test_a_broken_reply_is_rejected_under_the_default_aggregators(
+    name, kwargs, bad, api
+):
+    # Prepare: ten replies, one with NaN or Inf arrays or arrays of the wrong
+    # shape (a trimmed mean or median must not merely cut it away unseen)
+    strategy = getattr(ours if api == "message" else legacy, name)(**kwargs)
     x0, clients = _honest(1, 10)
     broken = {
         "nan": lambda v: v * np.nan,
+        "inf": lambda v: np.full_like(v, np.inf),
         "shape": lambda v: np.zeros((3, 3), v.dtype),
     }[bad]
     clients[2] = {k: broken(v) if v.dtype.kind == "f" else v
