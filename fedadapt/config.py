@@ -282,8 +282,8 @@ _RUN_KEYS: tuple[Key, ...] = (
         "The norm bound and the weight cap alone let one client pull like 4 "
         "typical ones. 0 = off; adds nothing under uniform weighting; inactive "
         "with secure-aggregation and robust aggregation (also the one "
-        "aggregation=auto picks: fedadam, fedexp, feddua adagrad in rounds of 5 "
-        "or more). docs/robustness.md.",
+        "aggregation=auto picks: fedadam, fedavgm, fedexp, feddua adagrad in "
+        "rounds of 5 or more). docs/robustness.md.",
         minimum=0.0),
     Key("max-update-norm-growth", 3.0, "Ceiling on every update's norm, as a "
         "multiple of the first round's median update norm (kept in checkpoints); "
