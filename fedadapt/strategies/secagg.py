@@ -472,9 +472,15 @@ def encode_update(
     ‖Δ_i‖ > B is clipped first: the ``trainable`` arrays (those
     ``update_sq_norm`` was summed over; None: every floating array) are
     multiplied by B/‖Δ_i‖ and the norm becomes B²; the flag is c then,
-    else 0. Under a bound and a κ > 0 (:func:`rotated_indices`) the
-    trainable arrays then go as one block, :func:`rotate`'d with the
-    round's seed, each coordinate clipped to ±κ·B/√D
+    else 0. In a round without a bound where the server asks for the norm
+    histogram (the legacy strategy's calibration round, which does not step
+    and takes the next bound from the histogram) a ‖Δ_i‖² beyond c goes as
+    c, flagged like a clip: A is then a lower bound, which that round does
+    not use (Fed-LAMB's updates on digits-mlp have ‖Δ_i‖² of 14–24 in round
+    1: with c = 8 the suite refused all 20 honest rounds). Under a bound
+    and a κ > 0 (:func:`rotated_indices`) the trainable arrays then go as
+    one block, :func:`rotate`'d with the round's seed, each coordinate
+    clipped to ±κ·B/√D
     (:func:`coordinate_scale`: an honest update loses only the share of
     its coordinates beyond κ standard deviations) and mapped onto ±c, in
     place of those arrays; the client declares their indices in its clear
@@ -518,10 +524,17 @@ def encode_update(
         scale = coordinate_scale(bound, settings.coordinate_bound, block.size)
         others = [a for j, a in enumerate(arrays) if j not in set(rotated)]
         arrays = [np.clip(block / scale, -1.0, 1.0) * c, *others]
-    entry = encode_in_range(update_sq_norm, bound**2, c)
+    histogram = bool(int(config.get(wire.SECAGG_NORM_HISTOGRAM, 0)))
+    # a calibration round (no bound yet, the histogram asked for): the server
+    # does not step and takes the next bound from the histogram, so a norm
+    # entry beyond ±c is capped (and flagged) instead of refusing the round
+    capped_entry = bound <= 0 and histogram and update_sq_norm > c
+    entry = encode_in_range(min(update_sq_norm, c) if capped_entry else update_sq_norm,
+                            bound**2, c)  # fmt: skip
     arrays.append(np.array([entry], np.float64))
-    arrays.append(np.array([c if clipped_to_bound else 0.0], np.float64))
-    if int(config.get(wire.SECAGG_NORM_HISTOGRAM, 0)):
+    flagged = clipped_to_bound or capped_entry
+    arrays.append(np.array([c if flagged else 0.0], np.float64))
+    if histogram:
         above = (norm_levels() < math.sqrt(max(true_sq_norm, 0.0))).astype(np.float64)
         arrays.append(np.asarray(encode_in_range(above, 1.0, c), np.float64))
     ranges = local_ranges(config)

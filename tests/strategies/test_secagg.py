@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import numpy as np
 import pytest
@@ -461,6 +462,47 @@ def test_the_bound_is_k_times_the_median_norm_after_a_calibration_round():
     assert capped.secagg_norm_bound == pytest.approx(0.3)
     # the fit config carries the bound to the clients
     assert strategy.secagg.fit_config(True, 0.7)[wire.SECAGG_NORM_BOUND] == 0.7
+
+
+def test_a_calibration_rounds_norm_entry_beyond_c_is_capped_not_an_overflow():
+    """Round 1 without a bound sends ‖Δ_i‖² as is, which must lie in ±c.
+    Fed-LAMB's updates on digits-mlp have ‖Δ_i‖² of 14–24 there (c = 8), so
+    every honest client counted an overflow and the calibration round, which
+    does not step and needs only the norm histogram, was refused round after
+    round (the suite's Fed-LAMB under SecAgg+, issue #38). There the entry
+    goes as c, flagged like a clip, and the histogram keeps the true norm.
+    With a bound, or with no histogram asked for (no calibration: the entry
+    is all the server has), it is still counted. Oracle: closed form."""
+    strategy = _secure_fedexp(max_update_norm_ratio=2.0)
+    c = strategy.secagg.clipping_range
+    config = strategy.secagg_fit_config(1)
+    x = np.zeros(3, np.float32)
+    delta = np.array([3.0, 0.0, 2.0], np.float32)  # ‖Δ‖² = 13 > c
+    vector, _, over = encode_update([x], [x + delta], 13.0, 1, config, [True])
+    assert over == 0
+    np.testing.assert_array_equal(vector[0], delta)  # the update as it is
+    assert vector[1][0] == c and vector[2][0] == c  # entry capped, flagged
+    levels = norm_levels()
+    np.testing.assert_array_equal(
+        vector[3], encode_in_range((levels < math.sqrt(13.0)).astype(float), 1.0, c)
+    )
+    # the strategy takes it: measured, the next bound from the histogram
+    results = _results(vector, [{wire.SECAGG_CLIPPED: over}] * 2)
+    parameters, metrics = strategy.aggregate_fit(1, results, [])
+    assert parameters is not None
+    assert metrics["strategy-secagg-calibration"] == 1.0
+    assert metrics["strategy-secagg-clipped-share"] == pytest.approx(1.0)
+    median = float(levels[levels > math.sqrt(13.0)][0])
+    assert strategy.secagg_norm_bound == pytest.approx(2 * median)
+    # no histogram asked for (k = 0, no bound): the entry beyond c counts
+    plain = _secure_fedexp().secagg_fit_config(1)
+    assert not plain.get(wire.SECAGG_NORM_HISTOGRAM)
+    vector, _, over = encode_update([x], [x + delta], 13.0, 1, plain, [True])
+    assert over == 1 and vector[1][0] == 13.0
+    # under a bound the entry spans [0, B²]: never beyond c
+    bounded = _secure_fedexp(max_update_norm=5.0).secagg_fit_config(1)
+    vector, _, over = encode_update([x], [x + delta], 13.0, 1, bounded, [True])
+    assert over == 0 and vector[2][0] == 0.0  # 13 < 25: not clipped
 
 
 def test_impossible_sums_in_the_calibration_round_are_measured_not_refused():
