@@ -76,6 +76,7 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
 )
 from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
 from fedadapt.strategies.fedlamb import SecondMoments  # noqa: E402
+from fedadapt.strategies.legacy import RANGE_WIDENING  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -349,8 +350,7 @@ def federate(
     uniform = rule.weighting == "uniform"
     calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
     moments = second_moments(cfg)
-    if moments is not None and secure:
-        raise ValueError("the suite runs Fed-LAMB's v̂ exchange in plain mode only")
+    widening = 1.0  # the legacy strategy's _range_widening for v's ranges
     for server_round in range(1, rounds + 1):
         exchange: Exchange = None
         if moments is not None:
@@ -430,6 +430,14 @@ def federate(
             for i, reply in zip(hostile, craft(attack, view), strict=True):
                 sent[i] = (reply.update, reply.claims)
         if settings is not None:
+            local = None
+            if moments is not None:
+                local = SecureMoments(
+                    moments,
+                    {i: sent_moments[i] for i in sent},
+                    {k: top * widening for k, top in moments.secure_ranges().items()},
+                    inflate=attack in MOMENT_ATTACKS,
+                )
             new, (mean_sq, median), counts = secure_round(
                 rule,
                 settings,
@@ -441,7 +449,10 @@ def federate(
                 server_round,
                 settings.step_guard,
                 calibrating,
+                local,
             )
+            if local is not None and local.overflowed:  # as the legacy strategy
+                widening *= RANGE_WIDENING
             if not uniform:
                 weight_cap = next_weight_cap(
                     counts, settings.max_weight, options["max_weight_ratio"]
@@ -632,6 +643,48 @@ def _clip_to(delta: Arrays, bound: float) -> Arrays:
     }
 
 
+#: What a hostile client puts in each coordinate of its v under SecAgg+: more
+#: than any range holds, so Flower's mod clips its entry to +c, the top of
+#: the range the server sent (in round 1, with no range yet, v = c / r_i).
+SECURE_INFLATED_MOMENT = 1e30
+
+
+@dataclasses.dataclass
+class SecureMoments:
+    """Fed-LAMB's v under SecAgg+ in one round, as the legacy strategy runs it.
+
+    ``sent`` maps each replying client to its v; ``ranges`` is the top of
+    each array's range (:meth:`SecondMoments.secure_ranges` times the
+    strategy's widening; {} in round 1: v as is); ``inflate``: the hostile
+    clients send :data:`SECURE_INFLATED_MOMENT` in every coordinate, the
+    most their entries can carry, where the plain mode's total cap
+    (``fed-lamb.max-moment-ratio``) cannot run. ``overflowed`` is set when
+    an honest client's v left its range (the round is refused and the
+    strategy widens the ranges 4x).
+    """
+
+    moments: SecondMoments
+    sent: Mapping[int, Mapping[str, np.ndarray]]
+    ranges: Mapping[str, float]
+    inflate: bool = False
+    overflowed: bool = False
+
+    def names(self) -> list[str]:
+        """The arrays' order in every masked vector (v̂'s, else the first v's)."""
+        v_hat = self.moments.v_hat
+        if v_hat is not None:
+            return list(v_hat)
+        return list(next(iter(self.sent.values())))
+
+    def of(self, client: int, hostile: bool) -> dict[str, np.ndarray]:
+        """What ``client`` appends to its masked vector, by name."""
+        v = self.sent[client]
+        if hostile and self.inflate:
+            top = SECURE_INFLATED_MOMENT
+            return {k: np.full(np.shape(v[k]), top) for k in self.names()}
+        return {k: np.asarray(v[k]) for k in self.names()}
+
+
 def secure_round(
     rule: Any,
     settings: SecAggPlusSettings,
@@ -643,6 +696,7 @@ def secure_round(
     server_round: int,
     step_guard: bool = False,
     calibrating: bool = False,
+    local: SecureMoments | None = None,
 ) -> tuple[Arrays | None, tuple[float | None, float | None], list[float]]:
     """One SecAgg+ round as the server sees it: (new model or None, (A, median
     norm), counts).
@@ -669,6 +723,12 @@ def secure_round(
     dropped only the model, so FedExPM's momentum and FedDuA's moments
     carried round 1's sums where the legacy strategy's do not). None when
     the server would refuse the round (the model is kept).
+
+    ``local``: Fed-LAMB's v, appended to each masked vector in the range
+    the server sent (:func:`~fedadapt.strategies.secagg.encode_update`), its
+    revealed mean folded into v̂ (:meth:`SecondMoments.aggregate_mean`)
+    whenever the round is not refused, the calibration round included, as
+    the legacy strategy does.
     """
     bound, weight_cap, histogram = bounds
     uniform = rule.weighting == "uniform"
@@ -679,6 +739,8 @@ def secure_round(
         weight_cap=weight_cap,
         histogram=histogram,
     )
+    if local is not None and local.ranges:
+        config[wire.SECAGG_LOCAL_RANGES] = json.dumps(dict(local.ranges))
     c = settings.clipping_range
     keys = list(x)
     trainable = [x[k].dtype.kind == "f" for k in keys]
@@ -692,7 +754,13 @@ def secure_round(
             sq = min(sq, bound**2) if bound > 0 else sq
             count = claims.get("num-examples", count)
         vector, weight, over = encode_update(
-            [x[k] for k in keys], trained, sq, int(count), config, trainable
+            [x[k] for k in keys],
+            trained,
+            sq,
+            int(count),
+            config,
+            trainable,
+            None if local is None else local.of(i, i in hostile),
         )
         if i not in hostile:  # an honest client's check refuses the round
             overflow += over
@@ -709,6 +777,8 @@ def secure_round(
         0.0 if uniform else weight_cap,
     )
     if overflow or problem:
+        if local is not None and overflow:
+            local.overflowed = True
         return None, (None, None), counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
@@ -719,9 +789,13 @@ def secure_round(
         rotated=rotated, rotation_seed=server_round,
         coordinate_bound=settings.coordinate_bound, histogram=histogram,
         tolerate_impossible=calibrating or bool(rotated),
+        local=None if local is None
+        else {k: local.ranges.get(k, 0.0) for k in local.names()},
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts
+    if local is not None and decoded.local_mean:
+        local.moments.aggregate_mean(decoded.local_mean, len(sent))
     a_t = decoded.stats.mean_sq_norm
     stats = step_statistics(
         decoded, needs_sq_norms=rule.needs_sq_norms, adaptive=adaptive,
@@ -852,13 +926,6 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 if args.level == "task":
                     overrides["num-server-rounds"] = args.rounds
                 cfg = strategy_config(name, task, overrides)
-                if second_moments(cfg) and cfg["secure-aggregation"] != "off":
-                    print(
-                        f"skipped: {name} under {defence} (the suite runs "
-                        "Fed-LAMB's v̂ exchange in plain mode only)",
-                        flush=True,
-                    )
-                    continue
                 options = {**apply_options(cfg), **DEFENCES[defence]}
                 if args.level == "harness":
                     data, train = harness_problem(seed)

@@ -314,3 +314,49 @@ def test_the_suite_runs_fed_lambs_moment_exchange_and_its_attack():
     (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
     want = aggregate_second_moments(None, [inflated, *honest_v[1:]], eps=1e-8)
     np.testing.assert_allclose(sent, want["x"], rtol=1e-6)
+
+
+def test_the_suite_runs_fed_lambs_moment_exchange_under_secagg():
+    """Under SecAgg+ each client's v travels in its masked vector (as is in
+    round 1, then in the range the server sends) and v̂ takes the revealed
+    mean, the calibration round's included, as the legacy strategy does;
+    ``moment-inflate`` then sends more than any range holds, so Flower's
+    mod clips each of its coordinates to +c: the per-client moment cap of
+    the plain mode cannot run. Oracles: ``aggregate_second_moments`` of the
+    honest v, and the closed form of one clipped reply in the mean."""
+    import numpy as np
+
+    from fedadapt.strategies.fedlamb import aggregate_second_moments
+
+    suite = _suite()
+    overrides = {"seed": 0, **suite.DEFENCE_CONFIG["secagg+"]}
+    cfg = suite.strategy_config("fed-lamb", "synthetic-linreg", overrides)
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+"]}
+    _, plain = suite.harness_problem(0)
+    received = []
+
+    def v_of(i):
+        return {"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
+
+    def train(i, x, server_round, poisoned, exchange):
+        received.append((server_round, exchange))
+        state, n, _ = plain(i, x, server_round, poisoned, None)
+        return state, n, v_of(i)
+
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    honest_v = [v_of(i) for i in range(suite.NUM_CLIENTS)]
+    _, counts = suite.federate(cfg, options, x0, train, 2, None, (), 0)
+    assert counts["refused-rounds"] == 0
+    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
+    want = aggregate_second_moments(None, honest_v, eps=1e-8)
+    np.testing.assert_allclose(sent, want["x"], rtol=1e-6)
+    received.clear()
+    suite.federate(cfg, options, x0, train, 2, "moment-inflate", [0], 0)
+    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
+    settings = suite.secagg_settings(cfg, suite.build_rule(cfg)[0])
+    r = settings.weight_ratio(1)  # uniform: every client's factor
+    c = settings.clipping_range
+    others = sum(float(v["x"][0]) for v in honest_v[1:])
+    inflated = (c + r * others) / (suite.NUM_CLIENTS * r)
+    np.testing.assert_allclose(sent, inflated, rtol=1e-6)
+    assert inflated > 100 * max(want["x"])  # what the plain mode's cap prevents
