@@ -29,6 +29,7 @@ from fedadapt.strategies.local_update import legacy_names
 from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     encode_update,
+    hold_to_ranges,
     rotated_indices,
 )
 from fedadapt.tasks import TASKS
@@ -117,8 +118,10 @@ class FedAdaptClient(NumPyClient):
         """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, norm, flag].
 
         The update is clipped to the round's bound first, if it has one;
-        a summable local update's arrays (Fed-LAMB's v) follow, their names
-        in the clear metrics; the norm leaves the clear metrics (only
+        a summable local update's arrays (Fed-LAMB's v) follow, held to the
+        ranges the server sent (:func:`~fedadapt.strategies.secagg.
+        hold_to_ranges`; ``secagg-local-clipped`` 1 when that cut one),
+        their names in the clear metrics; the norm leaves the clear metrics (only
         arrays are masked); the
         weight is 1 under uniform weighting; the count of coordinates
         SecAgg+ would clip goes in the clear metrics
@@ -128,6 +131,9 @@ class FedAdaptClient(NumPyClient):
         num_examples = int(metrics.pop(wire.NUM_EXAMPLES))
         names = set(self.names)  # what update-sq-norm was summed over
         trainable = [k in names for k in self.keys]
+        cut = False
+        if local:
+            local, cut = hold_to_ranges(local, config)
         update, weight, clipped = encode_update(
             sent,
             arrays,
@@ -143,6 +149,8 @@ class FedAdaptClient(NumPyClient):
         if rotated:
             metrics[wire.SECAGG_ROTATED] = json.dumps(rotated)
         metrics[wire.SECAGG_CLIPPED] = clipped
+        if local:
+            metrics[wire.SECAGG_LOCAL_CLIPPED] = int(cut)
         return update, weight, metrics
 
     def evaluate(

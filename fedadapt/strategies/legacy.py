@@ -83,6 +83,7 @@ from fedadapt.strategies.secagg import (
     decode_sums,
     next_norm_bound,
     next_weight_cap,
+    refusing_nodes,
     step_statistics,
     typical_norm,
 )
@@ -93,6 +94,11 @@ WEIGHT_KEY = wire.NUM_EXAMPLES
 #: local update's ranges by this factor for the next round (a client's v
 #: beyond the range the server sent would fail every round otherwise)
 RANGE_WIDENING = 4.0
+#: ... at most this far in all: a client that claims it cut its v every round
+#: could otherwise widen them without end, and each widening coarsens the
+#: quantisation of every client's v (4^4: the honest digits-mlp runs of
+#: issue #38 needed 4^3 before their v were held instead of refused)
+MAX_RANGE_WIDENING = RANGE_WIDENING**4
 
 
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -261,6 +267,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         #: (not reset after a good round: a client whose v is a few times
         #: v̂'s maximum would overflow every other round), costing precision only
         self._range_widening = 1.0
+        #: SecAgg+: nodes left out of every later round because their own
+        #: clear metrics refused a round (at most ``num_hostile`` at a time;
+        #: see :meth:`_quarantine`)
+        self.secagg_quarantined: set[str] = set()
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
         self._sent: Arrays | None = None
@@ -304,6 +314,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         self._sent = _keyed(model, self.array_names)
         self.check_trainable(self._sent)
         pairs = super().configure_fit(server_round, parameters, client_manager)
+        if self.secagg_quarantined:
+            pairs = [
+                (p, ins) for p, ins in pairs if p.cid not in self.secagg_quarantined
+            ]
         extra: NDArrays = []
         # N for both halves: the rule's stats.num_nodes, the local update's
         self.num_nodes = client_manager.num_available()
@@ -436,13 +450,24 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         counts = {str(c.node): float(c.source[1].num_examples) for c in valid}
         cap = 0.0 if uniform else self.secagg_weight_cap
         problem = aggregate_problem(self.secagg, clipped_counts, counts, cap)
+        if problem is not None:
+            self._quarantine(
+                server_round, refusing_nodes(clipped_counts, counts, cap), report
+            )
         if not uniform and counts:
             self.secagg_weight_cap = next_weight_cap(
                 list(counts.values()), self.secagg.max_weight, self.max_weight_ratio
             )
-        if any(isinstance(v, int | float) and v > 0 for v in clipped_counts.values()):
-            # the local update's ranges may be what overflowed: wider next time
-            self._range_widening *= RANGE_WIDENING
+        local_cut = [c.metrics.get(wire.SECAGG_LOCAL_CLIPPED) for c in valid]
+        if any(
+            isinstance(v, int | float) and v > 0
+            for v in [*clipped_counts.values(), *local_cut]
+        ):
+            # the local update's ranges may be what overflowed, or what the
+            # clients held their v to: wider next time, up to the limit
+            self._range_widening = min(
+                self._range_widening * RANGE_WIDENING, MAX_RANGE_WIDENING
+            )
         if problem is None and failures and not self.accept_failures:
             problem = "clients failed and accept_failures is False"
         local, local_problem = self._secure_local_names(valid)
@@ -577,6 +602,29 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 "this round asked for)"
             )
         return rotated, None
+
+    def _quarantine(
+        self, server_round: int, nodes: Sequence[str], report: dict[str, Any]
+    ) -> None:
+        """Leave ``nodes`` out of every later round under SecAgg+.
+
+        Their own clear metrics (a clip count, a missing one, a weight over
+        the cap) refused this round's masked sum, which cannot be taken
+        apart; a hostile client could do that every round and end the run
+        after ``max-failed-rounds`` (issue #38). So a node that does it once
+        is not sampled again: each such client costs one round. Only when at
+        most ``num_hostile`` nodes are named: more than that is a setting
+        the federation shares (``secagg-clipping-range`` too small), and the
+        round is refused as before, naming the key to raise. The round's
+        report lists them (``secagg_quarantined``).
+        """
+        if not nodes or len(nodes) > self.robust_options.num_hostile:
+            return
+        self.secagg_quarantined.update(nodes)
+        report["secagg_quarantined"] = list(nodes)
+        log(WARNING, "Round %s: node(s) %s refused the secure aggregate with "
+            "their own clear metrics; left out of later rounds",
+            server_round, ", ".join(nodes))  # fmt: skip
 
     def _secure_local_names(
         self, valid: Sequence[TrainReply]

@@ -558,6 +558,37 @@ def local_ranges(config: Mapping[str, Any]) -> dict[str, float]:
     return {str(k): float(v) for k, v in ranges.items()}
 
 
+def hold_to_ranges(
+    local: Mapping[str, NDArray[Any]], config: Mapping[str, Any]
+) -> tuple[dict[str, NDArray[Any]], bool]:
+    """Return the local-update arrays held to the server's ranges, and a cut.
+
+    The flag is True when some coordinate was cut. An honest client's v can
+    outgrow the range the server sent (a client that alone holds a coordinate
+    has up to n times the mean there, and v grows between rounds): on digits-mlp
+    Fed-LAMB's v reached 18× its array's max v̂ in round 2 against a range of
+    4×. Counted as an overflow, that refused the round (1–2 rounds of each
+    honest run, issue #38), and a client that lies about it could refuse every
+    round. Held to [0, top] instead, the value is what the encoding could carry
+    anyway, the round goes on, and the client says so (``secagg-local-clipped``)
+    so that the server widens the ranges. Arrays without a range, and non-finite
+    values (an overflow, as before), are left as they are.
+    """
+    ranges = local_ranges(config)
+    held: dict[str, NDArray[Any]] = {}
+    cut = False
+    for name, values in local.items():
+        top = ranges.get(name, 0.0)
+        a = np.asarray(values)
+        if top > 0 and np.all(np.isfinite(a)):
+            kept = np.clip(a, 0.0, top).astype(a.dtype)
+            cut = cut or bool(np.any(kept != a))
+            held[name] = kept
+        else:
+            held[name] = a
+    return held, cut
+
+
 def aggregate_problem(
     settings: SecAggPlusSettings,
     clipped: Mapping[str, Any],
@@ -603,6 +634,25 @@ def aggregate_problem(
             "exceeded it)"
         )
     return None
+
+
+def refusing_nodes(
+    clipped: Mapping[str, Any],
+    counts: Mapping[str, float] | None = None,
+    weight_cap: float = 0.0,
+) -> list[str]:
+    """Return the nodes whose own clear metrics refuse the round.
+
+    Those :func:`aggregate_problem` refuses it for: a missing or non-zero
+    clip count, a weight above the cap. The masked sum cannot be taken
+    apart, so such a reply spoils the whole round, and a hostile client can
+    send one every round (a false ``secagg-clipped``, or a weight over the
+    cap) until the run ends after ``max-failed-rounds``. These are the
+    replies the server can name.
+    """
+    named = {k for k, v in clipped.items() if v is None or int(v) > 0}
+    named |= {k for k, v in (counts or {}).items() if weight_cap > 0 and v > weight_cap}
+    return sorted(named)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ NUM_EXAMPLES: Final = "num-examples"  #: weight of the reply (Flower's key)
 UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable arrays
 #: SecAgg+: coordinates the client's scaled arrays have beyond ±c (0: none)
 SECAGG_CLIPPED: Final = "secagg-clipped"
+#: SecAgg+: 1 when the client held its local-update arrays (Fed-LAMB's v) to
+#: the ranges the server sent, cutting some coordinate (the server widens them)
+SECAGG_LOCAL_CLIPPED: Final = "secagg-local-clipped"
 #: SecAgg+: JSON list of the indices of the arrays sent rotated, as one block
 SECAGG_ROTATED: Final = "secagg-rotated"
 LOCAL_STATE_RESET: Final = "local-update-state-reset"  #: 1: unusable state reset

@@ -30,10 +30,12 @@ from fedadapt.strategies.secagg import (
     encode_in_range,
     encode_update,
     guard_on_sums,
+    hold_to_ranges,
     median_from_histogram,
     next_norm_bound,
     next_weight_cap,
     norm_levels,
+    refusing_nodes,
     rotate,
     rotated_indices,
     unrotate,
@@ -535,6 +537,53 @@ def test_impossible_sums_in_the_calibration_round_are_measured_not_refused():
     assert strategy.rule.num_updates == 0
 
 
+def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
+    """The masked sum cannot be taken apart, so one reply with a clip count
+    (true or not), without one, or with a weight over the cap refuses the
+    whole round; a hostile client could send that every round and end the
+    run after ``max-failed-rounds``. The node is named, the round refused,
+    and configure_fit leaves it out from then on: the run goes on. More
+    nodes than ``num_hostile`` at once are a shared setting (c too small):
+    refused as before, nobody left out."""
+    from flwr.server import SimpleClientManager
+
+    strategy = _secure_fedexp()
+    mean = np.array([0.1, -0.2, 0.05])
+    aggregate = [mean, np.array([0.3]), np.array([0.0])]
+    ok = {wire.SECAGG_CLIPPED: 0}
+    lying = [ok, {wire.SECAGG_CLIPPED: 5}, ok]
+    parameters, _ = strategy.aggregate_fit(1, _results(aggregate, lying), [])
+    assert parameters is None
+    assert strategy.secagg_quarantined == {"1"}
+    assert strategy.round_reports[1]["secagg_quarantined"] == ["1"]
+
+    class Node:
+        def __init__(self, cid):
+            self.cid = cid
+
+    manager = SimpleClientManager()
+    for i in range(3):
+        manager.register(Node(str(i)))
+    model = ndarrays_to_parameters([np.array([1.0, 2.0, 3.0], np.float32)])
+    pairs = strategy.configure_fit(2, model, manager)
+    assert sorted(p.cid for p, _ in pairs) == ["0", "2"]
+    parameters, _ = strategy.aggregate_fit(2, _results(aggregate, [ok, ok]), [])
+    assert parameters is not None  # the two others step
+    # two at once (> num_hostile = 1): the federation's setting, refused only
+    shared = _secure_fedexp()
+    both = [ok, {wire.SECAGG_CLIPPED: 5}, {wire.SECAGG_CLIPPED: 2}]
+    parameters, _ = shared.aggregate_fit(1, _results(aggregate, both), [])
+    assert parameters is None and not shared.secagg_quarantined
+    problem = shared.round_reports[1]["train_replies"]["problem"]
+    assert "secagg-clipping-range" in problem
+    # a missing count, and a weight over the cap, are named as well
+    assert refusing_nodes({"0": 0, "1": None}) == ["1"]
+    counts = {"0": 10.0, "1": 500.0}
+    assert refusing_nodes({"0": 0, "1": 0}, counts, 100.0) == ["1"]
+    assert aggregate_problem(SecAggPlusSettings(), {"0": 0, "1": 0}, counts, 100.0)
+    assert refusing_nodes({"0": 0, "1": 0}, counts, 0.0) == []
+
+
 def test_impossible_sums_under_the_rotated_block_step_without_extrapolation():
     """The suite's ``stall``: a client sends a full update with a zero norm
     claim, so that A < ‖Δ̄‖² where the clients agree. Under the rotated block
@@ -790,6 +839,42 @@ def test_an_overflow_widens_the_moment_ranges_for_the_next_round():
         2, _results([np.zeros(3), a, flag, v], [fine] * 2), []
     )
     assert parameters is not None and strategy._range_widening == 4.0
+
+
+def test_a_v_beyond_its_range_is_held_to_it_and_widens_the_ranges_up_to_a_limit():
+    """An honest v can outgrow the range the server sent (Fed-LAMB on
+    digits-mlp: 18× max v̂ against 4× in round 2). Counted as an overflow it
+    refused the round; a client now holds it to [0, top], says so with
+    ``secagg-local-clipped``, and the round is used; the server widens the
+    ranges 4× per such round, to at most 4^4, since a client can claim a cut
+    every round. Oracle: closed form."""
+    config = {wire.SECAGG_LOCAL_RANGES: json.dumps({"w": 2.0})}
+    v = {"w": np.array([0.5, 3.0, 2.0], np.float32), "free": np.array([9.0])}
+    held, cut = hold_to_ranges(v, config)
+    np.testing.assert_array_equal(held["w"], [0.5, 2.0, 2.0])
+    assert held["w"].dtype == np.float32 and cut
+    np.testing.assert_array_equal(held["free"], [9.0])  # no range: as is
+    assert not hold_to_ranges({"w": np.array([0.5, 2.0])}, config)[1]
+    nan = hold_to_ranges({"w": np.array([np.nan, 3.0])}, config)[0]["w"]
+    assert np.isnan(nan[0]) and nan[1] == 3.0  # left for the overflow count
+    strategy = _secure_fed_lamb()
+    strategy.local_update.v_hat = {"w": np.full(3, 1e-4, np.float32)}
+    cutting = {
+        wire.SECAGG_CLIPPED: 0,
+        wire.SECAGG_LOCAL_CLIPPED: 1,
+        wire.LOCAL_ARRAYS: json.dumps(["w"]),
+    }
+    fine = {**cutting, wire.SECAGG_LOCAL_CLIPPED: 0}
+    flag, a, mean_v = np.array([0.0]), np.array([1e-3]), np.full(3, 2e-4)
+    aggregate = [np.zeros(3), a, flag, mean_v]
+    for server_round in range(1, 7):
+        parameters, _ = strategy.aggregate_fit(
+            server_round, _results(aggregate, [cutting, fine]), []
+        )
+        assert parameters is not None  # used, not refused
+        assert strategy._range_widening == min(4.0**server_round, 4.0**4)
+    assert not strategy.secagg_quarantined
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], 2e-4, rtol=1e-6)
 
 
 # --- the run config ----------------------------------------------------------------
