@@ -76,7 +76,10 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
 )
 from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
 from fedadapt.strategies.fedlamb import SecondMoments  # noqa: E402
-from fedadapt.strategies.legacy import RANGE_WIDENING  # noqa: E402
+from fedadapt.strategies.legacy import (  # noqa: E402
+    MAX_RANGE_WIDENING,
+    RANGE_WIDENING,
+)
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -86,8 +89,10 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     aggregate_problem,
     decode_sums,
     encode_update,
+    hold_to_ranges,
     next_norm_bound,
     next_weight_cap,
+    refusing_nodes,
     rotated_indices,
     step_statistics,
     typical_norm,
@@ -200,6 +205,11 @@ CONTROLS = ("absent",)
 #: honest v are smallest (v̂ is a running maximum: a raise lasts, and shrinks
 #: the LAMB step there for good). Elsewhere an honest client.
 MOMENT_ATTACKS = ("moment-inflate",)
+#: Under SecAgg+: ``false-clip`` trains and sends honestly but reports a
+#: non-zero ``secagg-clipped``, which refuses the whole masked sum: without
+#: the quarantine of stop 64, every round, so that the run ends after
+#: ``max-failed-rounds``. Elsewhere an honest client.
+REPORT_ATTACKS = ("false-clip",)
 #: The framing attack's candidates: multiples of one honest update ...
 FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: ... of each of the honest clients with the largest updates.
@@ -351,6 +361,7 @@ def federate(
     calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
     moments = second_moments(cfg)
     widening = 1.0  # the legacy strategy's _range_widening for v's ranges
+    quarantined: set[int] = set()  # its secagg_quarantined: never sampled again
     for server_round in range(1, rounds + 1):
         exchange: Exchange = None
         if moments is not None:
@@ -385,6 +396,9 @@ def federate(
                 for i in hostile:
                     sent[i] = (updates[i], {})
                     sent_moments[i] = inflated
+        elif attack in REPORT_ATTACKS and hostile:
+            claim = {wire.SECAGG_CLIPPED: 1.0} if secure else {}
+            sent.update({i: (updates[i], dict(claim)) for i in hostile})
         elif attack in SCREEN_ATTACKS and hostile:
             server = ServerRound(rule, options, x, examples, state)
             sent.update(frame_replies(server, sent, hostile))
@@ -430,6 +444,7 @@ def federate(
             for i, reply in zip(hostile, craft(attack, view), strict=True):
                 sent[i] = (reply.update, reply.claims)
         if settings is not None:
+            sent = {i: r for i, r in sent.items() if i not in quarantined}
             local = None
             if moments is not None:
                 local = SecureMoments(
@@ -450,9 +465,10 @@ def federate(
                 settings.step_guard,
                 calibrating,
                 local,
+                (quarantined, cfg["num-hostile"]),
             )
-            if local is not None and local.overflowed:  # as the legacy strategy
-                widening *= RANGE_WIDENING
+            if local is not None and local.widen:  # as the legacy strategy
+                widening = min(widening * RANGE_WIDENING, MAX_RANGE_WIDENING)
             if not uniform:
                 weight_cap = next_weight_cap(
                     counts, settings.max_weight, options["max_weight_ratio"]
@@ -471,7 +487,9 @@ def federate(
                                     state.norm_ceiling(growth))  # fmt: skip
             continue
         # framing wants rejections; an absent client sends nothing to scale
-        knows_screen = attack not in SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS
+        knows_screen = attack not in (
+            SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS + REPORT_ATTACKS
+        )
         screened = options.get("validation_loss") is not None
         if attack and hostile and knows_screen and screened:
             server = ServerRound(rule, options, x, examples, state)
@@ -658,16 +676,17 @@ class SecureMoments:
     strategy's widening; {} in round 1: v as is); ``inflate``: the hostile
     clients send :data:`SECURE_INFLATED_MOMENT` in every coordinate, the
     most their entries can carry, where the plain mode's total cap
-    (``fed-lamb.max-moment-ratio``) cannot run. ``overflowed`` is set when
-    an honest client's v left its range (the round is refused and the
-    strategy widens the ranges 4x).
+    (``fed-lamb.max-moment-ratio``) cannot run. The other clients hold
+    their v to the ranges (:func:`~fedadapt.strategies.secagg.
+    hold_to_ranges`); ``widen`` is set when one cut a coordinate (or
+    overflowed), after which the strategy widens the ranges 4×.
     """
 
     moments: SecondMoments
     sent: Mapping[int, Mapping[str, np.ndarray]]
     ranges: Mapping[str, float]
     inflate: bool = False
-    overflowed: bool = False
+    widen: bool = False
 
     def names(self) -> list[str]:
         """The arrays' order in every masked vector (v̂'s, else the first v's)."""
@@ -676,13 +695,17 @@ class SecureMoments:
             return list(v_hat)
         return list(next(iter(self.sent.values())))
 
-    def of(self, client: int, hostile: bool) -> dict[str, np.ndarray]:
+    def of(
+        self, client: int, hostile: bool, config: Mapping[str, Any]
+    ) -> dict[str, np.ndarray]:
         """What ``client`` appends to its masked vector, by name."""
         v = self.sent[client]
         if hostile and self.inflate:
             top = SECURE_INFLATED_MOMENT
             return {k: np.full(np.shape(v[k]), top) for k in self.names()}
-        return {k: np.asarray(v[k]) for k in self.names()}
+        held, cut = hold_to_ranges({k: np.asarray(v[k]) for k in self.names()}, config)
+        self.widen = self.widen or cut
+        return held
 
 
 def secure_round(
@@ -697,6 +720,7 @@ def secure_round(
     step_guard: bool = False,
     calibrating: bool = False,
     local: SecureMoments | None = None,
+    quarantine: tuple[set[int], int] = (set(), 0),
 ) -> tuple[Arrays | None, tuple[float | None, float | None], list[float]]:
     """One SecAgg+ round as the server sees it: (new model or None, (A, median
     norm), counts).
@@ -729,6 +753,11 @@ def secure_round(
     revealed mean folded into v̂ (:meth:`SecondMoments.aggregate_mean`)
     whenever the round is not refused, the calibration round included, as
     the legacy strategy does.
+
+    ``quarantine``: (the clients the legacy strategy no longer samples, f).
+    A round refused by the clear metrics of at most f clients (a clip
+    count, a weight over the cap) adds them to it, as its
+    ``_quarantine``.
     """
     bound, weight_cap, histogram = bounds
     uniform = rule.weighting == "uniform"
@@ -745,7 +774,9 @@ def secure_round(
     keys = list(x)
     trainable = [x[k].dtype.kind == "f" for k in keys]
     vectors, ratios, counts, overflow = [], [], [], 0
+    reports: dict[str, float] = {}  # the clear secagg-clipped of each client
     for i, (delta, claims) in sorted(sent.items()):
+        reports[str(i)] = float(claims.get(wire.SECAGG_CLIPPED, 0.0))
         trained = [(x[k] + delta[k]).astype(x[k].dtype) for k in keys]
         sq = _sq(delta)
         count = examples[i]
@@ -760,7 +791,7 @@ def secure_round(
             int(count),
             config,
             trainable,
-            None if local is None else local.of(i, i in hostile),
+            None if local is None else local.of(i, i in hostile, config),
         )
         if i not in hostile:  # an honest client's check refuses the round
             overflow += over
@@ -770,15 +801,15 @@ def secure_round(
         ratio = settings.weight_ratio(weight)
         ratios.append(ratio)
         vectors.append([np.clip(ratio * np.asarray(v), -c, c) for v in vector])
-    problem = aggregate_problem(
-        settings,
-        {str(i): 0 for i in range(len(counts))},
-        {str(i): n for i, n in enumerate(counts)},
-        0.0 if uniform else weight_cap,
-    )
+    clear = dict(zip(reports, counts, strict=True))
+    cap = 0.0 if uniform else weight_cap
+    problem = aggregate_problem(settings, reports, clear, cap)
+    named = refusing_nodes(reports, clear, cap)
+    if problem and named and len(named) <= quarantine[1]:
+        quarantine[0].update(int(k) for k in named)
     if overflow or problem:
         if local is not None and overflow:
-            local.overflowed = True
+            local.widen = True
         return None, (None, None), counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []
@@ -1146,7 +1177,9 @@ def main() -> None:
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--defences", default=",".join(DEFENCES))
-    parser.add_argument("--attacks", default=",".join(ATTACKS + MOMENT_ATTACKS))
+    parser.add_argument(
+        "--attacks", default=",".join(ATTACKS + MOMENT_ATTACKS + REPORT_ATTACKS)
+    )
     parser.add_argument("--hostile", default="1,2,3")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -1158,7 +1191,7 @@ def main() -> None:
         args.strategies = args.strategies.split(",")
         args.defences = args.defences.split(",")
         args.attacks = args.attacks.split(",")
-        known = ATTACKS + SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS
+        known = ATTACKS + SCREEN_ATTACKS + CONTROLS + MOMENT_ATTACKS + REPORT_ATTACKS
         unknown_attacks = set(args.attacks) - set(known)
         if unknown_attacks:
             parser.error(f"unknown attacks {sorted(unknown_attacks)}; "

@@ -360,3 +360,34 @@ def test_the_suite_runs_fed_lambs_moment_exchange_under_secagg():
     inflated = (c + r * others) / (suite.NUM_CLIENTS * r)
     np.testing.assert_allclose(sent, inflated, rtol=1e-6)
     assert inflated > 100 * max(want["x"])  # what the plain mode's cap prevents
+
+
+def test_a_false_clip_report_under_secagg_costs_one_round_then_the_client_is_out():
+    """``false-clip`` reports a clip count with an honest update: the masked
+    sum is refused (it cannot be taken apart), and the client, named by its
+    own clear metric, is not sampled again, as the legacy strategy's
+    quarantine does. Before, every round was refused. Oracle: the run with
+    that client absent, one round shorter (round 1 is the calibration
+    round: refused, it stays one, so the attacked run calibrates in round 2
+    without the client, as the absent run does in round 1)."""
+    import numpy as np
+
+    suite = _suite()
+    overrides = {"seed": 0, **suite.DEFENCE_CONFIG["secagg+-unrotated"]}
+    cfg = suite.strategy_config("fedexp", "synthetic-linreg", overrides)
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+-unrotated"]}
+    _, train = suite.harness_problem(0)
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    attacked, counts = suite.federate(cfg, options, x0, train, 4, "false-clip", [0], 0)
+    assert counts["refused-rounds"] == 1
+    absent, counts = suite.federate(cfg, options, x0, train, 3, "absent", [0], 0)
+    assert counts["refused-rounds"] == 0
+    np.testing.assert_array_equal(attacked["x"], absent["x"])
+    assert not np.array_equal(attacked["x"], x0["x"])
+    # with f = 0 nobody is left out: every round refused, the model unmoved
+    cfg = suite.strategy_config(
+        "fedexp", "synthetic-linreg", {**overrides, "num-hostile": 0}
+    )
+    stalled, counts = suite.federate(cfg, options, x0, train, 4, "false-clip", [0], 0)
+    assert counts["refused-rounds"] == 4
+    np.testing.assert_array_equal(stalled["x"], x0["x"])
