@@ -97,7 +97,7 @@ RANGE_WIDENING = 4.0
 #: ... at most this far in all: a client that claims it cut its v every round
 #: could otherwise widen them without end, and each widening coarsens the
 #: quantisation of every client's v (4^4: the honest digits-mlp runs of
-#: issue #38 needed 4^3 before their v were held instead of refused)
+#: issue #38 widened once or twice, to 4× or 16×, 5 seeds)
 MAX_RANGE_WIDENING = RANGE_WIDENING**4
 
 
