@@ -589,6 +589,17 @@ def hold_to_ranges(
     return held, cut
 
 
+def reported_count(value: Any) -> int | None:
+    """Return a client's clear ``secagg-clipped`` as a count, or None.
+
+    None when it is no finite number (missing, a string, NaN): refused as
+    missing, never a crash of the round.
+    """
+    if isinstance(value, int | float) and math.isfinite(value):
+        return int(value)
+    return None
+
+
 def aggregate_problem(
     settings: SecAggPlusSettings,
     clipped: Mapping[str, Any],
@@ -618,13 +629,14 @@ def aggregate_problem(
             f"(at most {settings.max_clients}): raise secagg-modulus-range or "
             "lower secagg-quantization-range"
         )
-    missing = sorted(str(k) for k, v in clipped.items() if v is None)
+    counted = {k: reported_count(v) for k, v in clipped.items()}
+    missing = sorted(str(k) for k, v in counted.items() if v is None)
     if missing:
         return (
-            f"nodes {', '.join(missing)} sent no {wire.SECAGG_CLIPPED}: not "
+            f"nodes {', '.join(missing)} sent no (finite) {wire.SECAGG_CLIPPED}: not "
             "fedadapt clients in secagg+ mode, the aggregate cannot be checked"
         )
-    over = {k: int(v) for k, v in clipped.items() if v is not None and int(v) > 0}
+    over = {k: v for k, v in counted.items() if v is not None and v > 0}
     if over:
         listed = ", ".join(f"node {k}: {v}" for k, v in sorted(over.items()))
         return (
@@ -650,7 +662,8 @@ def refusing_nodes(
     cap) until the run ends after ``max-failed-rounds``. These are the
     replies the server can name.
     """
-    named = {k for k, v in clipped.items() if v is None or int(v) > 0}
+    counted = {k: reported_count(v) for k, v in clipped.items()}
+    named = {k for k, v in counted.items() if v is None or v > 0}
     named |= {k for k, v in (counts or {}).items() if weight_cap > 0 and v > weight_cap}
     return sorted(named)
 

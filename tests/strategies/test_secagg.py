@@ -578,6 +578,11 @@ def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
     assert "secagg-clipping-range" in problem
     # a missing count, and a weight over the cap, are named as well
     assert refusing_nodes({"0": 0, "1": None}) == ["1"]
+    # a count that is no finite number is missing, not a crash of the round
+    for bad in ("x", float("nan"), float("inf")):
+        assert refusing_nodes({"0": 0, "1": bad}) == ["1"]
+        problem = aggregate_problem(SecAggPlusSettings(), {"0": 0, "1": bad})
+        assert "sent no" in problem
     counts = {"0": 10.0, "1": 500.0}
     assert refusing_nodes({"0": 0, "1": 0}, counts, 100.0) == ["1"]
     assert aggregate_problem(SecAggPlusSettings(), {"0": 0, "1": 0}, counts, 100.0)
