@@ -96,6 +96,7 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     rotated_indices,
     step_statistics,
     typical_norm,
+    widens_ranges,
 )
 from fedadapt.tasks import TASKS  # noqa: E402
 
@@ -208,8 +209,12 @@ MOMENT_ATTACKS = ("moment-inflate",)
 #: Under SecAgg+: ``false-clip`` trains and sends honestly but reports a
 #: non-zero ``secagg-clipped``, which refuses the whole masked sum: without
 #: the quarantine of stop 64, every round, so that the run ends after
-#: ``max-failed-rounds``. Elsewhere an honest client.
-REPORT_ATTACKS = ("false-clip",)
+#: ``max-failed-rounds``. ``false-local-clip`` (Fed-LAMB under SecAgg+)
+#: trains and sends honestly but claims, every round, that it held its v to
+#: the server's ranges (``secagg-local-clipped``), so that the server widens
+#: them, coarsening every client's v, to the limit (4^4) in four rounds.
+#: Elsewhere an honest client.
+REPORT_ATTACKS = ("false-clip", "false-local-clip")
 #: The framing attack's candidates: multiples of one honest update ...
 FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: ... of each of the honest clients with the largest updates.
@@ -397,7 +402,10 @@ def federate(
                     sent[i] = (updates[i], {})
                     sent_moments[i] = inflated
         elif attack in REPORT_ATTACKS and hostile:
-            claim = {wire.SECAGG_CLIPPED: 1.0} if secure else {}
+            key = {"false-clip": wire.SECAGG_CLIPPED}.get(
+                attack, wire.SECAGG_LOCAL_CLIPPED
+            )
+            claim = {key: 1.0} if secure else {}
             sent.update({i: (updates[i], dict(claim)) for i in hostile})
         elif attack in SCREEN_ATTACKS and hostile:
             server = ServerRound(rule, options, x, examples, state)
@@ -516,6 +524,8 @@ def federate(
     counts = {"clipped": clipped, "norm-mismatches": mismatches, **rejected}
     if secure:
         counts["refused-rounds"] = refused
+        if moments is not None:  # how far v's ranges were widened
+            counts["range-widening"] = widening
     return reported, counts
 
 
@@ -678,8 +688,9 @@ class SecureMoments:
     most their entries can carry, where the plain mode's total cap
     (``fed-lamb.max-moment-ratio``) cannot run. The other clients hold
     their v to the ranges (:func:`~fedadapt.strategies.secagg.
-    hold_to_ranges`); ``widen`` is set when one cut a coordinate (or
-    overflowed), after which the strategy widens the ranges 4×.
+    hold_to_ranges`); ``cut`` collects the clients that cut a coordinate;
+    ``widen`` is set when the strategy widens the ranges 4× after the round
+    (:func:`~fedadapt.strategies.secagg.widens_ranges`).
     """
 
     moments: SecondMoments
@@ -687,6 +698,7 @@ class SecureMoments:
     ranges: Mapping[str, float]
     inflate: bool = False
     widen: bool = False
+    cut: set[int] = dataclasses.field(default_factory=set)
 
     def names(self) -> list[str]:
         """The arrays' order in every masked vector (v̂'s, else the first v's)."""
@@ -704,7 +716,8 @@ class SecureMoments:
             top = SECURE_INFLATED_MOMENT
             return {k: np.full(np.shape(v[k]), top) for k in self.names()}
         held, cut = hold_to_ranges({k: np.asarray(v[k]) for k in self.names()}, config)
-        self.widen = self.widen or cut
+        if cut:
+            self.cut.add(client)
         return held
 
 
@@ -775,8 +788,10 @@ def secure_round(
     trainable = [x[k].dtype.kind == "f" for k in keys]
     vectors, ratios, counts, overflow = [], [], [], 0
     reports: dict[str, float] = {}  # the clear secagg-clipped of each client
+    local_cuts: dict[str, float] = {}  # ... and its secagg-local-clipped
     for i, (delta, claims) in sorted(sent.items()):
         reports[str(i)] = float(claims.get(wire.SECAGG_CLIPPED, 0.0))
+        local_cuts[str(i)] = float(claims.get(wire.SECAGG_LOCAL_CLIPPED, 0.0))
         trained = [(x[k] + delta[k]).astype(x[k].dtype) for k in keys]
         sq = _sq(delta)
         count = examples[i]
@@ -795,6 +810,8 @@ def secure_round(
         )
         if i not in hostile:  # an honest client's check refuses the round
             overflow += over
+            if over:  # its clip count, for the widening
+                local_cuts[str(i)] = 1.0
         elif not uniform:  # a hostile one sends the weight it claims
             weight = int(count)
         counts.append(float(weight))
@@ -807,9 +824,10 @@ def secure_round(
     named = refusing_nodes(reports, clear, cap)
     if problem and named and len(named) <= quarantine[1]:
         quarantine[0].update(int(k) for k in named)
+    if local is not None:
+        local_cuts.update({str(i): 1.0 for i in local.cut if i not in hostile})
+        local.widen = widens_ranges(reports, local_cuts)
     if overflow or problem:
-        if local is not None and overflow:
-            local.widen = True
         return None, (None, None), counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
     adaptive = rule.adaptive_keys(x) if rule.needs_sq_norms else []

@@ -86,6 +86,7 @@ from fedadapt.strategies.secagg import (
     refusing_nodes,
     step_statistics,
     typical_norm,
+    widens_ranges,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
@@ -458,11 +459,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             self.secagg_weight_cap = next_weight_cap(
                 list(counts.values()), self.secagg.max_weight, self.max_weight_ratio
             )
-        local_cut = [c.metrics.get(wire.SECAGG_LOCAL_CLIPPED) for c in valid]
-        if any(
-            isinstance(v, int | float) and v > 0
-            for v in [*clipped_counts.values(), *local_cut]
-        ):
+        local_cuts = {
+            str(c.node): c.metrics.get(wire.SECAGG_LOCAL_CLIPPED) for c in valid
+        }
+        if widens_ranges(clipped_counts, local_cuts):
             # the local update's ranges may be what overflowed, or what the
             # clients held their v to: wider next time, up to the limit
             self._range_widening = min(

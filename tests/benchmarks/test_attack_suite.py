@@ -362,6 +362,37 @@ def test_the_suite_runs_fed_lambs_moment_exchange_under_secagg():
     assert inflated > 100 * max(want["x"])  # what the plain mode's cap prevents
 
 
+def test_a_false_local_clip_claim_widens_v_ranges_to_the_limit_and_no_further():
+    """``false-local-clip`` sends an honest update and v but claims, every
+    round, that it held its v to the server's ranges; the suite widens them
+    as the legacy strategy does (``widens_ranges``): 4× after each round
+    with a claim, up to 4^4. The same v sent honestly stay within the ranges
+    (4·max v̂ ≥ 10⁻² here), so the honest run never widens them, and no
+    round of either run is refused."""
+    import numpy as np
+
+    from fedadapt.strategies.legacy import MAX_RANGE_WIDENING, RANGE_WIDENING
+
+    suite = _suite()
+    overrides = {"seed": 0, **suite.DEFENCE_CONFIG["secagg+"]}
+    cfg = suite.strategy_config("fed-lamb", "synthetic-linreg", overrides)
+    options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+"]}
+    _, plain = suite.harness_problem(0)
+
+    def train(i, x, server_round, poisoned, exchange):
+        state, n, _ = plain(i, x, server_round, poisoned, None)
+        return state, n, {"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
+
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    _, honest = suite.federate(cfg, options, x0, train, 6, None, (), 0)
+    assert honest["range-widening"] == 1.0 and honest["refused-rounds"] == 0
+    _, two = suite.federate(cfg, options, x0, train, 2, "false-local-clip", [0], 0)
+    assert two["range-widening"] == RANGE_WIDENING**2
+    _, six = suite.federate(cfg, options, x0, train, 6, "false-local-clip", [0], 0)
+    assert six["range-widening"] == MAX_RANGE_WIDENING == RANGE_WIDENING**4
+    assert six["refused-rounds"] == 0
+
+
 def test_a_false_clip_report_under_secagg_costs_one_round_then_the_client_is_out():
     """``false-clip`` reports a clip count with an honest update: the masked
     sum is refused (it cannot be taken apart), and the client, named by its

@@ -846,6 +846,19 @@ def test_an_overflow_widens_the_moment_ranges_for_the_next_round():
     assert parameters is not None and strategy._range_widening == 4.0
 
 
+def test_any_clip_claim_widens_the_ranges_and_nothing_else_does():
+    """``widens_ranges``: a non-zero clip count or local cut of any one reply
+    widens the next round's ranges; zeros, missing values and claims that are
+    no finite number (a string, NaN) do not."""
+    from fedadapt.strategies.secagg import widens_ranges
+
+    assert not widens_ranges({"1": 0, "2": 0}, {"1": 0, "2": None})
+    assert not widens_ranges({"1": "many", "2": math.nan}, {"1": math.inf})
+    assert widens_ranges({"1": 0, "2": 3}, {})
+    assert widens_ranges({"1": 0}, {"1": 0, "2": 1})
+    assert widens_ranges({}, {"7": 1.0})
+
+
 def test_a_v_beyond_its_range_is_held_to_it_and_widens_the_ranges_up_to_a_limit():
     """An honest v can outgrow the range the server sent (Fed-LAMB on
     digits-mlp: 18× max v̂ against 4× in round 2). Counted as an overflow it
