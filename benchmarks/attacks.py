@@ -76,10 +76,6 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
 )
 from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
 from fedadapt.strategies.fedlamb import SecondMoments  # noqa: E402
-from fedadapt.strategies.legacy import (  # noqa: E402
-    MAX_RANGE_WIDENING,
-    RANGE_WIDENING,
-)
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
     screen,
@@ -89,14 +85,15 @@ from fedadapt.strategies.secagg import (  # noqa: E402
     aggregate_problem,
     decode_sums,
     encode_update,
+    entry_for,
     hold_to_ranges,
     next_norm_bound,
     next_weight_cap,
     refusing_nodes,
     rotated_indices,
     step_statistics,
+    to_secure_scale,
     typical_norm,
-    widens_ranges,
 )
 from fedadapt.tasks import TASKS  # noqa: E402
 
@@ -169,6 +166,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "secagg+-guarded": {},
     "secagg+-C1": {},
     "secagg+-no-ceiling": {"max_norm_growth": 0.0},  # before stop 58
+    "secagg+-one-class": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -183,6 +181,9 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     # a fixed cap C near digits-mlp's typical update norm (0.5–0.7) from round 1
     "secagg+-C1": {"secure-aggregation": "secagg+", "max-update-norm": 1.0},
     "secagg+-no-ceiling": {"secure-aggregation": "secagg+"},
+    # Fed-LAMB's own non-IID split (its smoke suite's): one class per client
+    "secagg+-one-class": {"secure-aggregation": "secagg+", "partition": "shards",
+                          "classes-per-client": 1},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
@@ -211,9 +212,10 @@ MOMENT_ATTACKS = ("moment-inflate",)
 #: the quarantine of stop 64, every round, so that the run ends after
 #: ``max-failed-rounds``. ``false-local-clip`` (Fed-LAMB under SecAgg+)
 #: trains and sends honestly but claims, every round, that it held its v to
-#: the server's ranges (``secagg-local-clipped``), so that the server widens
-#: them, coarsening every client's v, to the limit (4^4) in four rounds.
-#: Elsewhere an honest client.
+#: the server's ranges (``secagg-local-clipped``): until stop 65 the server
+#: widened them 4× on any claim, to 4^4 in four rounds, coarsening every
+#: client's v (0.6 points); since, the ranges are per coordinate and fixed,
+#: and the claim changes nothing. Elsewhere an honest client.
 REPORT_ATTACKS = ("false-clip", "false-local-clip")
 #: The framing attack's candidates: multiples of one honest update ...
 FRAME_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -365,7 +367,6 @@ def federate(
     uniform = rule.weighting == "uniform"
     calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
     moments = second_moments(cfg)
-    widening = 1.0  # the legacy strategy's _range_widening for v's ranges
     quarantined: set[int] = set()  # its secagg_quarantined: never sampled again
     for server_round in range(1, rounds + 1):
         exchange: Exchange = None
@@ -458,7 +459,7 @@ def federate(
                 local = SecureMoments(
                     moments,
                     {i: sent_moments[i] for i in sent},
-                    {k: top * widening for k, top in moments.secure_ranges().items()},
+                    moments.secure_ranges(),
                     inflate=attack in MOMENT_ATTACKS,
                 )
             new, (mean_sq, median), counts = secure_round(
@@ -475,8 +476,6 @@ def federate(
                 local,
                 (quarantined, cfg["num-hostile"]),
             )
-            if local is not None and local.widen:  # as the legacy strategy
-                widening = min(widening * RANGE_WIDENING, MAX_RANGE_WIDENING)
             if not uniform:
                 weight_cap = next_weight_cap(
                     counts, settings.max_weight, options["max_weight_ratio"]
@@ -524,8 +523,6 @@ def federate(
     counts = {"clipped": clipped, "norm-mismatches": mismatches, **rejected}
     if secure:
         counts["refused-rounds"] = refused
-        if moments is not None:  # how far v's ranges were widened
-            counts["range-widening"] = widening
     return reported, counts
 
 
@@ -673,7 +670,9 @@ def _clip_to(delta: Arrays, bound: float) -> Arrays:
 
 #: What a hostile client puts in each coordinate of its v under SecAgg+: more
 #: than any range holds, so Flower's mod clips its entry to +c, the top of
-#: the range the server sent (in round 1, with no range yet, v = c / r_i).
+#: the range the server sent in the scale it sent (since stop 65: 2·v̂ at
+#: each coordinate, and in round 1 the log scale's top, v = 1e3; before,
+#: 4·max v̂ of the array, and v = c / r_i in round 1).
 SECURE_INFLATED_MOMENT = 1e30
 
 
@@ -682,22 +681,21 @@ class SecureMoments:
     """Fed-LAMB's v under SecAgg+ in one round, as the legacy strategy runs it.
 
     ``sent`` maps each replying client to its v; ``ranges`` is the top of
-    each array's range (:meth:`SecondMoments.secure_ranges` times the
-    strategy's widening; {} in round 1: v as is); ``inflate``: the hostile
-    clients send :data:`SECURE_INFLATED_MOMENT` in every coordinate, the
-    most their entries can carry, where the plain mode's total cap
-    (``fed-lamb.max-moment-ratio``) cannot run. The other clients hold
-    their v to the ranges (:func:`~fedadapt.strategies.secagg.
-    hold_to_ranges`); ``cut`` collects the clients that cut a coordinate;
-    ``widen`` is set when the strategy widens the ranges 4× after the round
-    (:func:`~fedadapt.strategies.secagg.widens_ranges`).
+    each array's range in its scale (:meth:`SecondMoments.secure_ranges`,
+    :meth:`SecondMoments.secure_scales`: v/v̂, ln v in round 1);
+    ``inflate``: the hostile clients send :data:`SECURE_INFLATED_MOMENT`
+    in every coordinate, the most their entries can carry (the top of the
+    range: 2·v̂ there, or the log scale's top), where the plain mode's total
+    cap (``fed-lamb.max-moment-ratio``) cannot run. The other clients
+    send their v in the scales, held to the ranges (:func:`~fedadapt.
+    strategies.secagg.to_secure_scale`, :func:`~fedadapt.strategies.
+    secagg.hold_to_ranges`); ``cut`` collects those that cut a coordinate.
     """
 
     moments: SecondMoments
     sent: Mapping[int, Mapping[str, np.ndarray]]
     ranges: Mapping[str, float]
     inflate: bool = False
-    widen: bool = False
     cut: set[int] = dataclasses.field(default_factory=set)
 
     def names(self) -> list[str]:
@@ -715,7 +713,9 @@ class SecureMoments:
         if hostile and self.inflate:
             top = SECURE_INFLATED_MOMENT
             return {k: np.full(np.shape(v[k]), top) for k in self.names()}
-        held, cut = hold_to_ranges({k: np.asarray(v[k]) for k in self.names()}, config)
+        own = {k: np.asarray(v[k]) for k in self.names()}
+        scaled = to_secure_scale(own, config, self.moments.v_hat)
+        held, cut = hold_to_ranges(scaled, config)
         if cut:
             self.cut.add(client)
         return held
@@ -783,15 +783,14 @@ def secure_round(
     )
     if local is not None and local.ranges:
         config[wire.SECAGG_LOCAL_RANGES] = json.dumps(dict(local.ranges))
+        config[wire.SECAGG_LOCAL_SCALES] = json.dumps(local.moments.secure_scales())
     c = settings.clipping_range
     keys = list(x)
     trainable = [x[k].dtype.kind == "f" for k in keys]
     vectors, ratios, counts, overflow = [], [], [], 0
     reports: dict[str, float] = {}  # the clear secagg-clipped of each client
-    local_cuts: dict[str, float] = {}  # ... and its secagg-local-clipped
     for i, (delta, claims) in sorted(sent.items()):
         reports[str(i)] = float(claims.get(wire.SECAGG_CLIPPED, 0.0))
-        local_cuts[str(i)] = float(claims.get(wire.SECAGG_LOCAL_CLIPPED, 0.0))
         trained = [(x[k] + delta[k]).astype(x[k].dtype) for k in keys]
         sq = _sq(delta)
         count = examples[i]
@@ -810,8 +809,6 @@ def secure_round(
         )
         if i not in hostile:  # an honest client's check refuses the round
             overflow += over
-            if over:  # its clip count, for the widening
-                local_cuts[str(i)] = 1.0
         elif not uniform:  # a hostile one sends the weight it claims
             weight = int(count)
         counts.append(float(weight))
@@ -824,9 +821,6 @@ def secure_round(
     named = refusing_nodes(reports, clear, cap)
     if problem and named and len(named) <= quarantine[1]:
         quarantine[0].update(int(k) for k in named)
-    if local is not None:
-        local_cuts.update({str(i): 1.0 for i in local.cut if i not in hostile})
-        local.widen = widens_ranges(reports, local_cuts)
     if overflow or problem:
         return None, (None, None), counts
     mean = [sum(v[j] for v in vectors) / sum(ratios) for j in range(len(vectors[0]))]
@@ -839,7 +833,7 @@ def secure_round(
         coordinate_bound=settings.coordinate_bound, histogram=histogram,
         tolerate_impossible=calibrating or bool(rotated),
         local=None if local is None
-        else {k: local.ranges.get(k, 0.0) for k in local.names()},
+        else {k: entry_for(k, local.ranges, 0.0) for k in local.names()},
     )  # fmt: skip
     if decoded is None:
         return None, (None, None), counts

@@ -31,6 +31,7 @@ from fedadapt.strategies.secagg import (
     encode_update,
     hold_to_ranges,
     rotated_indices,
+    to_secure_scale,
 )
 from fedadapt.tasks import TASKS
 
@@ -99,7 +100,12 @@ class FedAdaptClient(NumPyClient):
         metrics: dict[str, Scalar] = dict(result.metrics)
         if SecAggPlusSettings.from_fit_config(config) is not None:
             return self._secure_reply(
-                parameters, arrays, metrics, config, result.local_arrays
+                parameters,
+                arrays,
+                metrics,
+                config,
+                result.local_arrays,
+                dict(zip(local_names, local, strict=True)),
             )
         if result.local_arrays is not None:
             arrays += list(result.local_arrays.values())
@@ -114,12 +120,15 @@ class FedAdaptClient(NumPyClient):
         metrics: dict[str, Scalar],
         config: dict[str, Scalar],
         local: Mapping[str, NDArray[Any]] | None = None,
+        received: Mapping[str, NDArray[Any]] | None = None,
     ) -> tuple[NDArrays, int, dict[str, Scalar]]:
         """Return the reply that ``secaggplus_mod`` masks: [Δ_i…, norm, flag].
 
         The update is clipped to the round's bound first, if it has one;
-        a summable local update's arrays (Fed-LAMB's v) follow, held to the
-        ranges the server sent (:func:`~fedadapt.strategies.secagg.
+        a summable local update's arrays (Fed-LAMB's v) follow, in the
+        scales the server sent (:func:`~fedadapt.strategies.secagg.
+        to_secure_scale`: v over the ``received`` v̂) and held to its
+        ranges (:func:`~fedadapt.strategies.secagg.
         hold_to_ranges`; ``secagg-local-clipped`` 1 when that cut one),
         their names in the clear metrics; the norm leaves the clear metrics (only
         arrays are masked); the
@@ -133,7 +142,9 @@ class FedAdaptClient(NumPyClient):
         trainable = [k in names for k in self.keys]
         cut = False
         if local:
-            local, cut = hold_to_ranges(local, config)
+            local, cut = hold_to_ranges(
+                to_secure_scale(local, config, received), config
+            )
         update, weight, clipped = encode_update(
             sent,
             arrays,

@@ -81,25 +81,17 @@ from fedadapt.strategies.secagg import (
     SecAggPlusSettings,
     aggregate_problem,
     decode_sums,
+    entry_for,
     next_norm_bound,
     next_weight_cap,
     refusing_nodes,
+    reported_count,
     step_statistics,
     typical_norm,
-    widens_ranges,
 )
 from fedadapt.strategies.traffic import RoundTraffic, scalar_bytes
 
 WEIGHT_KEY = wire.NUM_EXAMPLES
-#: SecAgg+: a round in which a client's coordinates overflowed widens the
-#: local update's ranges by this factor for the next round (a client's v
-#: beyond the range the server sent would fail every round otherwise)
-RANGE_WIDENING = 4.0
-#: ... at most this far in all: a client that claims it cut its v every round
-#: could otherwise widen them without end, and each widening coarsens the
-#: quantisation of every client's v (4^4: the honest digits-mlp runs of
-#: issue #38 widened once or twice, to 4× or 16×, 5 seeds)
-MAX_RANGE_WIDENING = RANGE_WIDENING**4
 
 
 class LegacyFedAvgKwargs(ScreeningKwargs, StopKwargs, total=False):
@@ -267,7 +259,6 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         #: × the local update's ranges after rounds that overflowed them; kept
         #: (not reset after a good round: a client whose v is a few times
         #: v̂'s maximum would overflow every other round), costing precision only
-        self._range_widening = 1.0
         #: SecAgg+: nodes left out of every later round because their own
         #: clear metrics refused a round (at most ``num_hostile`` at a time;
         #: see :meth:`_quarantine`)
@@ -337,11 +328,11 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             settings: dict[str, Scalar] = dict(self.secagg_fit_config(server_round))
             self._local_ranges = {}
             if self.local_update is not None and self.local_update.masks_arrays():
-                self._local_ranges = {
-                    name: top * self._range_widening
-                    for name, top in self.local_update.secure_ranges().items()
-                }
+                self._local_ranges = self.local_update.secure_ranges()
                 settings[wire.SECAGG_LOCAL_RANGES] = json.dumps(self._local_ranges)
+                settings[wire.SECAGG_LOCAL_SCALES] = json.dumps(
+                    self.local_update.secure_scales()
+                )
             pairs = [
                 (proxy, FitIns(ins.parameters, {**ins.config, **settings}))
                 for proxy, ins in pairs
@@ -459,15 +450,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             self.secagg_weight_cap = next_weight_cap(
                 list(counts.values()), self.secagg.max_weight, self.max_weight_ratio
             )
-        local_cuts = {
-            str(c.node): c.metrics.get(wire.SECAGG_LOCAL_CLIPPED) for c in valid
-        }
-        if widens_ranges(clipped_counts, local_cuts):
-            # the local update's ranges may be what overflowed, or what the
-            # clients held their v to: wider next time, up to the limit
-            self._range_widening = min(
-                self._range_widening * RANGE_WIDENING, MAX_RANGE_WIDENING
-            )
+        held = sorted(
+            str(c.node)
+            for c in valid
+            if (reported_count(c.metrics.get(wire.SECAGG_LOCAL_CLIPPED)) or 0) > 0
+        )
+        if held:  # their v beyond the ranges, held to them (a diagnostic)
+            report["secagg_local_held"] = held
         if problem is None and failures and not self.accept_failures:
             problem = "clients failed and accept_failures is False"
         local, local_problem = self._secure_local_names(valid)
@@ -496,7 +485,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                     bound,
                     norm_bound=self.secagg_norm_bound,
                     clipping_range=self.secagg.clipping_range,
-                    local={name: self._local_ranges.get(name, 0.0) for name in local},
+                    local={n: entry_for(n, self._local_ranges, 0.0) for n in local},
                     rotated=rotated,
                     rotation_seed=server_round,
                     coordinate_bound=self.secagg.coordinate_bound,

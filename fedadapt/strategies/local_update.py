@@ -148,6 +148,16 @@ class LocalUpdate:
         """
         return {}
 
+    def secure_scales(self) -> dict[str, str]:
+        """Return the scale each array's values take before their range.
+
+        ``ratio`` (to the array the server sent this round) or ``log``
+        (:func:`~fedadapt.strategies.secagg.to_secure_scale`); names not
+        listed travel as themselves. :meth:`aggregate_mean` then receives
+        the mean in these scales. Called when the round is configured.
+        """
+        return {}
+
     @classmethod
     def summable(cls) -> bool:
         """Return whether the server half works from the mean of the arrays.
@@ -303,6 +313,14 @@ class LocalUpdates(LocalUpdate):
             f"{u.name}{MEMBER}{k}": top
             for u in self.updates
             for k, top in u.secure_ranges().items()
+        }
+
+    def secure_scales(self) -> dict[str, str]:
+        """Each member's scales, keyed ``<name>/<key>`` as its arrays are."""
+        return {
+            f"{u.name}{MEMBER}{k}": scale
+            for u in self.updates
+            for k, scale in u.secure_scales().items()
         }
 
     def aggregate_mean(

@@ -539,7 +539,7 @@ def encode_update(
         arrays.append(np.asarray(encode_in_range(above, 1.0, c), np.float64))
     ranges = local_ranges(config)
     for name, values in (local or {}).items():
-        top = ranges.get(name, 0.0)
+        top = entry_for(name, ranges, 0.0)
         arrays.append(np.asarray(encode_in_range(values, top, c), np.float64))
     ratio = settings.weight_ratio(weight)
     # beyond ±c, and NaN/Inf (which Flower's quantiser would turn into
@@ -558,6 +558,88 @@ def local_ranges(config: Mapping[str, Any]) -> dict[str, float]:
     return {str(k): float(v) for k, v in ranges.items()}
 
 
+def local_scales(config: Mapping[str, Any]) -> dict[str, str]:
+    """Return the scales a fit config gives local-update arrays ({} if none)."""
+    raw = config.get(wire.SECAGG_LOCAL_SCALES)
+    if not raw:
+        return {}
+    return {str(k): str(v) for k, v in json.loads(str(raw)).items()}
+
+
+def entry_for(name: str, table: Mapping[str, Any], default: Any) -> Any:
+    """Return ``name``'s entry in a table of local ranges or scales.
+
+    Its own, else that of the longest key ending in ``*`` that ``name``
+    starts with (``*``: every array; a composite local update's member
+    ``fed-lamb/*``), else ``default``. Before v̂ exists the server may not
+    know the names of the clients' arrays.
+    """
+    if name in table:
+        return table[name]
+    wild = [k for k in table if k.endswith("*") and name.startswith(k[:-1])]
+    return table[max(wild, key=len)] if wild else default
+
+
+#: The log scale's floor: ln(max(v, floor)/floor) travels, so a value at or
+#: below it decodes to it (Fed-LAMB's v̂ is at least ε = 1e-8 anyway)
+LOG_SCALE_FLOOR = 1e-12
+
+
+def to_secure_scale(
+    local: Mapping[str, NDArray[Any]],
+    config: Mapping[str, Any],
+    reference: Mapping[str, NDArray[Any]] | None = None,
+) -> dict[str, NDArray[Any]]:
+    """Return a client's local-update arrays in the scales the server sent.
+
+    ``ratio``: v / max(ref, floor), coordinate by coordinate, ``reference``
+    being what the server sent this round (Fed-LAMB's v̂); ``log``:
+    ln(max(v, floor)/floor) (:data:`LOG_SCALE_FLOOR`); no scale: as is. The
+    ranges then bound the transformed value ([0, top]), which is what
+    bounds a hostile client (see :meth:`~fedadapt.strategies.fedlamb.
+    SecondMoments.secure_scales`). Non-finite values are left as they are,
+    for the overflow count to refuse. Raises ValueError when a ratio has no
+    reference of the array's shape.
+    """
+    scales = local_scales(config)
+    out: dict[str, NDArray[Any]] = {}
+    for name, values in local.items():
+        a = np.asarray(values, np.float64)
+        scale = entry_for(name, scales, "")
+        if scale == "" or not np.all(np.isfinite(a)):
+            out[name] = np.asarray(values)
+        elif scale == "log":
+            out[name] = np.log(np.maximum(a, LOG_SCALE_FLOOR) / LOG_SCALE_FLOOR)
+        elif scale == "ratio":
+            ref = (reference or {}).get(name)
+            if ref is None or np.shape(ref) != a.shape:
+                raise ValueError(f"no reference of its shape for the ratio of '{name}'")
+            out[name] = a / np.maximum(np.asarray(ref, np.float64), LOG_SCALE_FLOOR)
+        else:
+            raise ValueError(f"unknown secure scale {scale!r} for '{name}'")
+    return out
+
+
+def from_secure_scale(
+    mean: NDArray[Any], scale: str, reference: NDArray[Any] | None = None
+) -> NDArray[np.float64]:
+    """Return the mean value from the revealed mean in ``scale``.
+
+    The inverse of :func:`to_secure_scale` on a mean: ``ratio`` is linear
+    (the weights sum to 1), so mean·max(ref, floor) is the weighted mean of
+    the values, exactly; ``log`` gives floor·exp(mean), their weighted
+    geometric mean.
+    """
+    m = np.asarray(mean, np.float64)
+    if scale == "log":
+        return LOG_SCALE_FLOOR * np.exp(m)
+    if scale == "ratio":
+        if reference is None:
+            raise ValueError("a ratio's mean needs its reference")
+        return m * np.maximum(np.asarray(reference, np.float64), LOG_SCALE_FLOOR)
+    return m
+
+
 def hold_to_ranges(
     local: Mapping[str, NDArray[Any]], config: Mapping[str, Any]
 ) -> tuple[dict[str, NDArray[Any]], bool]:
@@ -570,15 +652,18 @@ def hold_to_ranges(
     4×. Counted as an overflow, that refused the round (1–2 rounds of each
     honest run, issue #38), and a client that lies about it could refuse every
     round. Held to [0, top] instead, the value is what the encoding could carry
-    anyway, the round goes on, and the client says so (``secagg-local-clipped``)
-    so that the server widens the ranges. Arrays without a range, and non-finite
-    values (an overflow, as before), are left as they are.
+    anyway, the round goes on, and the client says so (``secagg-local-clipped``,
+    a diagnostic: since stop 65 the ranges are per coordinate and never
+    widened, see :meth:`~fedadapt.strategies.fedlamb.SecondMoments.
+    secure_scales`). Arrays without a range, and non-finite values (an
+    overflow, as before), are left as they are. Call it on the values in
+    their scale (:func:`to_secure_scale`).
     """
     ranges = local_ranges(config)
     held: dict[str, NDArray[Any]] = {}
     cut = False
     for name, values in local.items():
-        top = ranges.get(name, 0.0)
+        top = entry_for(name, ranges, 0.0)
         a = np.asarray(values)
         if top > 0 and np.all(np.isfinite(a)):
             kept = np.clip(a, 0.0, top).astype(a.dtype)
@@ -587,26 +672,6 @@ def hold_to_ranges(
         else:
             held[name] = a
     return held, cut
-
-
-def widens_ranges(clipped: Mapping[str, Any], local_cuts: Mapping[str, Any]) -> bool:
-    """Whether the next round's local-update ranges are to be wider.
-
-    True when a reply says a range was too narrow: a non-zero clip count
-    (``secagg-clipped``: its coordinates would overflow) or a local cut
-    (``secagg-local-clipped``: it held its v to the range,
-    :func:`hold_to_ranges`). Both are the clients' own claims, so one
-    client can widen the ranges every round, up to the strategy's limit
-    (``false-local-clip`` in ``benchmarks/attacks.py``: 0.6 points on
-    digits-mlp, 5 seeds, stop 65). Waiting for more than ``num-hostile``
-    claims would close that, but it cost the honest runs 0.5 points
-    (94.3 → 93.8 %): an honest client whose v outgrows its range is often
-    the only one, and its v then stays held round after round.
-    """
-    claims = [*clipped.values(), *local_cuts.values()]
-    return any(
-        isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in claims
-    )
 
 
 def reported_count(value: Any) -> int | None:

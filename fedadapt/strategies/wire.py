@@ -35,6 +35,10 @@ SECAGG_NORM_BOUND: Final = "secagg-norm-bound"
 #: JSON {array name: top}: a local update's array (Fed-LAMB's v) travels as
 #: the coordinates of [0, top] (missing: as is, within ±c)
 SECAGG_LOCAL_RANGES: Final = "secagg-local-ranges"
+#: JSON {array name: "ratio" | "log"}: the scale a local-update array's values
+#: take before their range applies (fedadapt.strategies.secagg.to_secure_scale;
+#: missing: the values themselves); a key ending in * covers every name it starts
+SECAGG_LOCAL_SCALES: Final = "secagg-local-scales"
 #: κ and the seed of the round's rotation: under a bound B_t, a client sends
 #: its update randomly rotated, each coordinate within ±κ·B_t/√D
 #: (fedadapt.strategies.secagg.rotate); absent or κ = 0: not rotated
@@ -61,7 +65,7 @@ UPDATE_SQ_NORM: Final = "update-sq-norm"  #: ‖x_i − x_t‖² over trainable 
 #: SecAgg+: coordinates the client's scaled arrays have beyond ±c (0: none)
 SECAGG_CLIPPED: Final = "secagg-clipped"
 #: SecAgg+: 1 when the client held its local-update arrays (Fed-LAMB's v) to
-#: the ranges the server sent, cutting some coordinate (the server widens them)
+#: the ranges the server sent, cutting some coordinate (a diagnostic)
 SECAGG_LOCAL_CLIPPED: Final = "secagg-local-clipped"
 #: SecAgg+: JSON list of the indices of the arrays sent rotated, as one block
 SECAGG_ROTATED: Final = "secagg-rotated"

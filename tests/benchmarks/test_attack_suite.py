@@ -317,16 +317,19 @@ def test_the_suite_runs_fed_lambs_moment_exchange_and_its_attack():
 
 
 def test_the_suite_runs_fed_lambs_moment_exchange_under_secagg():
-    """Under SecAgg+ each client's v travels in its masked vector (as is in
-    round 1, then in the range the server sends) and v̂ takes the revealed
-    mean, the calibration round's included, as the legacy strategy does;
-    ``moment-inflate`` then sends more than any range holds, so Flower's
-    mod clips each of its coordinates to +c: the per-client moment cap of
-    the plain mode cannot run. Oracles: ``aggregate_second_moments`` of the
-    honest v, and the closed form of one clipped reply in the mean."""
+    """Under SecAgg+ each client's v travels in its masked vector, in the
+    scales the server sends (stop 65): ln v in round 1, then v/v̂ coordinate
+    by coordinate, held to [0, 2]; v̂ takes the revealed mean (the geometric
+    one in round 1, the calibration round's included), as the legacy
+    strategy does. ``moment-inflate`` sends more than any range holds, so
+    Flower's mod clips each of its coordinates to the top: the log scale's
+    in round 1, 2·v̂ after. Oracles: the closed forms of those means, and
+    ``aggregate_second_moments`` for the max."""
+    import math
+
     import numpy as np
 
-    from fedadapt.strategies.fedlamb import aggregate_second_moments
+    from fedadapt.strategies.fedlamb import MOMENT_HEADROOM, MOMENT_LOG_TOP
 
     suite = _suite()
     overrides = {"seed": 0, **suite.DEFENCE_CONFIG["secagg+"]}
@@ -334,63 +337,73 @@ def test_the_suite_runs_fed_lambs_moment_exchange_under_secagg():
     options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+"]}
     _, plain = suite.harness_problem(0)
     received = []
-
-    def v_of(i):
-        return {"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
+    n = suite.NUM_CLIENTS
+    honest_v = [1e-3 * (i + 1) for i in range(n)]
 
     def train(i, x, server_round, poisoned, exchange):
         received.append((server_round, exchange))
-        state, n, _ = plain(i, x, server_round, poisoned, None)
-        return state, n, v_of(i)
+        state, num, _ = plain(i, x, server_round, poisoned, None)
+        return state, num, {"x": np.full(suite.DIM, honest_v[i], np.float32)}
+
+    def sent_in(r):
+        (sent,) = {tuple(e[1]["x"].tolist()) for rnd, e in received if rnd == r}
+        return np.array(sent)
+
+    def held_mean(v, v_hat):  # round ≥ 2: each v held to 2·v̂, then the mean
+        return sum(min(x, MOMENT_HEADROOM * v_hat) for x in v) / n
 
     x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
-    honest_v = [v_of(i) for i in range(suite.NUM_CLIENTS)]
-    _, counts = suite.federate(cfg, options, x0, train, 2, None, (), 0)
+    _, counts = suite.federate(cfg, options, x0, train, 3, None, (), 0)
     assert counts["refused-rounds"] == 0
-    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
-    want = aggregate_second_moments(None, honest_v, eps=1e-8)
-    np.testing.assert_allclose(sent, want["x"], rtol=1e-6)
+    geometric = math.exp(sum(math.log(v) for v in honest_v) / n)
+    np.testing.assert_allclose(sent_in(2), geometric, rtol=1e-4)
+    # round 2: client 9's v (2.2·v̂) is held to 2·v̂; the mean exceeds v̂
+    second = held_mean(honest_v, geometric)
+    assert honest_v[-1] > MOMENT_HEADROOM * geometric and second > geometric
+    np.testing.assert_allclose(sent_in(3), second, rtol=1e-4)
     received.clear()
-    suite.federate(cfg, options, x0, train, 2, "moment-inflate", [0], 0)
-    (sent,) = {tuple(e[1]["x"].tolist()) for r, e in received if r == 2}
-    settings = suite.secagg_settings(cfg, suite.build_rule(cfg)[0])
-    r = settings.weight_ratio(1)  # uniform: every client's factor
-    c = settings.clipping_range
-    others = sum(float(v["x"][0]) for v in honest_v[1:])
-    inflated = (c + r * others) / (suite.NUM_CLIENTS * r)
-    np.testing.assert_allclose(sent, inflated, rtol=1e-6)
-    assert inflated > 100 * max(want["x"])  # what the plain mode's cap prevents
+    suite.federate(cfg, options, x0, train, 3, "moment-inflate", [0], 0)
+    floor = 1e-12  # secagg.LOG_SCALE_FLOOR
+    logs = [math.log(MOMENT_LOG_TOP / floor)] + [
+        math.log(v / floor) for v in honest_v[1:]
+    ]
+    inflated = floor * math.exp(sum(logs) / n)
+    np.testing.assert_allclose(sent_in(2), inflated, rtol=1e-4)
+    assert inflated < 40 * geometric  # a factor of at most e^(ln(1e15)/10)
+    then = held_mean([MOMENT_HEADROOM * inflated] + honest_v[1:], inflated)
+    np.testing.assert_allclose(sent_in(3), max(then, inflated), rtol=1e-4)
 
 
-def test_a_false_local_clip_claim_widens_v_ranges_to_the_limit_and_no_further():
+def test_a_false_local_clip_claim_changes_nothing():
     """``false-local-clip`` sends an honest update and v but claims, every
-    round, that it held its v to the server's ranges; the suite widens them
-    as the legacy strategy does (``widens_ranges``): 4× after each round
-    with a claim, up to 4^4. The same v sent honestly stay within the ranges
-    (4·max v̂ ≥ 10⁻² here), so the honest run never widens them, and no
-    round of either run is refused."""
+    round, that it held its v to the server's ranges. Until stop 65 the
+    server widened the ranges 4× after any such claim (to 4^4 in four
+    rounds); the ranges are per coordinate and fixed since, so the run is
+    the honest run to the bit. Oracle: the honest run."""
     import numpy as np
-
-    from fedadapt.strategies.legacy import MAX_RANGE_WIDENING, RANGE_WIDENING
 
     suite = _suite()
     overrides = {"seed": 0, **suite.DEFENCE_CONFIG["secagg+"]}
     cfg = suite.strategy_config("fed-lamb", "synthetic-linreg", overrides)
     options = {**suite.apply_options(cfg), **suite.DEFENCES["secagg+"]}
     _, plain = suite.harness_problem(0)
+    seen = {}
 
     def train(i, x, server_round, poisoned, exchange):
+        seen.setdefault(server_round, exchange[1])
         state, n, _ = plain(i, x, server_round, poisoned, None)
         return state, n, {"x": np.full(suite.DIM, 1e-3 * (i + 1), np.float32)}
 
     x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
-    _, honest = suite.federate(cfg, options, x0, train, 6, None, (), 0)
-    assert honest["range-widening"] == 1.0 and honest["refused-rounds"] == 0
-    _, two = suite.federate(cfg, options, x0, train, 2, "false-local-clip", [0], 0)
-    assert two["range-widening"] == RANGE_WIDENING**2
-    _, six = suite.federate(cfg, options, x0, train, 6, "false-local-clip", [0], 0)
-    assert six["range-widening"] == MAX_RANGE_WIDENING == RANGE_WIDENING**4
-    assert six["refused-rounds"] == 0
+    honest, counts = suite.federate(cfg, options, x0, train, 6, None, (), 0)
+    honest_v_hat, seen = seen, {}
+    claimed, counts = suite.federate(
+        cfg, options, x0, train, 6, "false-local-clip", [0], 0
+    )
+    assert counts["refused-rounds"] == 0
+    np.testing.assert_array_equal(claimed["x"], honest["x"])
+    for r in range(2, 7):
+        np.testing.assert_array_equal(seen[r]["x"], honest_v_hat[r]["x"])
 
 
 def test_a_false_clip_report_under_secagg_costs_one_round_then_the_client_is_out():

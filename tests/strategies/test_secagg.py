@@ -765,25 +765,38 @@ def test_local_arrays_travel_in_their_range_after_the_norm():
 
 
 def test_second_moments_from_the_revealed_mean():
-    """v̂ = max(v̂, mean), as aggregate_second_moments of the clients' own v."""
+    """v̂ = max(v̂, mean): in round 1 from the mean of ln v (the geometric
+    mean), then from the mean of v/v̂ times v̂ (the clients' own mean,
+    exactly: aggregate_second_moments of their v), in the scales the
+    server sends (stop 65)."""
     from fedadapt.strategies.fedlamb import (
         MOMENT_HEADROOM,
+        MOMENT_LOG_TOP,
         SecondMoments,
         aggregate_second_moments,
     )
+    from fedadapt.strategies.secagg import LOG_SCALE_FLOOR
 
     rng = np.random.default_rng(0)
-    clients = [{"w": rng.uniform(0, 1e-3, 5).astype(np.float32)} for _ in range(3)]
-    exact = aggregate_second_moments(None, clients, eps=1e-8)
+    clients = [{"w": rng.uniform(1e-5, 1e-3, 5).astype(np.float32)} for _ in range(3)]
     moments = SecondMoments(max_moment_ratio=0.0)
     moments.configure(1, {"w": np.zeros(5, np.float32)}, 3)
-    assert moments.secure_ranges() == {}  # round 1: v travels as is
-    mean = {"w": np.mean([c["w"].astype(np.float64) for c in clients], axis=0)}
-    moments.aggregate_mean(mean, 3)
-    np.testing.assert_allclose(moments.v_hat["w"], exact["w"], rtol=1e-6)
+    span = math.log(MOMENT_LOG_TOP / LOG_SCALE_FLOOR)
+    assert moments.secure_scales() == {"*": "log"}  # round 1: every array
+    assert moments.secure_ranges() == {"*": pytest.approx(span)}
+    logs = [np.log(c["w"].astype(np.float64) / LOG_SCALE_FLOOR) for c in clients]
+    moments.aggregate_mean({"w": np.mean(logs, axis=0)}, 3)
+    geometric = np.exp(np.mean([np.log(c["w"].astype(np.float64)) for c in clients], 0))
+    np.testing.assert_allclose(moments.v_hat["w"], geometric, rtol=1e-6)
     assert moments.v_hat["w"].dtype == np.float32
-    top = moments.secure_ranges()["w"]
-    assert top == pytest.approx(MOMENT_HEADROOM * float(exact["w"].max()))
+    assert moments.secure_scales() == {"w": "ratio"}
+    assert moments.secure_ranges() == {"w": MOMENT_HEADROOM}
+    # round 2: the mean of v/v̂ times v̂ is the arithmetic mean of the v
+    first = moments.v_hat["w"].copy()
+    ratios = [c["w"].astype(np.float64) / first for c in clients]
+    moments.aggregate_mean({"w": np.mean(ratios, axis=0)}, 3)
+    exact = aggregate_second_moments({"w": first}, clients, eps=1e-8)
+    np.testing.assert_allclose(moments.v_hat["w"], exact["w"], rtol=1e-6)
     # a coordinate a quantisation step below 0 is a 0; v̂ never decreases
     before = moments.v_hat["w"].copy()
     moments.aggregate_mean({"w": np.full(5, -1e-9)}, 3)
@@ -791,6 +804,48 @@ def test_second_moments_from_the_revealed_mean():
     with pytest.raises(ValueError, match="other arrays"):
         moments.aggregate_mean({"b": np.zeros(5)}, 3)
     np.testing.assert_array_equal(moments.v_hat["w"], before)  # state kept
+
+
+def test_the_secure_scales_round_trip_and_bound_what_a_client_adds():
+    """to_secure_scale / from_secure_scale: a mean of ratios times the
+    reference is the mean of the values (linear); a mean of logs is their
+    geometric mean. What a client can add, held to the top of the range:
+    2·v̂ at each coordinate, however small v̂ is there (the array-wide range
+    before stop 65 let it add a tenth of 4·max v̂ everywhere)."""
+    from fedadapt.strategies.secagg import (
+        LOG_SCALE_FLOOR,
+        entry_for,
+        from_secure_scale,
+        to_secure_scale,
+    )
+
+    v_hat = np.array([1e-8, 1e-4, 1e-2])
+    values = [np.array([2e-8, 1e-4, 5e-3]), np.array([0.0, 3e-4, 1e-2])]
+    config = {
+        wire.SECAGG_LOCAL_SCALES: json.dumps({"w": "ratio", "m/*": "log"}),
+        wire.SECAGG_LOCAL_RANGES: json.dumps({"w": 2.0}),
+    }
+    scaled = [to_secure_scale({"w": v, "m/b": v}, config, {"w": v_hat}) for v in values]
+    np.testing.assert_allclose(scaled[0]["w"], [2.0, 1.0, 0.5])
+    mean = np.mean([r["w"] for r in scaled], axis=0)
+    np.testing.assert_allclose(
+        from_secure_scale(mean, "ratio", v_hat), np.mean(values, axis=0), rtol=1e-12
+    )
+    logs = np.mean([r["m/b"] for r in scaled], axis=0)
+    floored = [np.maximum(v, LOG_SCALE_FLOOR) for v in values]
+    np.testing.assert_allclose(
+        from_secure_scale(logs, "log"), np.sqrt(floored[0] * floored[1]), rtol=1e-9
+    )
+    # a hostile client at the top of the ratio range: 2·v̂ at every coordinate
+    top = entry_for("w", {"w": 2.0}, 0.0)
+    lifted = from_secure_scale((top + scaled[0]["w"]) / 2, "ratio", v_hat)
+    np.testing.assert_allclose(lifted, (2 * v_hat + values[0]) / 2, rtol=1e-12)
+    assert entry_for("fed-lamb/w", {"*": 1.0, "fed-lamb/*": 2.0}, 0.0) == 2.0
+    assert entry_for("x", {"y": 1.0}, 0.0) == 0.0
+    with pytest.raises(ValueError, match="no reference"):
+        to_secure_scale({"w": values[0]}, config, None)
+    nan = to_secure_scale({"w": np.array([np.nan])}, config, {"w": v_hat[:1]})
+    assert np.isnan(nan["w"][0])  # left for the overflow count
 
 
 def _secure_fed_lamb():
@@ -802,7 +857,18 @@ def _secure_fed_lamb():
     )
     strategy._sent = {"w": np.zeros(3, np.float32)}
     strategy.local_update.configure(1, strategy._sent, 2)
+    strategy._local_ranges = strategy.local_update.secure_ranges()  # as configure_fit
     return strategy
+
+
+def _log_entries(v):
+    """Round 1's entries of v as the clients send them: ln v in its range."""
+    from fedadapt.strategies.fedlamb import MOMENT_LOG_TOP
+    from fedadapt.strategies.secagg import LOG_SCALE_FLOOR, encode_in_range
+
+    span = math.log(MOMENT_LOG_TOP / LOG_SCALE_FLOOR)
+    c = SecAggPlusSettings().clipping_range
+    return encode_in_range(np.log(v / LOG_SCALE_FLOOR), span, c)
 
 
 def test_the_fed_lamb_strategy_steps_on_the_mean_and_keeps_v_hat():
@@ -811,61 +877,32 @@ def test_the_fed_lamb_strategy_steps_on_the_mean_and_keeps_v_hat():
     v = np.array([1e-4, 4e-4, 2e-4])
     names = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
     parameters, metrics = strategy.aggregate_fit(
-        1, _results([mean, a, flag, v], [names] * 2), []
+        1, _results([mean, a, flag, _log_entries(v)], [names] * 2), []
     )
     assert parameters is not None
     np.testing.assert_allclose(strategy.local_update.v_hat["w"], v, rtol=1e-6)
     assert metrics["strategy-v-hat-mean"] == pytest.approx(v.mean(), rel=1e-6)
-    # round 2 sends v̂'s range: 4 × its largest coordinate
-    assert strategy.local_update.secure_ranges() == {"w": pytest.approx(1.6e-3)}
+    # round 2 sends v/v̂'s range: 2 at every coordinate
+    assert strategy.local_update.secure_ranges() == {"w": 2.0}
     # replies that name other arrays, or none, are no usable aggregate
     strategy = _secure_fed_lamb()
     bad = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
     other = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["b"])}
     assert strategy.aggregate_fit(
-        1, _results([mean, a, flag, v], [bad, other]), []
+        1, _results([mean, a, flag, _log_entries(v)], [bad, other]), []
     ) == (None, {})
     assert strategy.local_update.v_hat is None
 
 
-def test_an_overflow_widens_the_moment_ranges_for_the_next_round():
-    strategy = _secure_fed_lamb()
-    strategy.local_update.v_hat = {"w": np.full(3, 1e-4, np.float32)}
-    strategy._range_widening = 1.0
-    over = {wire.SECAGG_CLIPPED: 2, wire.LOCAL_ARRAYS: json.dumps(["w"])}
-    flag, a, v = np.array([0.0]), np.array([1e-3]), np.zeros(3)
-    assert strategy.aggregate_fit(
-        1, _results([np.zeros(3), a, flag, v], [over] * 2), []
-    ) == (None, {})
-    assert strategy._range_widening == 4.0  # the next round's ranges are 4× wider
-    # and stay so after a good round (else the same client overflows again)
-    fine = {wire.SECAGG_CLIPPED: 0, wire.LOCAL_ARRAYS: json.dumps(["w"])}
-    parameters, _ = strategy.aggregate_fit(
-        2, _results([np.zeros(3), a, flag, v], [fine] * 2), []
-    )
-    assert parameters is not None and strategy._range_widening == 4.0
-
-
-def test_any_clip_claim_widens_the_ranges_and_nothing_else_does():
-    """``widens_ranges``: a non-zero clip count or local cut of any one reply
-    widens the next round's ranges; zeros, missing values and claims that are
-    no finite number (a string, NaN) do not."""
-    from fedadapt.strategies.secagg import widens_ranges
-
-    assert not widens_ranges({"1": 0, "2": 0}, {"1": 0, "2": None})
-    assert not widens_ranges({"1": "many", "2": math.nan}, {"1": math.inf})
-    assert widens_ranges({"1": 0, "2": 3}, {})
-    assert widens_ranges({"1": 0}, {"1": 0, "2": 1})
-    assert widens_ranges({}, {"7": 1.0})
-
-
-def test_a_v_beyond_its_range_is_held_to_it_and_widens_the_ranges_up_to_a_limit():
+def test_a_v_beyond_its_range_is_held_to_it_and_the_ranges_stay():
     """An honest v can outgrow the range the server sent (Fed-LAMB on
     digits-mlp: 18× max v̂ against 4× in round 2). Counted as an overflow it
-    refused the round; a client now holds it to [0, top], says so with
-    ``secagg-local-clipped``, and the round is used; the server widens the
-    ranges 4× per such round, to at most 4^4, since a client can claim a cut
-    every round. Oracle: closed form."""
+    refused the round; a client now holds it to [0, top] and says so with
+    ``secagg-local-clipped``, and the round is used. Since stop 65 the
+    ranges are per coordinate, 2 in v/v̂, and never widened (a wider ratio
+    would let a hostile client compound its lift through v̂'s running max,
+    and any client can claim a cut): the round's report names the node.
+    Oracle: closed form."""
     config = {wire.SECAGG_LOCAL_RANGES: json.dumps({"w": 2.0})}
     v = {"w": np.array([0.5, 3.0, 2.0], np.float32), "free": np.array([9.0])}
     held, cut = hold_to_ranges(v, config)
@@ -877,21 +914,31 @@ def test_a_v_beyond_its_range_is_held_to_it_and_widens_the_ranges_up_to_a_limit(
     assert np.isnan(nan[0]) and nan[1] == 3.0  # left for the overflow count
     strategy = _secure_fed_lamb()
     strategy.local_update.v_hat = {"w": np.full(3, 1e-4, np.float32)}
+    strategy._local_ranges = strategy.local_update.secure_ranges()
     cutting = {
         wire.SECAGG_CLIPPED: 0,
         wire.SECAGG_LOCAL_CLIPPED: 1,
         wire.LOCAL_ARRAYS: json.dumps(["w"]),
     }
     fine = {**cutting, wire.SECAGG_LOCAL_CLIPPED: 0}
-    flag, a, mean_v = np.array([0.0]), np.array([1e-3]), np.full(3, 2e-4)
-    aggregate = [np.zeros(3), a, flag, mean_v]
-    for server_round in range(1, 7):
+    c = SecAggPlusSettings().clipping_range
+    flag, a = np.array([0.0]), np.array([1e-3])
+    ratio_entry = np.full(3, 0.0)  # encode_in_range(1.0, 2.0, c): v = v̂
+    for server_round in range(1, 5):
         parameters, _ = strategy.aggregate_fit(
-            server_round, _results(aggregate, [cutting, fine]), []
+            server_round,
+            _results([np.zeros(3), a, flag, ratio_entry], [cutting, fine]),
+            [],
         )
         assert parameters is not None  # used, not refused
-        assert strategy._range_widening == min(4.0**server_round, 4.0**4)
+        assert strategy.round_reports[server_round]["secagg_local_held"] == ["0"]
+        assert strategy.local_update.secure_ranges() == {"w": 2.0}
     assert not strategy.secagg_quarantined
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], 1e-4, rtol=1e-6)
+    # the top of the range (+c) is 2·v̂: what one client can add per round
+    strategy.aggregate_fit(
+        5, _results([np.zeros(3), a, flag, np.full(3, c)], [fine, fine]), []
+    )
     np.testing.assert_allclose(strategy.local_update.v_hat["w"], 2e-4, rtol=1e-6)
 
 
@@ -1297,11 +1344,18 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
     Same seed, SecAgg+ against plain (the per-client moment clip off in the
     plain run, as it is under SecAgg+). No message the server receives
     carries a client's model or v_i, and the strategy sees one masked mean
-    per round; round 1's v̂ (v as is, step 2c/Q) lies within
-    e = 2c/Q of the plain run's, round 2's v̂ (v in [0, 4·max v̂]) within
-    its own bound of the plain run's v̂ plus what round 1's error changed.
+    per round. Round 1's clients send the same v in both runs (same model,
+    no v̂ yet): under SecAgg+ they travel as ln v (stop 65), so round 1's
+    v̂ is their geometric mean (floored at ε), within the log scale's
+    quantisation step; round 2's v travel as v/v̂ held to [0, 2], so its
+    v̂ lies between round 1's and twice it.
     """
-    from fedadapt.strategies.fedlamb import SecondMoments
+    from fedadapt.strategies.fedlamb import (
+        MOMENT_HEADROOM,
+        MOMENT_LOG_TOP,
+        SecondMoments,
+    )
+    from fedadapt.strategies.secagg import LOG_SCALE_FLOOR
 
     v_hats: list[dict] = []
     for name in ("aggregate", "aggregate_mean"):
@@ -1328,12 +1382,21 @@ def test_fed_lamb_under_secagg_tracks_the_plain_v_hat(tmp_path, monkeypatch):
         assert len(entry["results"][0][2]) == 2 * len(entry["sent"]) + 2
     # no message the server received carries a client's model or moments
     _assert_nothing_individual(received, own, [])
-    e = SecAggPlusSettings().step  # 2c/Q, uniform weighting
+    settings = SecAggPlusSettings()  # e = 2c/Q in entry units, uniform weights
+    log_step = settings.step * math.log(MOMENT_LOG_TOP / LOG_SCALE_FLOOR)
+    log_step /= 2 * settings.clipping_range  # ... in units of ln v
     assert len(v_hats) == len(plain) == 2
-    for k, v in plain[0].items():
-        assert np.abs(v_hats[0][k] - v).max() <= e
-    for k, v in plain[1].items():
-        assert np.abs(v_hats[1][k] - v).max() <= 2 * e
+    names = list(plain[0])
+    client_v = [arrays[len(arrays) - len(names) :] for arrays in own]
+    for j, k in enumerate(names):
+        logs = [np.log(np.maximum(v[j].astype(np.float64), LOG_SCALE_FLOOR))
+                for v in client_v]  # fmt: skip
+        geometric = np.maximum(np.exp(np.mean(logs, axis=0)), 1e-8)  # v̂_0 = ε
+        gap = np.abs(np.log(v_hats[0][k].astype(np.float64)) - np.log(geometric))
+        assert gap.max() <= log_step + 1e-6  # + float32's rounding of v̂
+        first, second = v_hats[0][k], v_hats[1][k]
+        assert np.all(second >= first)  # a running max
+        assert np.all(second <= MOMENT_HEADROOM * first * (1 + 1e-5))
     assert data["rounds"][-1]["strategy"]["v-hat-mean"] > 0
 
 
@@ -1410,11 +1473,13 @@ def test_a_combination_masks_and_folds_each_members_arrays():
     both = LocalUpdates(SecondMoments(max_moment_ratio=0.0), FedProx(0.1))
     assert both.masks_arrays() and not LocalUpdates(FedProx(0.1), _Dyn()).masks_arrays()
     both.configure(1, {"w": np.zeros(3, np.float32)}, 2)
-    assert both.secure_ranges() == {}
+    assert both.secure_scales() == {"fed-lamb/*": "log"}
+    assert set(both.secure_ranges()) == {"fed-lamb/*"}
     v = np.array([1e-4, 2e-4, 4e-4])
-    both.aggregate_mean({"fed-lamb/w": v}, 2)
+    both.aggregate_mean({"fed-lamb/w": np.log(v / 1e-12)}, 2)
     np.testing.assert_allclose(both.updates[0].v_hat["w"], v, rtol=1e-6)
-    assert both.secure_ranges() == {"fed-lamb/w": pytest.approx(1.6e-3)}
+    assert both.secure_ranges() == {"fed-lamb/w": 2.0}
+    assert both.secure_scales() == {"fed-lamb/w": "ratio"}
     with pytest.raises(ValueError, match="names none of"):
         both.aggregate_mean({"w": v}, 2)
     strategy = legacy.FedLAMB(
