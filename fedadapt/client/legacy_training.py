@@ -162,6 +162,10 @@ class FedAdaptClient(NumPyClient):
         metrics[wire.SECAGG_CLIPPED] = clipped
         if local:
             metrics[wire.SECAGG_LOCAL_CLIPPED] = int(cut)
+            # the scales v took, echoed: the server refuses a reply without
+            metrics[wire.SECAGG_LOCAL_SCALES] = str(
+                config.get(wire.SECAGG_LOCAL_SCALES, "")
+            )
         return update, weight, metrics
 
     def evaluate(

@@ -256,6 +256,7 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         )
         #: the ranges of the local update's arrays sent this round (SecAgg+)
         self._local_ranges: dict[str, float] = {}
+        self._local_scales = ""  # the secagg-local-scales this round sent
         #: × the local update's ranges after rounds that overflowed them; kept
         #: (not reset after a good round: a client whose v is a few times
         #: v̂'s maximum would overflow every other round), costing precision only
@@ -330,9 +331,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
             if self.local_update is not None and self.local_update.masks_arrays():
                 self._local_ranges = self.local_update.secure_ranges()
                 settings[wire.SECAGG_LOCAL_RANGES] = json.dumps(self._local_ranges)
-                settings[wire.SECAGG_LOCAL_SCALES] = json.dumps(
-                    self.local_update.secure_scales()
-                )
+                self._local_scales = json.dumps(self.local_update.secure_scales())
+                settings[wire.SECAGG_LOCAL_SCALES] = self._local_scales
             pairs = [
                 (proxy, FitIns(ins.parameters, {**ins.config, **settings}))
                 for proxy, ins in pairs
@@ -460,6 +460,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         if problem is None and failures and not self.accept_failures:
             problem = "clients failed and accept_failures is False"
         local, local_problem = self._secure_local_names(valid)
+        if local and local_problem is None:
+            local_problem = self._secure_local_scales(server_round, valid, report)
         problem = problem or local_problem
         rotated, rotated_problem = self._secure_rotated(valid)
         problem = problem or rotated_problem
@@ -614,6 +616,29 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         log(WARNING, "Round %s: node(s) %s refused the secure aggregate with "
             "their own clear metrics; left out of later rounds",
             server_round, ", ".join(nodes))  # fmt: skip
+
+    def _secure_local_scales(
+        self, server_round: int, valid: Sequence[TrainReply], report: dict[str, Any]
+    ) -> str | None:
+        """Return why the round fails when a reply did not echo the v scales.
+
+        Every reply echoes the ``secagg-local-scales`` it was sent; one that
+        does not (a client from before the scales sends v unscaled, which
+        the masked sum would mix silently into v̂) refuses the round, and
+        its node is quarantined as for a missing clip count.
+        """
+        wrong = sorted(
+            str(c.node)
+            for c in valid
+            if str(c.metrics.get(wire.SECAGG_LOCAL_SCALES, "")) != self._local_scales
+        )
+        if not wrong:
+            return None
+        self._quarantine(server_round, wrong, report)
+        return (
+            f"node(s) {', '.join(wrong)} did not echo {wire.SECAGG_LOCAL_SCALES} "
+            "(a client that predates it sends its v unscaled: update it)"
+        )
 
     def _secure_local_names(
         self, valid: Sequence[TrainReply]

@@ -37,7 +37,9 @@ SECAGG_NORM_BOUND: Final = "secagg-norm-bound"
 SECAGG_LOCAL_RANGES: Final = "secagg-local-ranges"
 #: JSON {array name: "ratio" | "log"}: the scale a local-update array's values
 #: take before their range applies (fedadapt.strategies.secagg.to_secure_scale;
-#: missing: the values themselves); a key ending in * covers every name it starts
+#: missing: the values themselves); a key ending in * covers every name it starts.
+#: A client echoes it in its clear metrics: a reply without the echo (a client
+#: that predates the scales sends v unscaled) refuses the secure round
 SECAGG_LOCAL_SCALES: Final = "secagg-local-scales"
 #: κ and the seed of the round's rotation: under a bound B_t, a client sends
 #: its update randomly rotated, each coordinate within ±κ·B_t/√D

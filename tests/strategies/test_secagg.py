@@ -894,6 +894,37 @@ def test_the_fed_lamb_strategy_steps_on_the_mean_and_keeps_v_hat():
     assert strategy.local_update.v_hat is None
 
 
+def test_a_reply_that_does_not_echo_the_v_scales_refuses_the_round():
+    """A client from before stop 65 sends v unscaled (its raw values, ~1e-4,
+    would read as ratios near 0 and shrink v̂ without a word): each reply
+    echoes the ``secagg-local-scales`` it was sent, and one that does not
+    refuses the round (the model and v̂ kept) and is quarantined, as for a
+    missing clip count. Oracle: the honest round before, v̂ unchanged."""
+    strategy = _secure_fed_lamb()
+    strategy._local_scales = json.dumps(strategy.local_update.secure_scales())
+    mean, flag, a = np.array([0.01, -0.02, 0.0]), np.array([0.0]), np.array([1e-3])
+    v = np.array([1e-4, 4e-4, 2e-4])
+    echo = {
+        wire.SECAGG_CLIPPED: 0,
+        wire.LOCAL_ARRAYS: json.dumps(["w"]),
+        wire.SECAGG_LOCAL_SCALES: strategy._local_scales,
+    }
+    old = {k: x for k, x in echo.items() if k != wire.SECAGG_LOCAL_SCALES}
+    entries = [mean, a, flag, _log_entries(v)]
+    assert strategy.aggregate_fit(1, _results(entries, [echo, old]), []) == (None, {})
+    assert strategy.local_update.v_hat is None
+    assert strategy.secagg_quarantined == {"1"}
+    assert strategy.round_reports[1]["secagg_quarantined"] == ["1"]
+    wrong = {**echo, wire.SECAGG_LOCAL_SCALES: json.dumps({"*": "ratio"})}
+    assert strategy.aggregate_fit(1, _results(entries, [echo, wrong]), []) == (
+        None,
+        {},
+    )
+    parameters, _ = strategy.aggregate_fit(1, _results(entries, [echo, echo]), [])
+    assert parameters is not None
+    np.testing.assert_allclose(strategy.local_update.v_hat["w"], v, rtol=1e-6)
+
+
 def test_a_v_beyond_its_range_is_held_to_it_and_the_ranges_stay():
     """An honest v can outgrow the range the server sent (Fed-LAMB on
     digits-mlp: 18× max v̂ against 4× in round 2). Counted as an overflow it
