@@ -167,6 +167,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "secagg+-C1": {},
     "secagg+-no-ceiling": {"max_norm_growth": 0.0},  # before stop 58
     "secagg+-one-class": {},
+    "one-class": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -184,6 +185,7 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     # Fed-LAMB's own non-IID split (its smoke suite's): one class per client
     "secagg+-one-class": {"secure-aggregation": "secagg+", "partition": "shards",
                           "classes-per-client": 1},
+    "one-class": {"partition": "shards", "classes-per-client": 1},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
