@@ -24,6 +24,7 @@ returned model by its digest and trains from the kept w_{t+1} again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -220,7 +221,8 @@ class RunControl:
         ``fedadapt-strategy.arrays`` (ArrayRecord: the rule's moments and,
         with ``average_last_two``, the iterate w_{t+1}),
         ``fedadapt-strategy.values`` (ConfigRecord: step count, last round,
-        the stop rule's counters) and ``fedadapt-strategy.layout``. Keep
+        the stop rule's counters; the legacy strategy's SecAgg+ bound,
+        weight cap and quarantine) and ``fedadapt-strategy.layout``. Keep
         them in ``context.state`` (``context.state.update(...)``) or write
         :func:`fedadapt.strategies.records_to_bytes` to a file.
         """
@@ -235,7 +237,17 @@ class RunControl:
         aggregator = self.aggregator_state.state_dict()
         if aggregator:  # centered clipping's centre
             state["aggregator"] = aggregator
+        host = self._host_state()
+        if host:  # the legacy strategy's SecAgg+ state
+            state["host"] = host
         return state_to_records(state, STATE_NAME)
+
+    def _host_state(self) -> dict[str, Any]:
+        """Adapter hook: its own state to keep with the rule's (none here)."""
+        return {}
+
+    def _load_host_state(self, state: Mapping[str, Any]) -> None:
+        """Adapter hook: restore :meth:`_host_state` (``{}``: none was kept)."""
 
     def load_state_records(self, records: RecordDict) -> None:
         """Restore :meth:`state_to_records` output (before ``start``).
@@ -250,6 +262,7 @@ class RunControl:
         if self.local_update is not None and "local_update" in state:
             self.local_update.load_state_dict(state["local_update"])
         self.aggregator_state.load_state_dict(state.get("aggregator") or {})
+        self._load_host_state(state.get("host") or {})
         if self.stop_rule is not None and state["stop"] is not None:
             self.stop_rule.load_state_dict(state["stop"])
         self.completed_round = int(state["round"])

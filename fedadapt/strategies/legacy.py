@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from logging import ERROR, WARNING
 from typing import Any, Unpack
 
@@ -257,12 +257,10 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         #: the ranges of the local update's arrays sent this round (SecAgg+)
         self._local_ranges: dict[str, float] = {}
         self._local_scales = ""  # the secagg-local-scales this round sent
-        #: × the local update's ranges after rounds that overflowed them; kept
-        #: (not reset after a good round: a client whose v is a few times
-        #: v̂'s maximum would overflow every other round), costing precision only
         #: SecAgg+: nodes left out of every later round because their own
         #: clear metrics refused a round (at most ``num_hostile`` at a time;
-        #: see :meth:`_quarantine`)
+        #: see :meth:`_quarantine`); kept in the state records with B_t, the
+        #: weight cap and the calibration flag (:meth:`_host_state`)
         self.secagg_quarantined: set[str] = set()
         self.local_update = local_update
         self.array_names = None if names is None else list(names)
@@ -593,6 +591,48 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
                 "this round asked for)"
             )
         return rotated, None
+
+    def _host_state(self) -> dict[str, Any]:
+        """SecAgg+'s server state, for :meth:`state_to_records`.
+
+        B_t, the weight cap, whether the next round calibrates, and the
+        quarantined nodes: without them a resumed run would calibrate
+        again (a round without a step), accept any weight up to Flower's
+        ``max_weight`` for a round, and sample the quarantined nodes again.
+        """
+        if self.secagg is None:
+            return {}
+        return {
+            "secagg": {
+                "norm-bound": float(self.secagg_norm_bound),
+                "weight-cap": float(self.secagg_weight_cap),
+                "calibrating": bool(self.secagg_calibrating),
+                "quarantined": json.dumps(sorted(self.secagg_quarantined)),
+            }
+        }
+
+    def _load_host_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`_host_state`; a state without it leaves these fresh.
+
+        Raises ValueError for a damaged entry (a bound or cap that is no
+        finite number ≥ 0, a quarantine that is no list of node ids).
+        """
+        saved = state.get("secagg")
+        if saved is None or self.secagg is None:
+            return
+        numbers = {key: float(saved[key]) for key in ("norm-bound", "weight-cap")}
+        for key, value in numbers.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"saved SecAgg+ {key} must be ≥ 0, got {value}")
+        nodes = json.loads(str(saved["quarantined"]))
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ValueError(
+                f"saved SecAgg+ quarantine is not a list of node ids: {nodes!r}"
+            )
+        self.secagg_norm_bound = numbers["norm-bound"]
+        self.secagg_weight_cap = numbers["weight-cap"]
+        self.secagg_calibrating = bool(saved["calibrating"])
+        self.secagg_quarantined = set(nodes)
 
     def _quarantine(
         self, server_round: int, nodes: Sequence[str], report: dict[str, Any]

@@ -589,6 +589,55 @@ def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
     assert refusing_nodes({"0": 0, "1": 0}, counts, 0.0) == []
 
 
+def test_the_secure_state_survives_the_state_records_quarantine_included(tmp_path):
+    """A run resumed from its state records goes on as the saved one would:
+    the same B_t, weight cap and calibration flag, and the node quarantined
+    before the save is still left out (without the state it would be
+    sampled again, and the resumed run would calibrate a round without a
+    step). Oracle: the saved strategy itself, continued."""
+    from flwr.server import SimpleClientManager
+
+    from fedadapt.strategies import records_from_bytes, records_to_bytes
+
+    strategy = _secure_fedexp(max_update_norm_ratio=2.0)
+    mean = np.array([0.1, -0.2, 0.05])
+    sums = [mean, np.array([0.3]), np.array([0.0]), _histogram([0.3, 0.5, 0.4])]
+    ok = {wire.SECAGG_CLIPPED: 0}
+    strategy.aggregate_fit(1, _results(sums, [ok] * 3, [10, 12, 11]), [])
+    assert not strategy.secagg_calibrating and strategy.secagg_norm_bound > 0
+    lying = [ok, {wire.SECAGG_CLIPPED: 5}, ok]
+    assert strategy.aggregate_fit(2, _results(sums, lying), [])[0] is None
+    assert strategy.secagg_quarantined == {"1"}
+    data = records_to_bytes(strategy.state_to_records())
+
+    resumed = _secure_fedexp(max_update_norm_ratio=2.0)
+    assert resumed.secagg_calibrating  # fresh: it would calibrate again
+    resumed.load_state_records(records_from_bytes(data))
+    for name in ("secagg_norm_bound", "secagg_weight_cap", "secagg_calibrating",
+                 "secagg_quarantined"):  # fmt: skip
+        assert getattr(resumed, name) == getattr(strategy, name), name
+    assert resumed.secagg_fit_config(3) == strategy.secagg_fit_config(3)
+
+    class Node:
+        def __init__(self, cid):
+            self.cid = cid
+
+    manager = SimpleClientManager()
+    for i in range(3):
+        manager.register(Node(str(i)))
+    model = ndarrays_to_parameters([np.array([1.0, 2.0, 3.0], np.float32)])
+    assert sorted(p.cid for p, _ in resumed.configure_fit(3, model, manager)) == [
+        "0",
+        "2",
+    ]
+    # a strategy without SecAgg+ keeps no such state, and a damaged one is named
+    assert "host" not in str(legacy.FedExP().state_to_records())
+    records = strategy.state_to_records()
+    records.config_records["fedadapt-strategy.values"]["host/secagg/weight-cap"] = -1.0
+    with pytest.raises(ValueError, match="weight-cap"):
+        _secure_fedexp(max_update_norm_ratio=2.0).load_state_records(records)
+
+
 def test_impossible_sums_under_the_rotated_block_step_without_extrapolation():
     """The suite's ``stall``: a client sends a full update with a zero norm
     claim, so that A < ‖Δ̄‖² where the clients agree. Under the rotated block
