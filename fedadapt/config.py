@@ -196,8 +196,9 @@ _APP_KEYS: tuple[Key, ...] = (
     Key("client-beta-2", 0.999, "β2 of the client optimizers adam, fed-lamb, "
         "fed-ams.", minimum=0.0, maximum=0.99999),
     Key("fed-lamb-lambda", 0.01, "Fed-LAMB weight decay λ.", minimum=0.0),
-    Key("client-lr", 0.1, "Client learning rate η_l (η0 for Δ-SGD).",
-        minimum=0.0, exclusive_minimum=True),
+    Key("client-lr", 0.0, "Client learning rate η_l (η0 for Δ-SGD); 0: the "
+        "client optimizer's default (fed-lamb 0.03, fed-ams 0.001, the others "
+        "0.1).", minimum=0.0),
     Key("client-lr-decay", 1.0, "Client learning rate decay per round: round t "
         "trains with client-lr·decay^(t−1) (DUA/FedExP image tasks: 0.998).",
         minimum=0.0, maximum=1.0, exclusive_minimum=True),
@@ -476,6 +477,29 @@ _BOOL_VALUES: dict[str, dict[bool, str]] = {
 }
 #: client optimizers whose second moments only the fed-lamb strategy handles
 SECOND_MOMENT_OPTIMIZERS = ("fed-lamb", "fed-ams")
+#: ``client-lr`` 0: the client optimizer's own default, else this one.
+DEFAULT_CLIENT_LR = 0.1
+#: The optimizers whose step SGD's 0.1 makes diverge (issue #38's suite, 3
+#: seeds, the absent control: Fed-LAMB at 0.1 ends mnist5k-cnn at chance in
+#: every run, Fed-AMS both tasks). The spec's defaults are 1e-2 and 1e-3
+#: (algorithms-spec, Fed-LAMB table: "tune over {1e-4, 3e-4, …, 1e-1}");
+#: Fed-AMS keeps its 1e-3 (digits-mlp 93.3 %, 3e-3 93.1, 1e-2 20.3); for
+#: Fed-LAMB 3e-2 is the best of that grid on both tasks (digits-mlp 20
+#: rounds: 94.1 % against 84.6 at 1e-2 and 91.9 at 1e-1; mnist5k-cnn 10
+#: rounds: 94.7 against 89.7 and 10.0), so we take it over the spec's 1e-2.
+OPTIMIZER_CLIENT_LR = {"fed-lamb": 0.03, "fed-ams": 0.001}
+
+
+def client_lr(config: Mapping[str, Any]) -> float:
+    """Return the client learning rate of ``config``.
+
+    ``client-lr`` as given, or for 0 the client optimizer's default
+    (:data:`OPTIMIZER_CLIENT_LR`, else :data:`DEFAULT_CLIENT_LR`).
+    """
+    given = float(config["client-lr"])
+    if given > 0:
+        return given
+    return OPTIMIZER_CLIENT_LR.get(str(config["client-optimizer"]), DEFAULT_CLIENT_LR)
 
 
 def defaults() -> dict[str, Scalar]:
@@ -499,6 +523,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         config[name] = KEYS[name].check(value)
     _check_strategy_keys(config)
     _check_local_update_optimizer(config)
+    config["client-lr"] = client_lr(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
             "local-epochs", "local-epochs and local-steps are both 0: no local work"

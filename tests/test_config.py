@@ -21,7 +21,25 @@ from tests.helpers import ROOT
 
 
 def test_defaults_are_valid():
-    assert validate_run_config({}) == defaults()
+    # client-lr 0 in pyproject.toml stands for the optimizer's default
+    assert validate_run_config({}) == {**defaults(), "client-lr": 0.1}
+
+
+def test_client_lr_0_is_the_client_optimizers_default():
+    """Fed-LAMB and Fed-AMS diverge at SGD's 0.1 (issue #38's suite: every
+    Fed-LAMB run of mnist5k-cnn at chance); unless given, they train at
+    their own rates, and a given rate is kept as it is."""
+    lamb = {"strategy": "fed-lamb", "client-optimizer": "fed-lamb"}
+    assert validate_run_config(lamb)["client-lr"] == 0.03
+    ams = {**lamb, "client-optimizer": "fed-ams"}
+    assert validate_run_config(ams)["client-lr"] == 0.001
+    assert validate_run_config({"client-optimizer": "adam"})["client-lr"] == 0.1
+    assert validate_run_config({**lamb, "client-lr": 0.1})["client-lr"] == 0.1
+    assert validate_run_config({**ams, "client-lr": 0})["client-lr"] == 0.001
+    again = validate_run_config(validate_run_config(lamb))  # results.json's config
+    assert again["client-lr"] == 0.03
+    with pytest.raises(ConfigError, match="client-lr"):
+        validate_run_config({"client-lr": -0.1})
 
 
 @pytest.mark.parametrize(
@@ -33,7 +51,7 @@ def test_defaults_are_valid():
         ({"num-server-rounds": 2.5}, "num-server-rounds", r"expected an integer"),
         ({"num-server-rounds": True}, "num-server-rounds", r"expected an integer"),
         ({"clients-per-round": -1}, "clients-per-round", r"must be >= 0"),
-        ({"client-lr": 0.0}, "client-lr", r"must be > 0"),
+        ({"client-lr": -0.1}, "client-lr", r"must be >= 0"),
         ({"client-lr": float("nan")}, "client-lr", r"finite"),
         ({"client-lr": "fast"}, "client-lr", r"expected a number"),
         ({"dirichlet-alpha": -1.0}, "dirichlet-alpha", r"must be > 0"),
