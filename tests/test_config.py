@@ -32,10 +32,10 @@ def test_client_lr_0_is_the_client_optimizers_default():
     lamb = {"strategy": "fed-lamb", "client-optimizer": "fed-lamb"}
     assert validate_run_config(lamb)["client-lr"] == 0.03
     ams = {**lamb, "client-optimizer": "fed-ams"}
-    assert validate_run_config(ams)["client-lr"] == 0.001
+    assert validate_run_config(ams)["client-lr"] == 0.0003
     assert validate_run_config({"client-optimizer": "adam"})["client-lr"] == 0.1
     assert validate_run_config({**lamb, "client-lr": 0.1})["client-lr"] == 0.1
-    assert validate_run_config({**ams, "client-lr": 0})["client-lr"] == 0.001
+    assert validate_run_config({**ams, "client-lr": 0})["client-lr"] == 0.0003
     again = validate_run_config(validate_run_config(lamb))  # results.json's config
     assert again["client-lr"] == 0.03
     with pytest.raises(ConfigError, match="client-lr"):
