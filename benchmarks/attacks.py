@@ -168,6 +168,12 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "secagg+-no-ceiling": {"max_norm_growth": 0.0},  # before stop 58
     "secagg+-one-class": {},
     "one-class": {},
+    "one-class-cc": {"aggregation": "centered_clipping"},
+    # the client's learning rate (stop 66: Fed-LAMB's and Fed-AMS's defaults)
+    **{f"lr-{lr:g}": {} for lr in (0.1, 0.03, 0.01, 0.003)},
+    **{f"ams-{lr:g}": {} for lr in (0.1, 0.01, 0.003, 0.001, 0.0003, 0.0001)},
+    "ams-mean": {"aggregation": "mean"},
+    "ams-cc": {"aggregation": "centered_clipping"},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -186,6 +192,12 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "secagg+-one-class": {"secure-aggregation": "secagg+", "partition": "shards",
                           "classes-per-client": 1},
     "one-class": {"partition": "shards", "classes-per-client": 1},
+    "one-class-cc": {"partition": "shards", "classes-per-client": 1},
+    **{f"lr-{lr:g}": {"client-lr": lr} for lr in (0.1, 0.03, 0.01, 0.003)},
+    **{f"ams-{lr:g}": {"client-optimizer": "fed-ams", "client-lr": lr}
+       for lr in (0.1, 0.01, 0.003, 0.001, 0.0003, 0.0001)},
+    "ams-mean": {"client-optimizer": "fed-ams"},
+    "ams-cc": {"client-optimizer": "fed-ams"},
 }  # fmt: skip
 
 NUM_CLIENTS = 10

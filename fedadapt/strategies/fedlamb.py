@@ -227,6 +227,22 @@ class FedLAMBRule(FedAvgRule):
             "max_moment_ratio", max_moment_ratio, low=0
         )
 
+    @property
+    def robust_aggregation(self) -> str:
+        """Centered clipping (since stop 66; the mean before).
+
+        See :attr:`ServerRule.robust_aggregation`. At the client's default
+        rate 0.03, one hostile client of ten, 5 seeds: digits-mlp honest
+        94.4 → 94.8 %, worst attack 5.2 → 2.4 points (the sign flip);
+        mnist5k-cnn (10 rounds, six attacks) 94.2 → 94.1 %, 8.8 → 3.8; one
+        class per client honest 85.9 % with either.
+        It does not bring the worst attack under 2 points, but no other
+        aggregator comes closer (the trimmed mean 3.1, multi-Krum 5.3), and
+        it costs honest runs nothing: the rule the base class states for
+        a rule that no aggregator holds.
+        """
+        return "centered_clipping"
+
 
 def _positional(model: Mapping[str, Any]) -> bool:
     """Whether ``model`` is keyed by position (a legacy list without names)."""

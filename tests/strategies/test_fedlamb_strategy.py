@@ -220,3 +220,35 @@ def test_one_client_cannot_raise_v_hat_for_good():
     list(off.configure_train(1, arrays, ConfigRecord(), _grid()))
     off.aggregate_train(1, replies)
     assert off.local_update.v_hat["w"][0] > 1e5
+
+
+def test_auto_clips_fed_lamb_around_the_last_step():
+    """Since stop 66 ``aggregation="auto"`` is centered clipping for Fed-LAMB
+    (docs/robustness.md: the worst attack 5.2 → 2.4 points on digits-mlp at
+    no honest cost). Oracle: the strategy with centered clipping written out,
+    bit for bit, over rounds of ten replies with one far-off model in each;
+    and the mean written out, which that model pulls further."""
+    rng = np.random.default_rng(3)
+    default, written = FedLAMB(), FedLAMB(aggregation="centered_clipping")
+    mean = FedLAMB(aggregation="mean")
+    assert default.rule.robust_aggregation == "centered_clipping"
+    models = {id(s): np.zeros(4, np.float32) for s in (default, written, mean)}
+    for server_round in (1, 2, 3):
+        thetas = [rng.normal(1.0, 0.1, size=4).astype(np.float32) for _ in range(10)]
+        thetas[0] = np.full(4, -50.0, np.float32)  # the hostile model
+        vs = [rng.uniform(0, 1, size=4).astype(np.float32) for _ in range(10)]
+        for strategy in (default, written, mean):
+            arrays = ArrayRecord({"w": Array(models[id(strategy)])})
+            grid = Mock(spec=Grid)
+            grid.get_node_ids.return_value = list(range(10))
+            list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+            replies = [
+                _reply(t, v, i) for i, (t, v) in enumerate(zip(thetas, vs, strict=True))
+            ]
+            new, _ = strategy.aggregate_train(server_round, replies)
+            models[id(strategy)] = new["w"].numpy()
+        np.testing.assert_array_equal(models[id(default)], models[id(written)])
+        honest = np.mean(thetas[1:], axis=0)
+        assert np.linalg.norm(models[id(default)] - honest) < np.linalg.norm(
+            models[id(mean)] - honest
+        )
