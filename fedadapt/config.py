@@ -334,7 +334,7 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "
-        "centered-clipping for fedexp and feddua's adagrad variant, "
+        "centered-clipping for fedexp, feddua's adagrad variant and fed-lamb, "
         "trimmed-mean cutting num-hostile values at each end for fedavgm; "
         "else, and with secure-aggregation, validation-size or project-opposing, "
         "the mean; "
