@@ -252,3 +252,28 @@ def test_auto_clips_fed_lamb_around_the_last_step():
         assert np.linalg.norm(models[id(default)] - honest) < np.linalg.norm(
             models[id(mean)] - honest
         )
+
+
+def test_legacy_auto_clips_fed_lamb_as_the_message_api_does():
+    """The legacy strategy (the one SecAgg+ runs on) makes the same choice:
+    its default equals centered clipping written out, bit for bit, and not
+    the mean, over rounds of ten replies with one far-off model."""
+    from flwr.common import parameters_to_ndarrays
+
+    from fedadapt.strategies import legacy
+
+    rng = np.random.default_rng(4)
+    default, written = legacy.FedLAMB(), legacy.FedLAMB(aggregation="centered_clipping")
+    mean = legacy.FedLAMB(aggregation="mean")
+    models = {id(s): [np.zeros(4, np.float32)] for s in (default, written, mean)}
+    for server_round in (1, 2, 3):
+        thetas = [rng.normal(1.0, 0.1, size=4).astype(np.float32) for _ in range(10)]
+        thetas[0] = np.full(4, -50.0, np.float32)
+        vs = [rng.uniform(0, 1, size=4).astype(np.float32) for _ in range(10)]
+        results = [([t, v], 10) for t, v in zip(thetas, vs, strict=True)]
+        for strategy in (default, written, mean):
+            sent = models[id(strategy)]
+            _, new = _legacy_round(strategy, server_round, sent, results)
+            models[id(strategy)] = parameters_to_ndarrays(new)
+        np.testing.assert_array_equal(models[id(default)][0], models[id(written)][0])
+        assert not np.array_equal(models[id(default)][0], models[id(mean)][0])
