@@ -234,7 +234,7 @@ class FedLAMBRule(FedAvgRule):
         See :attr:`ServerRule.robust_aggregation`. At the client's default
         rate 0.03, one hostile client of ten, 5 seeds: digits-mlp honest
         94.4 → 94.8 %, worst attack 5.2 → 2.4 points (the sign flip);
-        mnist5k-cnn (10 rounds, six attacks) 94.2 → 94.1 %, 8.8 → 3.8; one
+        mnist5k-cnn (10 rounds) 94.2 → 94.1 %, 8.8 → 3.9; one
         class per client honest 85.9 % with either.
         It does not bring the worst attack under 2 points, but no other
         aggregator comes closer (the trimmed mean 3.1, multi-Krum 5.3), and
