@@ -537,6 +537,23 @@ def test_impossible_sums_in_the_calibration_round_are_measured_not_refused():
     assert strategy.rule.num_updates == 0
 
 
+def _sampled(strategy, server_round, nodes=3):
+    """The node ids ``configure_fit`` samples from ``nodes`` connected ones."""
+    from flwr.server import SimpleClientManager
+
+    class Node:
+        def __init__(self, cid):
+            self.cid = cid
+
+    manager = SimpleClientManager()
+    for i in range(nodes):
+        manager.register(Node(str(i)))
+    model = ndarrays_to_parameters([np.array([1.0, 2.0, 3.0], np.float32)])
+    return sorted(
+        p.cid for p, _ in strategy.configure_fit(server_round, model, manager)
+    )
+
+
 def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
     """The masked sum cannot be taken apart, so one reply with a clip count
     (true or not), without one, or with a weight over the cap refuses the
@@ -545,7 +562,6 @@ def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
     and configure_fit leaves it out from then on: the run goes on. More
     nodes than ``num_hostile`` at once are a shared setting (c too small):
     refused as before, nobody left out."""
-    from flwr.server import SimpleClientManager
 
     strategy = _secure_fedexp()
     mean = np.array([0.1, -0.2, 0.05])
@@ -557,16 +573,7 @@ def test_a_node_whose_clear_metrics_refuse_a_secure_round_is_left_out_after():
     assert strategy.secagg_quarantined == {"1"}
     assert strategy.round_reports[1]["secagg_quarantined"] == ["1"]
 
-    class Node:
-        def __init__(self, cid):
-            self.cid = cid
-
-    manager = SimpleClientManager()
-    for i in range(3):
-        manager.register(Node(str(i)))
-    model = ndarrays_to_parameters([np.array([1.0, 2.0, 3.0], np.float32)])
-    pairs = strategy.configure_fit(2, model, manager)
-    assert sorted(p.cid for p, _ in pairs) == ["0", "2"]
+    assert _sampled(strategy, 2) == ["0", "2"]
     parameters, _ = strategy.aggregate_fit(2, _results(aggregate, [ok, ok]), [])
     assert parameters is not None  # the two others step
     # two at once (> num_hostile = 1): the federation's setting, refused only
@@ -595,7 +602,6 @@ def test_the_secure_state_survives_the_state_records_quarantine_included(tmp_pat
     before the save is still left out (without the state it would be
     sampled again, and the resumed run would calibrate a round without a
     step). Oracle: the saved strategy itself, continued."""
-    from flwr.server import SimpleClientManager
 
     from fedadapt.strategies import records_from_bytes, records_to_bytes
 
@@ -618,18 +624,7 @@ def test_the_secure_state_survives_the_state_records_quarantine_included(tmp_pat
         assert getattr(resumed, name) == getattr(strategy, name), name
     assert resumed.secagg_fit_config(3) == strategy.secagg_fit_config(3)
 
-    class Node:
-        def __init__(self, cid):
-            self.cid = cid
-
-    manager = SimpleClientManager()
-    for i in range(3):
-        manager.register(Node(str(i)))
-    model = ndarrays_to_parameters([np.array([1.0, 2.0, 3.0], np.float32)])
-    assert sorted(p.cid for p, _ in resumed.configure_fit(3, model, manager)) == [
-        "0",
-        "2",
-    ]
+    assert _sampled(resumed, 3) == ["0", "2"]
     # a strategy without SecAgg+ keeps no such state, and a damaged one is named
     assert "host" not in str(legacy.FedExP().state_to_records())
     records = strategy.state_to_records()
