@@ -620,6 +620,11 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         saved = state.get("secagg")
         if saved is None or self.secagg is None:
             return
+        missing = sorted(
+            {"norm-bound", "weight-cap", "calibrating", "quarantined"} - set(saved)
+        )
+        if missing:
+            raise ValueError(f"saved SecAgg+ state lacks {', '.join(missing)}")
         numbers = {key: float(saved[key]) for key in ("norm-bound", "weight-cap")}
         for key, value in numbers.items():
             if not (math.isfinite(value) and value >= 0):

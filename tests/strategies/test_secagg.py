@@ -631,6 +631,9 @@ def test_the_secure_state_survives_the_state_records_quarantine_included(tmp_pat
     records.config_records["fedadapt-strategy.values"]["host/secagg/weight-cap"] = -1.0
     with pytest.raises(ValueError, match="weight-cap"):
         _secure_fedexp(max_update_norm_ratio=2.0).load_state_records(records)
+    partial = {"secagg": {"norm-bound": 1.0, "calibrating": False}}
+    with pytest.raises(ValueError, match="lacks quarantined, weight-cap"):
+        _secure_fedexp(max_update_norm_ratio=2.0)._load_host_state(partial)
 
 
 def test_impossible_sums_under_the_rotated_block_step_without_extrapolation():
