@@ -242,8 +242,6 @@ def strategy_config(name: str, task: str, overrides: Mapping[str, Any]) -> dict:
     cfg: dict[str, Any] = {"task": task, "strategy": name, **overrides}
     if name == "feddua-adagrad":
         cfg.update({"strategy": "feddua", "feddua.variant": "adagrad"})
-    if name == "fed-lamb":
-        cfg.setdefault("client-optimizer", "fed-lamb")
     return validate_run_config(cfg)
 
 

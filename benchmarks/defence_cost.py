@@ -123,10 +123,8 @@ def main() -> None:
         x, candidates = replies(args.params)
     results: dict[str, dict[str, float]] = {}
     for name in args.strategies.split(","):
-        # Fed-LAMB's server needs its clients' optimizer named (the v̂
-        # exchange is not timed here: the model aggregation is)
-        client = {"client-optimizer": "fed-lamb"} if name == "fed-lamb" else {}
-        rule, _ = build_rule(validate_run_config({"strategy": name, **client}))
+        # Fed-LAMB's v̂ exchange is not timed here: the model aggregation is
+        rule, _ = build_rule(validate_run_config({"strategy": name}))
         times: dict[str, list[float]] = {s: [] for s in settings}
         for repeat in range(args.repeats + 1):
             for setting, options in settings.items():

@@ -52,6 +52,11 @@ def _registry_names(kind: str) -> Callable[[], list[str]]:
     return names
 
 
+def _with_auto(names: Callable[[], list[str]]) -> Callable[[], list[str]]:
+    """Return ``names`` with ``auto`` (resolved by validate_run_config) first."""
+    return lambda: ["auto", *names()]
+
+
 @dataclass(frozen=True)
 class Key:
     """One run-config key: default, meaning and the values it accepts."""
@@ -125,8 +130,10 @@ _APP_KEYS: tuple[Key, ...] = (
         choices=_registry_names("task")),
     Key("strategy", "fedavg", "Server strategy; its hyperparameters are the "
         "`<strategy>.*` keys below.", choices=tuple(ALGORITHMS.names())),
-    Key("client-optimizer", "sgd", "Optimizer of local training.",
-        choices=_registry_names("client-optimizer")),
+    Key("client-optimizer", "auto", "Optimizer of local training; auto = the "
+        "strategy's own (fed-lamb for strategy fed-lamb, which needs a client that "
+        "sends second moments; sgd for every other).",
+        choices=_with_auto(_registry_names("client-optimizer"))),
     Key("local-update", "none", "An algorithm's client-side part, with any "
         "strategy: none (plain local training), fedprox (proximal term "
         "(μ/2)‖w − w_t‖², Li et al. 2020), moon (model-contrastive loss, Li, "
@@ -494,6 +501,26 @@ DEFAULT_CLIENT_LR = 0.1
 OPTIMIZER_CLIENT_LR = {"fed-lamb": 0.03, "fed-ams": 0.0003}
 
 
+#: ``client-optimizer`` auto: the strategy's own client optimizer, else sgd.
+#: Fed-LAMB's server averages the clients' second moments, so only a client
+#: that sends them (fed-lamb, fed-ams) can serve it; fed-lamb is the paper's.
+STRATEGY_CLIENT_OPTIMIZER = {"fed-lamb": "fed-lamb"}
+DEFAULT_CLIENT_OPTIMIZER = "sgd"
+
+
+def client_optimizer(config: Mapping[str, Any]) -> str:
+    """Return the client optimizer of ``config``.
+
+    ``client-optimizer`` as given, or for ``auto`` the strategy's own
+    (:data:`STRATEGY_CLIENT_OPTIMIZER`, else :data:`DEFAULT_CLIENT_OPTIMIZER`).
+    """
+    given = str(config["client-optimizer"])
+    if given != "auto":
+        return given
+    strategy = str(config["strategy"])
+    return STRATEGY_CLIENT_OPTIMIZER.get(strategy, DEFAULT_CLIENT_OPTIMIZER)
+
+
 def client_lr(config: Mapping[str, Any]) -> float:
     """Return the client learning rate of ``config``.
 
@@ -526,6 +553,7 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             value = _BOOL_VALUES[name][value]
         config[name] = KEYS[name].check(value)
     _check_strategy_keys(config)
+    config["client-optimizer"] = client_optimizer(config)
     _check_local_update_optimizer(config)
     config["client-lr"] = client_lr(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
@@ -537,7 +565,8 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(
             "strategy",
             "client optimizers fed-lamb and fed-ams exchange second moments with "
-            "strategy fed-lamb and need each other; got strategy="
+            "strategy fed-lamb and need each other (client-optimizer=auto picks "
+            "fed-lamb for it); got strategy="
             f"{config['strategy']!r}, client-optimizer={config['client-optimizer']!r}",
         )
     _check_secure_aggregation(config)

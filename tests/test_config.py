@@ -21,8 +21,28 @@ from tests.helpers import ROOT
 
 
 def test_defaults_are_valid():
-    # client-lr 0 in pyproject.toml stands for the optimizer's default
-    assert validate_run_config({}) == {**defaults(), "client-lr": 0.1}
+    # client-lr 0 and client-optimizer auto in pyproject.toml stand for the
+    # optimizer's and the strategy's defaults
+    resolved = {"client-lr": 0.1, "client-optimizer": "sgd"}
+    assert validate_run_config({}) == {**defaults(), **resolved}
+
+
+@pytest.mark.parametrize("strategy", ALGORITHMS.names())
+def test_client_optimizer_auto_is_the_strategys_own(strategy):
+    """``strategy=fed-lamb`` alone runs (its server needs the clients' second
+    moments: Fed-LAMB's client); every other strategy trains with SGD; a
+    given optimizer is kept, and a resolved config validates to itself."""
+    cfg = validate_run_config({"strategy": strategy})
+    expected = "fed-lamb" if strategy == "fed-lamb" else "sgd"
+    assert cfg["client-optimizer"] == expected
+    assert cfg["client-lr"] == (0.03 if strategy == "fed-lamb" else 0.1)
+    assert validate_run_config(cfg) == cfg
+    if strategy == "fed-lamb":
+        given = {"strategy": strategy, "client-optimizer": "fed-ams"}
+        assert validate_run_config(given)["client-optimizer"] == "fed-ams"
+    else:
+        given = {"strategy": strategy, "client-optimizer": "adam"}
+        assert validate_run_config(given)["client-optimizer"] == "adam"
 
 
 def test_client_lr_0_is_the_client_optimizers_default():
@@ -59,7 +79,7 @@ def test_client_lr_0_is_the_client_optimizers_default():
         ({"strategy": "fedfoo"}, "strategy",
          r"unknown value 'fedfoo'\. Valid values: fedavg"),
         ({"task": "nope"}, "task", r"Valid values: digits-mlp"),
-        ({"client-optimizer": "lion"}, "client-optimizer", r"Valid values: sgd"),
+        ({"client-optimizer": "lion"}, "client-optimizer", r"Valid values: auto, sgd"),
         ({"partition": "x"}, "partition", r"Valid values: iid, dirichlet"),
         ({"device": "tpu"}, "device", r"Valid values: auto, cpu, cuda"),
         ({"output-dir": 3}, "output-dir", r"expected a string"),
@@ -67,7 +87,8 @@ def test_client_lr_0_is_the_client_optimizers_default():
         ({"clients-per-eval": 2, "client-test-fraction": 0.0}, "clients-per-eval",
          r"local test split"),
         ({"client-optimizer": "fed-lamb"}, "strategy", r"need each other"),
-        ({"strategy": "fed-lamb"}, "strategy", r"need each other"),
+        ({"strategy": "fed-lamb", "client-optimizer": "sgd"}, "strategy",
+         r"need each other"),
         ({"stop-metric": "accuracy"}, "stop-metric", r"set stop-target or"),
         ({"stop-patience": 3}, "stop-metric", r"need the metric to watch"),
         ({"stop-mode": "up"}, "stop-mode", r"Valid values: max, min"),
