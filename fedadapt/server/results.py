@@ -250,6 +250,11 @@ class RunRecorder:
             entry["nodes"] = report["nodes"]
         if "sampled" in report:  # partition-ids sampled (seeded sampling)
             entry["sampled"] = report["sampled"]
+        # SecAgg+: nodes left out from now on (their own clear metrics refused
+        # the round), and nodes whose local-update arrays were held to range
+        for key in ("secagg_quarantined", "secagg_local_held"):
+            if key in report:
+                entry[key] = report[key]
         self._round_started = now
         client_records.append_round(self.run_dir, report.get("clients") or [])
         self.data["rounds"].append(entry)

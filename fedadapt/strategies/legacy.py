@@ -441,9 +441,13 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         cap = 0.0 if uniform else self.secagg_weight_cap
         problem = aggregate_problem(self.secagg, clipped_counts, counts, cap)
         if problem is not None:
-            self._quarantine(
-                server_round, refusing_nodes(clipped_counts, counts, cap), report
-            )
+            named = refusing_nodes(clipped_counts, counts, cap)
+            if self._quarantine(server_round, named, report):
+                problem += (
+                    f"; node(s) {', '.join(named)} left out of later rounds (a "
+                    "client's own claim, not the federation's setting: at most "
+                    "num-hostile nodes named)"
+                )
         if not uniform and counts:
             self.secagg_weight_cap = next_weight_cap(
                 list(counts.values()), self.secagg.max_weight, self.max_weight_ratio
@@ -641,8 +645,8 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
 
     def _quarantine(
         self, server_round: int, nodes: Sequence[str], report: dict[str, Any]
-    ) -> None:
-        """Leave ``nodes`` out of every later round under SecAgg+.
+    ) -> bool:
+        """Leave ``nodes`` out of every later round under SecAgg+; say if so.
 
         Their own clear metrics (a clip count, a missing one, a weight over
         the cap) refused this round's masked sum, which cannot be taken
@@ -652,15 +656,16 @@ class LegacyRuleStrategy(RuleHost, RunControl, _FlowerFedAvg):
         most ``num_hostile`` nodes are named: more than that is a setting
         the federation shares (``secagg-clipping-range`` too small), and the
         round is refused as before, naming the key to raise. The round's
-        report lists them (``secagg_quarantined``).
+        report lists them (``secagg_quarantined``, in results.json's round).
         """
         if not nodes or len(nodes) > self.robust_options.num_hostile:
-            return
+            return False
         self.secagg_quarantined.update(nodes)
         report["secagg_quarantined"] = list(nodes)
         log(WARNING, "Round %s: node(s) %s refused the secure aggregate with "
             "their own clear metrics; left out of later rounds",
             server_round, ", ".join(nodes))  # fmt: skip
+        return True
 
     def _secure_local_scales(
         self, server_round: int, valid: Sequence[TrainReply], report: dict[str, Any]
