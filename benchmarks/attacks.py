@@ -74,7 +74,11 @@ from fedadapt.strategies.core.aggregation import (  # noqa: E402
     apply_statistics,
     norm_bound,
 )
-from fedadapt.strategies.core.robust import SELECTIONS, AggregatorState  # noqa: E402
+from fedadapt.strategies.core.robust import (  # noqa: E402
+    SELECTIONS,
+    AggregatorState,
+    RobustOptions,
+)
 from fedadapt.strategies.fedlamb import SecondMoments  # noqa: E402
 from fedadapt.strategies.screening import (  # noqa: E402
     TrainReply,
@@ -260,6 +264,13 @@ def apply_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_norm_growth": trust["max_update_norm_growth"],
         "project_opposing": trust["project_opposing"],
         "step_guard": trust["step_guard"],
+        # num-hostile, krum-keep, clip-radius, clip-iterations, as RuleHost's
+        "robust_options": RobustOptions(
+            trust["num_hostile"],
+            trust["krum_keep"],
+            trust["clip_radius"],
+            trust["clip_iterations"],
+        ),
         "validation_loss": None,  # run_grid's, with validation-size > 0
         "influence_tolerance": trust["influence_tolerance"],
     }
@@ -425,10 +436,12 @@ def federate(
             sent.update(frame_replies(server, sent, hostile))
         elif attack and hostile:
             honest_sq = [_sq(updates[i]) for i in honest_ids]
+            robust = options["robust_options"]
             in_force = round_aggregation(  # "auto" as the server resolves it
                 options["aggregation"],
                 rule,
                 NUM_CLIENTS,
+                robust.num_hostile,
                 mean_required=cfg["secure-aggregation"] != "off"
                 or options.get("validation_loss") is not None
                 or bool(options.get("project_opposing")),
@@ -456,6 +469,8 @@ def federate(
                 anchoring=options.get("max_norm_growth", 0.0) > 0
                 and state.first_median_norm is None,
                 selection=in_force if in_force in SELECTIONS else None,
+                assumed_hostile=robust.num_hostile,
+                krum_keep=robust.krum_keep,
                 center=dict(state.center or {})
                 if in_force == "centered_clipping"
                 else None,

@@ -191,6 +191,47 @@ def test_the_absent_control_is_fedavg_over_the_clients_that_reply():
     assert not np.allclose(honest["x"], model["x"])  # the two clients mattered
 
 
+def test_the_suite_honours_num_hostile_as_the_strategies_do():
+    """``num-hostile`` (and the other aggregator keys) reach the suite's
+    server as they reach RuleHost's. Two colluders that sign-flip, FedAvg on
+    multi-Krum: with f = 2 both are dropped and the model is FedAvg over the
+    other eight, written out step by step; with the default f = 1 one of
+    them is averaged in. Before, the suite ran f = 1 whatever was set."""
+    import numpy as np
+
+    suite = _suite()
+    _, train = suite.harness_problem(0)
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    models = {}
+    for f in (1, 2):
+        cfg = suite.strategy_config(
+            "fedavg", "synthetic-linreg",
+            {"seed": 0, "num-hostile": f, "krum-keep": 3, "clip-iterations": 2},
+        )  # fmt: skip
+        robust = suite.apply_options(cfg)["robust_options"]
+        assert (robust.num_hostile, robust.krum_keep, robust.clip_iterations) == (
+            f,
+            3,
+            2,
+        )
+        cfg = suite.strategy_config(
+            "fedavg", "synthetic-linreg", {"seed": 0, "num-hostile": f}
+        )
+        options = {**suite.apply_options(cfg), **suite.DEFENCES["off"],
+                   "aggregation": "multi_krum"}  # fmt: skip
+        models[f], _ = suite.federate(
+            cfg, options, x0, train, 3, "sign-flip", [0, 1], 0
+        )
+
+    x = x0
+    for server_round in (1, 2, 3):
+        trained = [train(i, x, server_round, False, None) for i in range(2, 10)]
+        total = sum(n for _, n, _ in trained)
+        x = {"x": sum(xi["x"].astype(np.float64) * n / total for xi, n, _ in trained)}
+    np.testing.assert_allclose(models[2]["x"], x["x"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(models[1]["x"], x["x"], rtol=1e-3)
+
+
 def test_the_report_of_a_partial_grid_marks_the_cells_it_lacks() -> None:
     # two grids merged (benchmarks/results keeps such files): FedExP ran an
     # attack that FedAvg did not
