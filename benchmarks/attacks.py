@@ -178,6 +178,10 @@ DEFENCES: dict[str, dict[str, Any]] = {
     **{f"ams-{lr:g}": {} for lr in (0.1, 0.01, 0.003, 0.001, 0.0003, 0.0001)},
     "ams-mean": {"aggregation": "mean"},
     "ams-cc": {"aggregation": "centered_clipping"},
+    # the default told how many colluders to expect (multi-Krum's and the
+    # trimmed mean's f, the SecAgg+ quarantine's limit)
+    "num-hostile-2": {},
+    "num-hostile-3": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -202,6 +206,8 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
        for lr in (0.1, 0.01, 0.003, 0.001, 0.0003, 0.0001)},
     "ams-mean": {"client-optimizer": "fed-ams"},
     "ams-cc": {"client-optimizer": "fed-ams"},
+    "num-hostile-2": {"num-hostile": 2},
+    "num-hostile-3": {"num-hostile": 3},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
