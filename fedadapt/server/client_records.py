@@ -17,7 +17,9 @@ Each line (:func:`flatten`)::
     seconds), local_steps, server_sq_norm, reported_sq_norm, norm_mismatch,
     clip_scale, clipped, clipped_by (norm-bound, pull-cap, or both joined
     by +), selected (Krum/multi-Krum/Bulyan kept the update),
-    center_clip_scale (centered clipping's factor), server_lr_without and
+    center_clip_scale (centered clipping's factor), trimmed_share (the
+    trimmed mean: the share of its coordinates cut as extreme; honest
+    clients about 2·cut/n), server_lr_without and
     step_guard (the server step without this client; whether it capped the
     round's step), a_left_out (whether the guard's A left its ‖Δ_i‖²
     out; null when A is the plain mean), consensus_cos and projected (the
@@ -102,6 +104,7 @@ def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         clipped_by=record.get("clipped_by"),
         selected=record.get("selected"),
         center_clip_scale=record.get("center_clip_scale"),
+        trimmed_share=record.get("trimmed_share"),
         server_lr_without=record.get("server_lr_without"),
         step_guard=record.get("step_guard"),
         a_left_out=record.get("a_left_out"),

@@ -972,6 +972,10 @@ def apply_rule(
         )
     if stats.defence is not None:
         diagnostics.update(_record_defence(ordered, stats.defence, report, round_label))
+    if stats.trimmed_shares is not None:
+        for candidate, share in zip(ordered, stats.trimmed_shares, strict=True):
+            report.record_of(candidate)["trimmed_share"] = share
+        diagnostics["trimmed-share-max"] = max(stats.trimmed_shares, default=0.0)
     if centered:
         assert aggregator_state is not None
         aggregator_state.center = {k: np.array(v) for k, v in stats.mean_update.items()}

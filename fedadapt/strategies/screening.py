@@ -218,7 +218,8 @@ def reply_record(
     (:func:`~fedadapt.strategies.adapter.apply_rule`), and so are
     ``selected`` (Krum, multi-Krum, Bulyan: whether the update entered Δ̄)
     and ``center_clip_scale`` (centered clipping: the factor its Δ_i − v
-    got in the last iteration); None where that aggregator is not in use.
+    got in the last iteration) and ``trimmed_share`` (the trimmed mean: the
+    share of its coordinates cut); None where that aggregator is not in use.
     ``server_lr_without`` / ``step_guard``: the step guard's server step
     size without this client, and whether that one capped the round's step
     (FedExP/FedExPM/FedDuA; None otherwise); ``a_left_out``: whether the
@@ -250,6 +251,7 @@ def reply_record(
         "clipped_by": None,
         "selected": None,
         "center_clip_scale": None,
+        "trimmed_share": None,
         "server_lr_without": None,
         "step_guard": None,
         "a_left_out": None,

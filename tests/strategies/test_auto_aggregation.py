@@ -210,3 +210,63 @@ def test_auto_trim_fraction_cuts_exactly_f_values_in_every_round_auto_trims():
         for f in range(0, (n - 3) // 2 + 1):  # n >= 2f + 3, where auto trims
             fraction = auto_trim_fraction(f, n)
             assert int(fraction * n) == f and 0 <= fraction < 0.5, (f, n)
+
+
+def _cut_by_sorting(stack, cut):
+    """Reference: per client, coordinates outside [sorted[cut], sorted[n-cut-1]]."""
+    n = stack.shape[0]
+    ordered = np.sort(stack, axis=0)
+    low, high = ordered[cut], ordered[n - cut - 1]
+    return ((stack < low) | (stack > high)).reshape(n, -1).sum(axis=1)
+
+
+def test_trimmed_counts_name_the_clients_the_trimmed_mean_cut():
+    from fedadapt.strategies.core.aggregation import trimmed_counts
+
+    # closed form: five clients, one value at each end cut; a tie at an end
+    # (column 1: all equal; column 3: two share the minimum) cuts nobody there
+    stack = np.array(
+        [[0.0, 1, 5, 0], [1, 1, 4, 0], [2, 1, 3, 1], [3, 1, 2, 2], [10, 1, 1, 3]]
+    )
+    np.testing.assert_array_equal(trimmed_counts(stack, 1), [2, 0, 0, 0, 3])
+    # the cut-1 shortcut and the partition agree with sorting, ties included
+    rng = np.random.default_rng(0)
+    for n, cut in [(5, 1), (10, 1), (10, 2), (10, 3), (7, 2)]:
+        stack = rng.integers(-3, 4, size=(n, 6, 5)).astype(np.float32)
+        np.testing.assert_array_equal(
+            trimmed_counts(stack, cut), _cut_by_sorting(stack, cut)
+        )
+    assert not trimmed_counts(stack, 0).any()
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_the_trimmed_mean_records_the_share_it_cut_of_each_client(api):
+    """FedAvgM's default trimmed mean (one value cut at each end) says per
+    reply which share of its coordinates it cut (``trimmed_share``). Nine
+    honest updates 1 + noise per coordinate, one client sending −1 (a sign
+    flip well within the norm bound): it is the smallest value of every
+    coordinate, so its share is 1, and the nine honest share the largest
+    value, summing to 1."""
+    from fedadapt.server.client_records import flatten
+
+    module = ours if api == "message" else legacy
+    rng = np.random.default_rng(3)
+    x0 = {"w": np.zeros((4, 5), np.float32), "b": np.zeros(3, np.float32)}
+    clients = [
+        {k: (1 + 0.1 * rng.standard_normal(v.shape)).astype(np.float32)
+         for k, v in x0.items()}
+        for _ in range(10)
+    ]  # fmt: skip
+    clients[0] = {k: -np.ones_like(v) for k, v in x0.items()}
+    strategy = module.FedAvgM()
+    _multi_step(api, strategy, 1, x0, clients)
+    records = strategy.round_reports[1]["clients"]
+    shares = [r["trimmed_share"] for r in records]
+    assert shares[0] == 1.0
+    assert sum(shares[1:]) == pytest.approx(1.0) and max(shares[1:]) < 0.5
+    assert flatten(records[0])["trimmed_share"] == 1.0
+    assert strategy.round_reports[1]["diagnostics"]["trimmed-share-max"] == 1.0
+    # the mean records none
+    mean = module.FedAvgM(aggregation="mean")
+    _multi_step(api, mean, 1, x0, clients)
+    assert all(r["trimmed_share"] is None for r in mean.round_reports[1]["clients"])

@@ -128,6 +128,10 @@ class RoundStatistics:
     a_left_out : int | None
         The index of the client whose ‖Δ_i‖² the guard's A left out; None
         when A is the plain mean.
+    trimmed_shares : tuple[float, ...] | None
+        The trimmed mean: per client, the share of its coordinates the
+        trimmed mean cut (:func:`trimmed_counts`); None for the other
+        aggregators.
     """
 
     mean_update: Arrays
@@ -143,6 +147,7 @@ class RoundStatistics:
     consensus_cos: tuple[float, ...] | None = None
     unguarded_sq_norm: float | None = None
     a_left_out: int | None = None
+    trimmed_shares: tuple[float, ...] | None = None
 
 
 def client_weights(
@@ -463,7 +468,7 @@ def robust_mean(stack: NDArray[Any], aggregation: str, trim_fraction: float) -> 
     if aggregation == "median":
         return np.median(stack, axis=0)
     n = stack.shape[0]
-    cut = int(trim_fraction * n)
+    cut = trim_count(n, trim_fraction)
     if cut == 1 and stack.dtype.kind == "f":
         # one value at each end (FedAvgM's default, 0.1 of ten): the sum less
         # the smallest and the largest, three passes instead of a partition
@@ -474,6 +479,36 @@ def robust_mean(stack: NDArray[Any], aggregation: str, trim_fraction: float) -> 
         return (rest / (n - 2)).astype(stack.dtype)
     kept = np.partition(stack, (cut, n - cut - 1), axis=0)[cut : n - cut]
     return np.mean(kept, axis=0)
+
+
+def trim_count(num_clients: int, trim_fraction: float) -> int:
+    """Return the values the trimmed mean cuts at each end of a coordinate."""
+    return int(trim_fraction * num_clients)
+
+
+def trimmed_counts(stack: NDArray[Any], cut: int) -> NDArray[np.int64]:
+    """Per client (axis 0), the coordinates where the trimmed mean cut it.
+
+    A client's value counts where it lies strictly below the smallest kept
+    value or strictly above the largest (the ``cut``-th order statistics
+    from either end): a value tied with a kept one was not set aside for
+    being extreme, so ties (every client 0 on a constant input pixel) count
+    for nobody. Honest clients are cut at about 2·cut/n of their
+    coordinates; a client far from the others at many more. Not weighted,
+    as the trimmed mean is not.
+    """
+    n = stack.shape[0]
+    if cut == 0 or n <= 2 * cut:
+        return np.zeros(n, dtype=np.int64)
+    if cut == 1:  # the smallest and largest: no partition (see robust_mean)
+        low, high = np.min(stack, axis=0), np.max(stack, axis=0)
+        at_low, at_high = stack == low, stack == high
+        outside = at_low & (np.sum(at_low, axis=0) == 1)
+        outside |= at_high & (np.sum(at_high, axis=0) == 1)
+    else:
+        ordered = np.partition(stack, (cut, n - cut - 1), axis=0)
+        outside = (stack < ordered[cut]) | (stack > ordered[n - cut - 1])
+    return outside.reshape(n, -1).sum(axis=1, dtype=np.int64)
 
 
 #: Fewest replies for the step guard: leaving one of two out leaves a
@@ -752,7 +787,7 @@ def round_statistics(
         scales = contribution_scales(weights, norms, scales, max_contribution_ratio)
         with np.errstate(divide="ignore", invalid="ignore"):
             pull_factors = np.where(before_pull > 0, scales / before_pull, 1.0)
-    defence, robust_a = None, None
+    defence, robust_a, trimmed_shares = None, None, None
     if aggregation in robust.AGGREGATIONS:
         mean_update, robust_a, defence = robust.robust_statistics(
             current,
@@ -766,7 +801,7 @@ def round_statistics(
             need_sq_norm=rule.needs_sq_norms,
         )
     elif aggregation != "mean":
-        mean_update = _robust_update(
+        mean_update, trimmed_shares = _robust_update(
             current, clients, adaptive, scales, aggregation, trim_fraction
         )
     elif scales is not None and np.any(scales < 1) and not one_pass:
@@ -850,6 +885,7 @@ def round_statistics(
         consensus_cos=None if projection is None else projection.cosines,
         unguarded_sq_norm=untrimmed_sq_norm,
         a_left_out=a_left_out,
+        trimmed_shares=trimmed_shares,
     )
 
 
@@ -915,14 +951,21 @@ def _robust_update(
     scales: NDArray[Any] | None,
     aggregation: str,
     trim_fraction: float,
-) -> Arrays:
+) -> tuple[Arrays, tuple[float, ...] | None]:
     """Coordinate-wise ``aggregation`` of the updates, key by key.
 
     Adaptive keys are scaled by the clip factors first. One key's
     updates of every client are held at once (as Flower's FedMedian
-    holds every client's model).
+    holds every client's model). Also returns, for the trimmed mean, each
+    client's share of the coordinates it cut (:func:`trimmed_counts`, over
+    every array), else None.
     """
     out: Arrays = {}
+    n = len(clients)
+    trimming = aggregation == "trimmed_mean"
+    cut = trim_count(n, trim_fraction)
+    counts = np.zeros(n, dtype=np.int64)
+    size = 0
     for k, x_t in current.items():
         stack = np.stack(
             [np.subtract(c[k], x_t, dtype=_acc_dtype(x_t)) for c in clients]
@@ -933,7 +976,12 @@ def _robust_update(
         out[k] = np.asarray(
             robust_mean(stack, aggregation, trim_fraction), dtype=stack.dtype
         )
-    return out
+        if trimming:
+            counts += trimmed_counts(stack, cut)
+            size += x_t.size
+    if not trimming:
+        return out, None
+    return out, tuple((counts / max(size, 1)).tolist())
 
 
 def _clipped_sum(
