@@ -397,6 +397,7 @@ def federate(
     calibrating = secure and bound == 0 and cfg["max-update-norm-ratio"] > 0
     moments = second_moments(cfg)
     quarantined: set[int] = set()  # its secagg_quarantined: never sampled again
+    signals: dict[str, list[float]] = {}  # defence_signals, hostile / honest
     for server_round in range(1, rounds + 1):
         exchange: Exchange = None
         if moments is not None:
@@ -550,13 +551,30 @@ def federate(
             if reply.get("status") == "rejected":
                 key = "rejected-hostile" if reply["node"] in hostile else "rejected"
                 rejected[key] += 1
+            side = "hostile" if reply["node"] in hostile else "honest"
+            for name, value in defence_signals(reply).items():
+                signals.setdefault(f"{name}-{side}", []).append(value)
         if new is not None:
             previous, x = x, new
     reported = evaluation_average(previous, x) if adapter.get("average_last_two") else x
     counts = {"clipped": clipped, "norm-mismatches": mismatches, **rejected}
+    # what clients.jsonl would show an operator, averaged over the run
+    counts.update({k: float(np.mean(v)) for k, v in sorted(signals.items())})
     if secure:
         counts["refused-rounds"] = refused
     return reported, counts
+
+
+#: Per-reply records of clients.jsonl that say what an aggregator did to a
+#: reply; the suite averages them over a run, hostile and honest apart.
+SIGNALS = ("trimmed_share", "center_clip_scale", "selected")
+
+
+def defence_signals(record: Mapping[str, Any]) -> dict[str, float]:
+    """The :data:`SIGNALS` a reply's record holds (``selected`` as 0/1)."""
+    return {
+        name: float(record[name]) for name in SIGNALS if record.get(name) is not None
+    }
 
 
 def replies(

@@ -232,6 +232,37 @@ def test_the_suite_honours_num_hostile_as_the_strategies_do():
     assert not np.allclose(models[1]["x"], x["x"], rtol=1e-3)
 
 
+def test_a_cell_says_what_the_aggregator_did_to_hostile_and_honest_replies():
+    """The suite averages the clients.jsonl signals of the aggregator in
+    force over a run, hostile and honest apart: FedAvgM's trimmed mean cuts
+    a sign-flipping client at more of its coordinates than any honest one
+    does (``trimmed_share``); FedAdam's multi-Krum selects it less often
+    (``selected``); FedExP's centered clipping shrinks it more
+    (``center_clip_scale``). The mean records none of them."""
+    import numpy as np
+
+    suite = _suite()
+    _, train = suite.harness_problem(0)
+    x0 = {"x": np.zeros(suite.DIM, dtype=np.float32)}
+    signal = {"fedavgm": "trimmed_share", "fedadam": "selected",
+              "fedexp": "center_clip_scale"}  # fmt: skip
+    for name, key in signal.items():
+        cfg = suite.strategy_config(name, "synthetic-linreg", {"seed": 0})
+        options = suite.apply_options(cfg)
+        _, counts = suite.federate(cfg, options, x0, train, 4, "sign-flip", [0], 0)
+        hostile, honest = counts[f"{key}-hostile"], counts[f"{key}-honest"]
+        if key == "trimmed_share":
+            assert hostile > honest, (name, counts)
+        else:
+            assert hostile < honest, (name, counts)
+    cfg = suite.strategy_config("fedavg", "synthetic-linreg", {"seed": 0})
+    _, counts = suite.federate(
+        cfg, suite.apply_options(cfg), x0, train, 2, "sign-flip", [0], 0
+    )
+    assert not any(k.endswith(("-hostile", "-honest")) for k in counts
+                   if k != "rejected-hostile")  # fmt: skip
+
+
 def test_the_report_of_a_partial_grid_marks_the_cells_it_lacks() -> None:
     # two grids merged (benchmarks/results keeps such files): FedExP ran an
     # attack that FedAvg did not
