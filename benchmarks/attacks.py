@@ -182,6 +182,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
     # trimmed mean's f, the SecAgg+ quarantine's limit)
     "num-hostile-2": {},
     "num-hostile-3": {},
+    # centered clipping with three iterations (Karimireddy et al.'s L = 3)
+    "centered-clipping-L3": {},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -208,6 +210,8 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "ams-cc": {"client-optimizer": "fed-ams"},
     "num-hostile-2": {"num-hostile": 2},
     "num-hostile-3": {"num-hostile": 3},
+    "centered-clipping-L3": {"aggregation": "centered-clipping",
+                             "clip-iterations": 3},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
