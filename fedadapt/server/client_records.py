@@ -268,3 +268,105 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
+
+
+#: The per-reply signals :func:`summarize_nodes` averages per node, and the
+#: direction in which a value points at a hostile client: ``low`` for
+#: factors a defence shrank it by and for agreement with the others, ``high``
+#: for shares of rounds or coordinates a defence took from it.
+SIGNALS: dict[str, str] = {
+    "clip_scale": "low",  # the norm bound and pull cap
+    "not_selected": "high",  # Krum / multi-Krum / Bulyan left it out
+    "center_clip_scale": "low",  # centered clipping
+    "trimmed_share": "high",  # the trimmed mean cut its coordinates
+    "consensus_cos": "low",  # the opposing projection's measure
+    "rejected": "high",  # rejected replies (screen, NaN, SecAgg+ refusals)
+}
+#: A node stands out when its mean lies this many robust standard
+#: deviations (1.4826·MAD) of the other nodes beyond their median ...
+STANDOUT_Z = 3.0
+#: ... and at least this far from it (each signal lies in [−1, 1]).
+STANDOUT_GAP = 0.1
+
+
+#: clients.jsonl ``status`` → the count :func:`summarize_nodes` keeps
+_STATUS_COUNTS = {"used": "used", "rejected": "rejected_replies", "failed": "failed"}
+
+
+def _node_values(line: Mapping[str, Any]) -> dict[str, float]:
+    """Return the :data:`SIGNALS` one clients.jsonl line holds."""
+    values = {
+        name: float(line[name])
+        for name in ("clip_scale", "center_clip_scale", "trimmed_share",
+                     "consensus_cos")
+        if line.get(name) is not None
+    }  # fmt: skip
+    if line.get("selected") is not None:
+        values["not_selected"] = 0.0 if line["selected"] else 1.0
+    if line.get("status") in ("used", "rejected"):
+        values["rejected"] = float(line["status"] == "rejected")
+    return values
+
+
+def summarize_nodes(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per node of a run's clients.jsonl lines: what the defences did to it.
+
+    For each node (in order of first appearance): its partition, its
+    replies by status, and the mean over its replies of each of
+    :data:`SIGNALS` that the run recorded (None where none was), plus
+    ``standout``: the signals in which it stands out from the other nodes
+    (:data:`STANDOUT_Z` robust standard deviations and :data:`STANDOUT_GAP`
+    beyond their median, in the direction that points at a hostile client).
+
+    The suite measured these signals (docs/robustness.md, *What an
+    operator sees*): every loud attack stands out under every aggregator;
+    an attack aimed at the aggregator in force is built not to, so a node
+    that does not stand out is not thereby honest.
+    """
+    nodes: dict[str, dict[str, Any]] = {}
+    sums: dict[str, dict[str, list[float]]] = {}
+    for line in lines:
+        node = str(line.get("node"))
+        entry = nodes.setdefault(node, {
+            "node": node, "partition": line.get("partition"), "replies": 0,
+            "used": 0, "rejected_replies": 0, "failed": 0,
+        })  # fmt: skip
+        entry["replies"] += 1
+        counted = _STATUS_COUNTS.get(str(line.get("status")))
+        if counted is not None:
+            entry[counted] += 1
+        for name, value in _node_values(line).items():
+            sums.setdefault(node, {}).setdefault(name, []).append(value)
+    for node, entry in nodes.items():
+        values = sums.get(node, {})
+        for name in SIGNALS:
+            seen = values.get(name)
+            entry[name] = None if not seen else sum(seen) / len(seen)
+    for node, entry in nodes.items():
+        entry["standout"] = [
+            name
+            for name, direction in SIGNALS.items()
+            if _stands_out(
+                entry[name], [e[name] for n, e in nodes.items() if n != node], direction
+            )  # fmt: skip
+        ]
+    return list(nodes.values())
+
+
+def _stands_out(value: float | None, others: Sequence[Any], direction: str) -> bool:
+    """Whether ``value`` lies beyond the others' median, robustly, that way."""
+    rest = sorted(v for v in others if v is not None)
+    if value is None or len(rest) < 2:
+        return False
+    median = _median(rest)
+    spread = 1.4826 * _median([abs(v - median) for v in rest])
+    gap = value - median if direction == "high" else median - value
+    return gap >= STANDOUT_GAP and gap > STANDOUT_Z * spread
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return float(ordered[middle])
+    return (ordered[middle - 1] + ordered[middle]) / 2
