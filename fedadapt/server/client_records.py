@@ -270,23 +270,28 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
     plt.close(fig)
 
 
-#: The per-reply signals :func:`summarize_nodes` averages per node, and the
-#: direction in which a value points at a hostile client: ``low`` for
-#: factors a defence shrank it by and for agreement with the others, ``high``
-#: for shares of rounds or coordinates a defence took from it.
-SIGNALS: dict[str, str] = {
-    "clip_scale": "low",  # the norm bound and pull cap
-    "not_selected": "high",  # Krum / multi-Krum / Bulyan left it out
-    "center_clip_scale": "low",  # centered clipping
-    "trimmed_share": "high",  # the trimmed mean cut its coordinates
-    "consensus_cos": "low",  # the opposing projection's measure
-    "rejected": "high",  # rejected replies (screen, NaN, SecAgg+ refusals)
+#: The per-reply signals :func:`summarize_nodes` averages per node: the
+#: direction in which a value points at a hostile client (``low`` for factors
+#: a defence shrank a reply by and for agreement with the others, ``high``
+#: for shares of rounds or coordinates a defence took from it), and the
+#: largest gap an honest node showed in our measured runs, rounded up to
+#: two decimals (None: not measured). The gap is a node's mean beyond the other nodes' median in
+#: that direction. Measured: the app's honest runs on digits-mlp (10 nodes,
+#: Dirichlet 0.5, 20 rounds, seeds 0-3) of FedAdam (multi-Krum), FedExP and
+#: Fed-LAMB (centered clipping), FedAvgM (trimmed mean) and FedDuAdam (the
+#: mean): non-IID nodes differ, so an honest node is left out by
+#: multi-Krum in up to 65 % of the rounds (the others: 0-10 %). The attack
+#: suite's loud attacks (sign flips, IPM, false weights, scaled copies)
+#: reach gaps of 0.85-0.95, 0.42-0.55 and 0.20-0.47 on the three aggregator
+#: signals (docs/robustness.md, *What an operator sees*).
+SIGNALS: dict[str, tuple[str, float | None]] = {
+    "clip_scale": ("low", 0.06),  # the norm bound and pull cap
+    "not_selected": ("high", 0.65),  # Krum / multi-Krum / Bulyan left it out
+    "center_clip_scale": ("low", 0.38),  # centered clipping
+    "trimmed_share": ("high", 0.10),  # the trimmed mean cut its coordinates
+    "consensus_cos": ("low", None),  # the opt-in opposing projection
+    "rejected": ("high", None),  # the screen's honest rejections vary widely
 }
-#: A node stands out when its mean lies this many robust standard
-#: deviations (1.4826·MAD) of the other nodes beyond their median ...
-STANDOUT_Z = 3.0
-#: ... and at least this far from it (each signal lies in [−1, 1]).
-STANDOUT_GAP = 0.1
 
 
 #: clients.jsonl ``status`` → the count :func:`summarize_nodes` keeps
@@ -312,19 +317,20 @@ def summarize_nodes(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per node of a run's clients.jsonl lines: what the defences did to it.
 
     For each node (in order of first appearance): its partition, its
-    replies by status, and the mean over its replies of each of
-    :data:`SIGNALS` that the run recorded (None where none was), plus
-    ``standout``: the signals in which it stands out from the other nodes
-    (:data:`STANDOUT_Z` robust standard deviations and :data:`STANDOUT_GAP`
-    beyond their median, in the direction that points at a hostile client).
+    replies by status, the mean over its replies of each of
+    :data:`SIGNALS` the run recorded (None where none was), ``gaps``: per
+    signal, how far that mean lies beyond the other nodes' median in the
+    direction that points at a hostile client, and ``beyond_honest``: the
+    signals whose gap exceeds the largest an honest node showed in our
+    measured runs.
 
-    The suite measured these signals (docs/robustness.md, *What an
-    operator sees*): every loud attack stands out under every aggregator;
-    an attack aimed at the aggregator in force is built not to, so a node
-    that does not stand out is not thereby honest.
+    A way to see an attack, not a verdict: other data and splits give
+    honest nodes other gaps, and an attack aimed at the aggregator in force
+    is built not to show in its signal (docs/robustness.md, *What an
+    operator sees*).
     """
     nodes: dict[str, dict[str, Any]] = {}
-    sums: dict[str, dict[str, list[float]]] = {}
+    values: dict[str, dict[str, list[float]]] = {}
     for line in lines:
         node = str(line.get("node"))
         entry = nodes.setdefault(node, {
@@ -336,37 +342,35 @@ def summarize_nodes(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if counted is not None:
             entry[counted] += 1
         for name, value in _node_values(line).items():
-            sums.setdefault(node, {}).setdefault(name, []).append(value)
+            values.setdefault(node, {}).setdefault(name, []).append(value)
     for node, entry in nodes.items():
-        values = sums.get(node, {})
         for name in SIGNALS:
-            seen = values.get(name)
+            seen = values.get(node, {}).get(name)
             entry[name] = None if not seen else sum(seen) / len(seen)
     for node, entry in nodes.items():
-        entry["standout"] = [
+        others = [e for n, e in nodes.items() if n != node]
+        entry["gaps"] = {}
+        for name, (direction, _) in SIGNALS.items():
+            gap = _gap(entry[name], [e[name] for e in others], direction)
+            if gap is not None:
+                entry["gaps"][name] = gap
+        entry["beyond_honest"] = [
             name
-            for name, direction in SIGNALS.items()
-            if _stands_out(
-                entry[name], [e[name] for n, e in nodes.items() if n != node], direction
-            )  # fmt: skip
+            for name, gap in entry["gaps"].items()
+            if SIGNALS[name][1] is not None and gap > SIGNALS[name][1]
         ]
     return list(nodes.values())
 
 
-def _stands_out(value: float | None, others: Sequence[Any], direction: str) -> bool:
-    """Whether ``value`` lies beyond the others' median, robustly, that way."""
-    rest = sorted(v for v in others if v is not None)
-    if value is None or len(rest) < 2:
-        return False
-    median = _median(rest)
-    spread = 1.4826 * _median([abs(v - median) for v in rest])
-    gap = value - median if direction == "high" else median - value
-    return gap >= STANDOUT_GAP and gap > STANDOUT_Z * spread
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return float(ordered[middle])
-    return (ordered[middle - 1] + ordered[middle]) / 2
+def _gap(value: float | None, others: Sequence[Any], direction: str) -> float | None:
+    """How far ``value`` lies beyond the others' median, that way (None: unknown)."""
+    rest = [v for v in others if v is not None]
+    if value is None or not rest:
+        return None
+    ordered, middle = sorted(rest), len(rest) // 2
+    median = (
+        ordered[middle]
+        if len(rest) % 2
+        else (ordered[middle - 1] + ordered[middle]) / 2
+    )
+    return value - median if direction == "high" else median - value

@@ -308,14 +308,21 @@ def clients(args: argparse.Namespace) -> int:
         cells = [str(entry[c]) if c not in SIGNALS or entry[c] is None
                  else f"{entry[c]:.3f}" for c in columns]  # fmt: skip
         print("\t".join(cells))
-    flagged = [e for e in summary if e["standout"]]
-    for entry in flagged:
-        signals = ", ".join(f"{n} {entry[n]:.3f}" for n in entry["standout"])
-        who = f"node {entry['node']} (partition {entry['partition']})"
-        print(f"stands out: {who}: {signals}")
-    if not flagged:
-        print("no node stands out (an attack aimed at the defence in force is "
-              "built not to: docs/robustness.md)")  # fmt: skip
+    for name in recorded:  # per signal: the node furthest the suspicious way
+        gapped = [e for e in summary if name in e["gaps"]]
+        if not gapped:
+            continue
+        top = max(gapped, key=lambda e: e["gaps"][name])
+        honest = SIGNALS[name][1]
+        verdict = (
+            "not measured on honest runs"
+            if honest is None
+            else f"{'beyond' if top['gaps'][name] > honest else 'within'} the "
+            f"{honest:g} honest nodes reached in our runs"
+        )
+        print(f"{name}: node {top['node']} (partition {top['partition']}) "
+              f"{top[name]:.3f}, {top['gaps'][name]:+.3f} from the others' "
+              f"median: {verdict}")  # fmt: skip
     return 0
 
 

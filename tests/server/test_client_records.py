@@ -229,11 +229,11 @@ def _lines(signal, values, rounds=6, **extra):
     ]  # fmt: skip
 
 
-def test_the_node_a_defence_acted_on_round_after_round_stands_out():
-    """Oracle: the means written out, and the rule (3 robust SDs of the other
-    nodes and a 0.1 gap beyond their median, the way that points at a
-    hostile client) applied by hand."""
-    from fedadapt.server.client_records import summarize_nodes
+def test_each_node_is_measured_against_the_others_and_the_honest_range():
+    """Oracle: the means and gaps written out (a node's mean beyond the other
+    nodes' median, the way that points at a hostile client), and the honest
+    maxima of ``SIGNALS`` applied by hand."""
+    from fedadapt.server.client_records import SIGNALS, summarize_nodes
 
     # the trimmed mean cut node 7 at 40 % of its coordinates, the others at
     # 12-15 % (as the suite measured for a sign flip under FedAvgM)
@@ -241,38 +241,49 @@ def test_the_node_a_defence_acted_on_round_after_round_stands_out():
     values = honest[:7] + [lambda r: 0.40] + honest[8:]
     summary = summarize_nodes(_lines("trimmed_share", values))
     by_node = {e["node"]: e for e in summary}
-    assert by_node["7"]["trimmed_share"] == pytest.approx(0.40)
-    assert by_node["0"]["trimmed_share"] == pytest.approx(
+    means = {e["node"]: e["trimmed_share"] for e in summary}
+    assert means["7"] == pytest.approx(0.40)
+    assert means["0"] == pytest.approx(
         np.mean([0.12 + 0.01 * (r % 4) for r in range(1, 7)])
     )
-    assert [e["node"] for e in summary if e["standout"]] == ["7"]
-    assert by_node["7"]["standout"] == ["trimmed_share"]
+    others = [m for n, m in means.items() if n != "7"]
+    assert by_node["7"]["gaps"]["trimmed_share"] == pytest.approx(
+        0.40 - np.median(others)
+    )
+    assert [e["node"] for e in summary if e["beyond_honest"]] == ["7"]
+    assert by_node["7"]["beyond_honest"] == ["trimmed_share"]
     assert by_node["7"]["used"] == 6 and by_node["7"]["center_clip_scale"] is None
-    # a large share is what points at it: a node cut less than the others is
-    # not flagged, nor one just under the gap (an attacker that stays there)
+    # a share below the others' is no sign, nor a gap within the honest range
     low = honest[:7] + [lambda r: 0.0] + honest[8:]
-    assert not any(e["standout"] for e in summarize_nodes(_lines("trimmed_share", low)))
-    near = honest[:7] + [lambda r: 0.135 + 0.095] + honest[8:]
     assert not any(
-        e["standout"] for e in summarize_nodes(_lines("trimmed_share", near))
+        e["beyond_honest"] for e in summarize_nodes(_lines("trimmed_share", low))
+    )
+    limit = SIGNALS["trimmed_share"][1]
+    near = honest[:7] + [lambda r: 0.135 + limit - 0.005] + honest[8:]
+    assert not any(
+        e["beyond_honest"] for e in summarize_nodes(_lines("trimmed_share", near))
     )
     # multi-Krum left node 3 out in 5 of 6 rounds, every other node kept
     kept = [lambda r: True] * 10
     kept[3] = lambda r: r == 1
     summary = summarize_nodes(_lines("selected", kept))
     assert summary[3]["not_selected"] == pytest.approx(5 / 6)
-    assert [e["standout"] for e in summary] == [[]] * 3 + [["not_selected"]] + [[]] * 6
+    assert [e["beyond_honest"] for e in summary] == [[]] * 3 + [["not_selected"]] + [
+        []
+    ] * 6
     # centered clipping shrinking node 5: low is what points at it
     scales = [lambda r: 0.93] * 10
     scales[5] = lambda r: 0.45
     summary = summarize_nodes(_lines("center_clip_scale", scales))
-    assert summary[5]["standout"] == ["center_clip_scale"]
-    # everyone alike: nobody
+    assert summary[5]["beyond_honest"] == ["center_clip_scale"]
+    assert summary[5]["gaps"]["center_clip_scale"] == pytest.approx(0.48)
+    # everyone alike: every gap 0, nobody beyond
     same = summarize_nodes(_lines("center_clip_scale", [lambda r: 0.9] * 10))
-    assert not any(e["standout"] for e in same)
+    assert all(e["gaps"]["center_clip_scale"] == 0 for e in same)
+    assert not any(e["beyond_honest"] for e in same)
 
 
-def test_fedadapt_clients_prints_the_nodes_and_who_stands_out(tmp_path, capsys):
+def test_fedadapt_clients_prints_the_nodes_and_the_furthest_one(tmp_path, capsys):
     from fedadapt.tools.cli import main
 
     scales = [lambda r: 0.93] * 10
@@ -286,10 +297,14 @@ def test_fedadapt_clients_prints_the_nodes_and_who_stands_out(tmp_path, capsys):
     assert out.splitlines()[0].split("\t") == [
         "node", "partition", "replies", "used", "center_clip_scale", "rejected"
     ]  # fmt: skip
-    assert "stands out: node 2 (partition 2): center_clip_scale 0.400" in out
+    assert (
+        "center_clip_scale: node 2 (partition 2) 0.400, +0.530 from the others' "
+        "median: beyond the 0.38 honest nodes reached in our runs"
+    ) in out
+    assert "rejected: node 0 (partition 0) 0.000, +0.000 from the others' " in out
     assert main(["clients", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert [e["node"] for e in summary if e["standout"]] == ["2"]
+    assert [e["node"] for e in summary if e["beyond_honest"]] == ["2"]
     # a folder without records: a one-line error, not a traceback
     assert main(["clients", str(tmp_path / "none")]) == 2
     assert "no per-client records" in capsys.readouterr().err
