@@ -275,8 +275,8 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
 #: a defence shrank a reply by and for agreement with the others, ``high``
 #: for shares of rounds or coordinates a defence took from it), and the
 #: largest gap an honest node showed in our measured runs, rounded up to
-#: two decimals (None: not measured). The gap is a node's mean beyond the other nodes' median in
-#: that direction. Measured: the app's honest runs on digits-mlp (10 nodes,
+#: two decimals (None: not measured). The gap is a node's mean beyond the
+#: other nodes' median in that direction. Measured: the app's honest runs on digits-mlp (10 nodes,
 #: Dirichlet 0.5, 20 rounds, seeds 0-3) of FedAdam (multi-Krum), FedExP and
 #: Fed-LAMB (centered clipping), FedAvgM (trimmed mean) and FedDuAdam (the
 #: mean): non-IID nodes differ, so an honest node is left out by
