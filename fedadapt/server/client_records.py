@@ -276,11 +276,12 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
 #: for shares of rounds or coordinates a defence took from it), and the
 #: largest gap an honest node showed in our measured runs, rounded up to
 #: two decimals (None: not measured). The gap is a node's mean beyond the
-#: other nodes' median in that direction. Measured: the app's honest runs on digits-mlp (10 nodes,
-#: Dirichlet 0.5, 20 rounds, seeds 0-3) of FedAdam (multi-Krum), FedExP and
-#: Fed-LAMB (centered clipping), FedAvgM (trimmed mean) and FedDuAdam (the
-#: mean): non-IID nodes differ, so an honest node is left out by
-#: multi-Krum in up to 65 % of the rounds (the others: 0-10 %). The attack
+#: other nodes' median in that direction. Measured: the app's honest runs
+#: on digits-mlp (10 nodes, Dirichlet 0.5, 20 rounds, seeds 0-3) of FedAdam
+#: (multi-Krum), FedExP and Fed-LAMB (centered clipping), FedAvgM (trimmed
+#: mean) and FedDuAdam (the mean): non-IID nodes differ, so an honest node
+#: is left out by multi-Krum in up to 65 % of the rounds (the others:
+#: 0-10 %). The attack
 #: suite's loud attacks (sign flips, IPM, false weights, scaled copies)
 #: reach gaps of 0.85-0.95, 0.42-0.55 and 0.20-0.47 on the three aggregator
 #: signals (docs/robustness.md, *What an operator sees*).
