@@ -5,7 +5,9 @@ SuperLink and N SuperNodes as processes, optionally TLS + SuperNode
 authentication; ``fedadapt.tools.deploy.local``); ``fedadapt certs`` and
 ``fedadapt node-keys`` make the certificates and keys for one elsewhere;
 ``fedadapt make-node-data`` writes one on-disk dataset per node (node-config
-``data-path``) from a task's data, for demos and tests.
+``data-path``) from a task's data, for demos and tests. ``fedadapt clients
+RUN_DIR`` summarises per node what the defences did to its replies over a
+run (``fedadapt.server.client_records.summarize_nodes``).
 
 ``fedadapt simulate`` runs the app in Flower's Ray simulation on this machine
 with a private, loopback-only SuperLink that it starts and always stops
