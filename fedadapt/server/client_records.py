@@ -279,17 +279,19 @@ def plot_clients(records: Sequence[Mapping[str, Any]], path: Path, title: str) -
 #: other nodes' median in that direction. Measured: the app's honest runs
 #: on digits-mlp (10 nodes, Dirichlet 0.5, 20 rounds, seeds 0-3) of FedAdam
 #: (multi-Krum), FedExP and Fed-LAMB (centered clipping), FedAvgM (trimmed
-#: mean) and FedDuAdam (the mean): non-IID nodes differ, so an honest node
-#: is left out by multi-Krum in up to 65 % of the rounds (the others:
-#: 0-10 %). The attack
+#: mean) and FedDuAdam (the mean), and on mnist5k-cnn (10 rounds, seeds 0-1,
+#: the first four): non-IID nodes differ, so an honest node is left out by
+#: multi-Krum in up to 65 % of the rounds (the others: 0-10 %); the CNN's
+#: honest norms spread wider (the norm bound's gap 0.14 against 0.06 on
+#: digits-mlp, the trimmed share's 0.11 against 0.10). The attack
 #: suite's loud attacks (sign flips, IPM, false weights, scaled copies)
 #: reach gaps of 0.85-0.95, 0.42-0.55 and 0.20-0.47 on the three aggregator
 #: signals (docs/robustness.md, *What an operator sees*).
 SIGNALS: dict[str, tuple[str, float | None]] = {
-    "clip_scale": ("low", 0.06),  # the norm bound and pull cap
+    "clip_scale": ("low", 0.15),  # the norm bound and pull cap
     "not_selected": ("high", 0.65),  # Krum / multi-Krum / Bulyan left it out
     "center_clip_scale": ("low", 0.38),  # centered clipping
-    "trimmed_share": ("high", 0.10),  # the trimmed mean cut its coordinates
+    "trimmed_share": ("high", 0.12),  # the trimmed mean cut its coordinates
     "consensus_cos": ("low", None),  # the opt-in opposing projection
     "rejected": ("high", None),  # the screen's honest rejections vary widely
 }
