@@ -26,6 +26,8 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,18 +79,18 @@ def honest_accuracy(task: str, lr: float, seeds: int, correct_v: bool) -> list[f
     sys.modules["attack_suite"] = suite
     spec.loader.exec_module(suite)
     defence = f"ams-{lr:g}"
-    original = FedAMS.__init__.__defaults__
-    # (lr, betas, eps, bias_correction_m, bias_correction_v, foreach)
-    patched = (*original[:4], correct_v, original[5])
-    FedAMS.__init__.__defaults__ = patched
-    try:
-        args = argparse.Namespace(
-            level="task", task=task, rounds=10, seeds=seeds, first_seed=0,
-            strategies=["fed-lamb"], defences=[defence], attacks=[], hostile=[],
-        )  # fmt: skip
+    original = FedAMS.__init__
+
+    def init(self: FedAMS, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("bias_correction_v", correct_v)  # the app's: False
+        original(self, *args, **kwargs)
+
+    args = argparse.Namespace(
+        level="task", task=task, rounds=10, seeds=seeds, first_seed=0,
+        strategies=["fed-lamb"], defences=[defence], attacks=[], hostile=[],
+    )  # fmt: skip
+    with mock.patch.object(FedAMS, "__init__", init):  # every FedAMS the suite builds
         doc = suite.run_grid(args)
-    finally:
-        FedAMS.__init__.__defaults__ = original
     return [c["metric"] for c in doc["cells"]]
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -370,10 +371,5 @@ def _gap(value: float | None, others: Sequence[Any], direction: str) -> float | 
     rest = [v for v in others if v is not None]
     if value is None or not rest:
         return None
-    ordered, middle = sorted(rest), len(rest) // 2
-    median = (
-        ordered[middle]
-        if len(rest) % 2
-        else (ordered[middle - 1] + ordered[middle]) / 2
-    )
+    median = statistics.median(rest)
     return value - median if direction == "high" else median - value
