@@ -151,7 +151,7 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], bool]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):  # no newline after it: a write cut short
                 return records, True
@@ -159,6 +159,12 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], bool]:
                 f"{path}: line {number} is not a JSON record (the file was "
                 "edited or is not a fedadapt clients.jsonl)"
             ) from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path}: line {number} is not a JSON object (the file was "
+                "edited or is not a fedadapt clients.jsonl)"
+            )
+        records.append(record)
     return records, False
 
 
@@ -304,12 +310,17 @@ _STATUS_COUNTS = {"used": "used", "rejected": "rejected_replies", "failed": "fai
 
 def _node_values(line: Mapping[str, Any]) -> dict[str, float]:
     """Return the :data:`SIGNALS` one clients.jsonl line holds."""
-    values = {
-        name: float(line[name])
-        for name in ("clip_scale", "center_clip_scale", "trimmed_share",
-                     "consensus_cos")
-        if line.get(name) is not None
-    }  # fmt: skip
+    values = {}
+    for name in ("clip_scale", "center_clip_scale", "trimmed_share", "consensus_cos"):
+        value = line.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f"round {line.get('round')}, node {line.get('node')}: {name} is "
+                f"not a number: {value!r}"
+            )
+        values[name] = float(value)
     if line.get("selected") is not None:
         values["not_selected"] = 0.0 if line["selected"] else 1.0
     if line.get("status") in ("used", "rejected"):

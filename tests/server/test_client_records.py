@@ -308,3 +308,17 @@ def test_fedadapt_clients_prints_the_nodes_and_the_furthest_one(tmp_path, capsys
     # a folder without records: a one-line error, not a traceback
     assert main(["clients", str(tmp_path / "none")]) == 2
     assert "no per-client records" in capsys.readouterr().err
+
+
+def test_fedadapt_clients_names_a_line_it_cannot_read(tmp_path, capsys):
+    """A hand-edited clients.jsonl: a line that is no JSON object, or a
+    signal that is no number, is an error naming it, not a traceback."""
+    from fedadapt.tools.cli import main
+
+    path = tmp_path / "clients.jsonl"
+    path.write_text('{"round": 1, "node": "1", "status": "used"}\n[1, 2]\n')
+    assert main(["clients", str(tmp_path)]) == 2
+    assert "line 2 is not a JSON object" in capsys.readouterr().err
+    path.write_text('{"round": 3, "node": "1", "status": "used", "clip_scale": "x"}\n')
+    assert main(["clients", str(tmp_path)]) == 2
+    assert "round 3, node 1: clip_scale is not a number: 'x'" in capsys.readouterr().err
