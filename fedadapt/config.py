@@ -23,7 +23,7 @@ from typing import Any
 
 from fedadapt.errors import ConfigError
 from fedadapt.strategies import ALGORITHMS, Algorithm, Param
-from fedadapt.strategies.core.robust import required_replies
+from fedadapt.strategies.core.robust import DEFAULT_NUM_HOSTILE, required_replies
 from fedadapt.strategies.local_update import LOCAL_UPDATES, secure_problem
 
 __all__ = [
@@ -336,15 +336,17 @@ _RUN_KEYS: tuple[Key, ...] = (
         "no single client lowers it with a short update. Inactive with "
         "secure-aggregation and with the robust aggregations other than "
         "centered-clipping; under centered-clipping (what aggregation=auto picks "
-        "for fedexp and feddua adagrad in rounds of 5 or more) each client is left "
-        "out of the mean of clipped updates, same radius and centre."),
+        "for fedexp and feddua adagrad in rounds of 5 or more, with num-hostile "
+        "up to 2) each client is left out of the mean of clipped updates, same "
+        "radius and centre."),
     Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "
         "centered-clipping for fedexp, feddua's adagrad variant and fed-lamb, "
         "trimmed-mean cutting num-hostile values at each end for fedavgm; "
-        "else, and with secure-aggregation, validation-size or project-opposing, "
-        "the mean; "
+        "else the mean; multi-krum for every strategy with num-hostile 2 or more "
+        "on the mean, 3 or more otherwise; with secure-aggregation, "
+        "validation-size or project-opposing the mean; "
         "docs/robustness.md), mean (weighted, the papers), median or trimmed-mean "
         "(coordinate-wise, unweighted, as Flower's FedMedian / FedTrimmedAvg), "
         "krum, multi-krum or bulyan (keep the updates nearest the others, "
@@ -363,7 +365,9 @@ _RUN_KEYS: tuple[Key, ...] = (
     Key("num-hostile", 1, "f, the hostile clients per round aggregation=krum, "
         "multi-krum and bulyan assume (Flower's num_malicious_clients). Krum needs "
         "2f + 3 replies, Bulyan 4f + 3; a round with fewer uses the largest f it "
-        "allows (warned; under 3 replies the coordinate-wise median).", minimum=0),
+        "allows (warned; under 3 replies the coordinate-wise median). With "
+        "aggregation=auto it also picks the aggregator (see aggregation).",
+        minimum=0),
     Key("krum-keep", 0, "m, the updates aggregation=multi-krum averages (weighted "
         "as the strategy's mean); 0 = n − f of the round.", minimum=0),
     Key("clip-radius", 0.0, "τ of aggregation=centered-clipping: each client's "
@@ -554,8 +558,9 @@ def validate_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             value = _BOOL_VALUES[name][value]
         config[name] = KEYS[name].check(value)
     _check_strategy_keys(config)
+    chosen_by_auto = config["client-optimizer"] == "auto"
     config["client-optimizer"] = client_optimizer(config)
-    _check_local_update_optimizer(config)
+    _check_local_update_optimizer(config, chosen_by_auto)
     config["client-lr"] = client_lr(config)
     if config["local-epochs"] == 0 and config["local-steps"] == 0:
         raise ConfigError(
@@ -680,9 +685,24 @@ def _check_robust_aggregation(config: RunConfig) -> None:
     replies still does, with a warning.
     """
     name, per_round = config["aggregation"], config["clients-per-round"]
+    hostile = config["num-hostile"]
+    judged = (
+        config["secure-aggregation"] == "off"
+        and config["validation-size"] == 0
+        and not config["project-opposing"]
+    )  # else auto is the mean whatever f, and f is the quarantine's limit
+    asked = hostile > DEFAULT_NUM_HOSTILE
+    need = required_replies("krum", hostile)
+    if name == "auto" and asked and judged and 0 < per_round < need:
+        raise ConfigError(
+            "num-hostile",
+            f"aggregation=auto withstands num-hostile={hostile} in rounds of at "
+            f"least {need} replies, but clients-per-round={per_round}: every "
+            "round would run the plain mean; lower num-hostile or raise "
+            "clients-per-round",
+        )
     if name not in ("krum", "multi-krum", "bulyan") or per_round == 0:
         return
-    hostile = config["num-hostile"]
     need = required_replies(name.replace("-", "_"), hostile)
     if per_round < need:
         raise ConfigError(
@@ -700,16 +720,26 @@ def _check_robust_aggregation(config: RunConfig) -> None:
         )
 
 
-def _check_local_update_optimizer(config: RunConfig) -> None:
-    """Refuse a client optimizer the selected local update does not work with."""
+def _check_local_update_optimizer(config: RunConfig, chosen_by_auto: bool) -> None:
+    """Refuse a client optimizer the selected local update does not work with.
+
+    ``chosen_by_auto``: the user left ``client-optimizer`` at ``auto`` and the
+    strategy picked it; the message then says so, since the user never named it.
+    """
     name = config["local-update"]
     allowed = LOCAL_UPDATES.get(name).client_optimizers
-    if allowed is not None and config["client-optimizer"] not in allowed:
+    optimizer = config["client-optimizer"]
+    if allowed is not None and optimizer not in allowed:
+        got = (
+            f"strategy={config['strategy']!r} needs its own client optimizer "
+            f"{optimizer!r} (client-optimizer=auto picked it)"
+            if chosen_by_auto
+            else f"got {optimizer!r}"
+        )
         raise ConfigError(
             "client-optimizer",
             f"local-update={name!r} sets the local step's direction itself and "
-            f"needs client-optimizer in {list(allowed)}, got "
-            f"{config['client-optimizer']!r}",
+            f"needs client-optimizer in {list(allowed)}; {got}",
         )
 
 

@@ -89,6 +89,16 @@ def test_client_lr_0_is_the_client_optimizers_default():
         ({"client-optimizer": "fed-lamb"}, "strategy", r"need each other"),
         ({"strategy": "fed-lamb", "client-optimizer": "sgd"}, "strategy",
          r"need each other"),
+        ({"local-update": "mime", "client-optimizer": "adam"}, "client-optimizer",
+         r"needs client-optimizer in \['sgd'\]; got 'adam'"),
+        # the user never named fed-lamb: the message says auto picked it
+        ({"strategy": "fed-lamb", "local-update": "mime"}, "client-optimizer",
+         r"strategy='fed-lamb' needs its own client optimizer 'fed-lamb' "
+         r"\(client-optimizer=auto picked it\)"),
+        # asked to withstand 3, in rounds too small for it: not the mean silently
+        ({"num-hostile": 3, "clients-per-round": 6}, "num-hostile",
+         r"withstands num-hostile=3 in rounds of at least 9 replies, but "
+         r"clients-per-round=6: every round would run the plain mean"),
         ({"stop-metric": "accuracy"}, "stop-metric", r"set stop-target or"),
         ({"stop-patience": 3}, "stop-metric", r"need the metric to watch"),
         ({"stop-mode": "up"}, "stop-mode", r"Valid values: max, min"),
@@ -103,6 +113,17 @@ def test_invalid_values_name_the_key(overrides, key, pattern):
         validate_run_config(overrides)
     assert info.value.key == key
     assert str(info.value).startswith(f"Invalid run-config '{key}':")
+
+
+def test_auto_takes_small_rounds_where_no_f_was_asked_or_none_is_judged():
+    # the default f = 1 in a quickstart's rounds of four: the papers' mean
+    assert validate_run_config({"clients-per-round": 4})["num-hostile"] == 1
+    # f = 3 in rounds that fit it, or all nodes (their number is not known yet)
+    validate_run_config({"num-hostile": 3, "clients-per-round": 9})
+    validate_run_config({"num-hostile": 3})
+    # under secure aggregation auto is the mean whatever f (f: the quarantine's)
+    secure = {"num-hostile": 3, "clients-per-round": 6, "secure-aggregation": "secagg+"}
+    assert validate_run_config(secure)["num-hostile"] == 3
 
 
 def test_ints_are_accepted_for_float_keys():

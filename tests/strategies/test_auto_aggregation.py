@@ -69,6 +69,42 @@ def test_auto_is_the_rules_measured_aggregator(name, kwargs, chosen, api):
         np.testing.assert_array_equal(got[key], want[key])
 
 
+#: (strategy, its arguments, num_hostile f, what "auto" runs with that f in
+#: a round of ten): multi-Krum with f past AUTO_MAX_HOSTILE, the rule's
+#: own aggregator up to it
+TOLD_OF_COLLUDERS = [
+    ("FedAvg", {}, 2, "multi_krum"),
+    ("FedYogi", {}, 2, "multi_krum"),
+    ("FedExPM", {}, 3, "multi_krum"),
+    ("FedExP", {}, 2, "centered_clipping"),
+    ("FedExP", {}, 3, "multi_krum"),
+    ("FedDuA", {"variant": "adagrad"}, 3, "multi_krum"),
+    ("FedAvgM", {}, 2, "trimmed_mean"),
+    ("FedAvgM", {}, 3, "multi_krum"),
+    ("FedAdam", {}, 3, "multi_krum"),
+]
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+@pytest.mark.parametrize(("name", "kwargs", "f", "chosen"), TOLD_OF_COLLUDERS)
+def test_auto_told_of_colluders_runs_an_aggregator_that_uses_f(
+    name, kwargs, f, chosen, api
+):
+    # Prepare: the default told f, and the aggregator written out with f
+    # (the trimmed mean cutting f values at each end of ten)
+    module = ours if api == "message" else legacy
+    told = getattr(module, name)(num_hostile=f, **kwargs)
+    trim = {"trim_fraction": f / 10} if chosen == "trimmed_mean" else {}
+    written = getattr(module, name)(aggregation=chosen, num_hostile=f, **trim, **kwargs)
+    # Execute: three rounds of ten replies (2f + 3 fit), one hostile
+    got, want = _rounds(api, told, [10] * 3), _rounds(api, written, [10] * 3)
+    # Assert: bit for bit the aggregator written out; under 2f + 3 the mean
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    assert round_aggregation("auto", told.rule, 10, f) == chosen
+    assert round_aggregation("auto", told.rule, 2 * f + 2, f) == "mean"
+
+
 @pytest.mark.parametrize("api", ["message", "legacy"])
 @pytest.mark.parametrize("name", ["FedAdam", "FedExP"])
 def test_auto_is_the_mean_in_rounds_too_small_to_outvote_a_client(name, api):
