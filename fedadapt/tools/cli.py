@@ -320,11 +320,14 @@ def clients(args: argparse.Namespace) -> int:
             "not measured on honest runs"
             if honest is None
             else f"{'beyond' if top['gaps'][name] > honest else 'within'} the "
-            f"{honest:g} honest nodes reached in our runs"
+            f"largest gap honest nodes reached in our runs ({honest:g})"
         )
         print(f"{name}: node {top['node']} (partition {top['partition']}) "
               f"{top[name]:.3f}, {top['gaps'][name]:+.3f} from the others' "
               f"median: {verdict}")  # fmt: skip
+    if recorded:
+        print("(the node the defences discount most: hostile, or an honest node "
+              "whose data differs from the others'; docs/robustness.md)")  # fmt: skip
     return 0
 
 

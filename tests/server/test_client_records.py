@@ -263,20 +263,20 @@ def test_each_node_is_measured_against_the_others_and_the_honest_range():
     assert not any(
         e["beyond_honest"] for e in summarize_nodes(_lines("trimmed_share", near))
     )
-    # multi-Krum left node 3 out in 5 of 6 rounds, every other node kept
+    # multi-Krum left node 3 out in every round, every other node kept: an
+    # honest node did so too (SIGNALS), so it is no sign beyond the honest
     kept = [lambda r: True] * 10
-    kept[3] = lambda r: r == 1
+    kept[3] = lambda r: False
     summary = summarize_nodes(_lines("selected", kept))
-    assert summary[3]["not_selected"] == pytest.approx(5 / 6)
-    assert [e["beyond_honest"] for e in summary] == [[]] * 3 + [["not_selected"]] + [
-        []
-    ] * 6
+    assert summary[3]["not_selected"] == 1.0
+    assert summary[3]["gaps"]["not_selected"] == 1.0
+    assert not any(e["beyond_honest"] for e in summary)
     # centered clipping shrinking node 5: low is what points at it
     scales = [lambda r: 0.93] * 10
-    scales[5] = lambda r: 0.45
+    scales[5] = lambda r: 0.40
     summary = summarize_nodes(_lines("center_clip_scale", scales))
     assert summary[5]["beyond_honest"] == ["center_clip_scale"]
-    assert summary[5]["gaps"]["center_clip_scale"] == pytest.approx(0.48)
+    assert summary[5]["gaps"]["center_clip_scale"] == pytest.approx(0.53)
     # everyone alike: every gap 0, nobody beyond
     same = summarize_nodes(_lines("center_clip_scale", [lambda r: 0.9] * 10))
     assert all(e["gaps"]["center_clip_scale"] == 0 for e in same)
@@ -299,15 +299,20 @@ def test_fedadapt_clients_prints_the_nodes_and_the_furthest_one(tmp_path, capsys
     ]  # fmt: skip
     assert (
         "center_clip_scale: node 2 (partition 2) 0.400, +0.530 from the others' "
-        "median: beyond the 0.38 honest nodes reached in our runs"
+        "median: beyond the largest gap honest nodes reached in our runs (0.48)"
     ) in out
     assert "rejected: node 0 (partition 0) 0.000, +0.000 from the others' " in out
+    assert "hostile, or an honest node whose data differs" in out
     assert main(["clients", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert [e["node"] for e in summary if e["beyond_honest"]] == ["2"]
     # a folder without records: a one-line error, not a traceback
     assert main(["clients", str(tmp_path / "none")]) == 2
     assert "no per-client records" in capsys.readouterr().err
+    # output-dir, the folder above the run folders: the error names them
+    assert main(["clients", str(tmp_path.parent)]) == 2
+    error = capsys.readouterr().err
+    assert "run folders below it: " in error and tmp_path.name in error
 
 
 def test_fedadapt_clients_names_a_line_it_cannot_read(tmp_path, capsys):
