@@ -184,6 +184,10 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "num-hostile-3": {},
     # centered clipping with three iterations (Karimireddy et al.'s L = 3)
     "centered-clipping-L3": {},
+    # each aggregator written out with num-hostile f (stop 68: which holds
+    # f colluders; the trimmed mean cuts f values at each end of ten)
+    **{f"{name}-f{f}": {} for f in (2, 3)
+       for name in ("mean", "multi-krum", "trimmed-mean", "centered-clipping")},
 }  # fmt: skip
 
 #: Defences that are run-config settings rather than aggregation options.
@@ -212,6 +216,11 @@ DEFENCE_CONFIG: dict[str, dict[str, Any]] = {
     "num-hostile-3": {"num-hostile": 3},
     "centered-clipping-L3": {"aggregation": "centered-clipping",
                              "clip-iterations": 3},
+    **{f"{name}-f{f}": {"num-hostile": f, "aggregation": name,
+                        **({"trim-fraction": f / 10}  # of ten clients
+                           if name == "trimmed-mean" else {})}
+       for f in (2, 3)
+       for name in ("mean", "multi-krum", "trimmed-mean", "centered-clipping")},
 }  # fmt: skip
 
 NUM_CLIENTS = 10
