@@ -57,6 +57,7 @@ ATTACKS = (
     "anchor-deflate",
     "stall",
     "selected-flip",
+    "selected-ipm",
     "centered-flip",
     "coordinate-flip",
 )
@@ -275,6 +276,16 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       selection accepts). The honest mean is the most central reply of a
       round, so it is kept, and an honest one is dropped in its place.
       Elsewhere it is ``sign-flip``.
+    - ``selected-ipm`` (against the step guard under multi-Krum): the same
+      with u = −μ/‖μ‖ for every colluder, inner-product manipulation (Xie,
+      Koyejo, Gupta 2019) as far as the selection keeps it. Kept, it
+      shortens Δ̄ by λ/n along μ while its ‖Δ_i‖² stays near the honest
+      ones: it raises FedExP's and FedDuA's step A/(2‖Δ̄‖²) (in the unit
+      harness 1.7–1.9× the honest clients' own), where a direction
+      orthogonal to μ, which adds to A instead, raised it by nothing: the
+      selection keeps no reply much longer than the honest ones
+      (:func:`~fedadapt.strategies.core.aggregation._selection_guard` caps
+      the step). Elsewhere it is ``ipm``.
     - ``centered-flip`` (against centered clipping, which clips each
       update's distance from the centre v to τ): v + R·u with u = −μ/‖μ‖
       and R as large as the target norm allows (:func:`_centered_flip`).
@@ -346,12 +357,13 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
                 for o in view.own]  # fmt: skip
     if attack in ("anchor-inflate", "anchor-deflate"):
         return craft("sign-flip", view)
-    if attack == "selected-flip":
+    if attack in ("selected-flip", "selected-ipm"):
         if view.selection is None:
-            return craft("sign-flip", view)
+            return craft("sign-flip" if attack == "selected-flip" else "ipm", view)
         if not view.honest:
             raise ValueError(f"{attack} needs at least one honest update")
-        return [HostileReply(u) for u in _selected_flip(view)]
+        push = _selected_flip if attack == "selected-flip" else _selected_ipm
+        return [HostileReply(u) for u in push(view)]
     if attack == "centered-flip":
         if view.center is None:
             return craft("sign-flip", view)
@@ -539,9 +551,21 @@ def _centered_flip(view: RoundView, own: Mapping[str, NDArray[Any]]) -> Arrays:
 
 
 def _selected_flip(view: RoundView) -> list[Arrays]:
+    """``selected-flip``: :func:`_selected_push` along −Δ_own/‖Δ_own‖."""
+    return _selected_push(view, [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own])
+
+
+def _selected_ipm(view: RoundView) -> list[Arrays]:
+    """``selected-ipm``: :func:`_selected_push` along −μ/‖μ‖, every colluder."""
+    against = _with_norm(_scaled(honest_mean(view), -1.0), 1.0)
+    return _selected_push(view, [against] * len(view.own))
+
+
+def _selected_push(view: RoundView, units: Sequence[Arrays]) -> list[Arrays]:
     """Return μ + λ·u_i for each colluder, λ the largest still kept.
 
-    u_i = −Δ_own/‖Δ_own‖, the colluder's reversed direction; each reply is
+    u_i a unit direction per colluder (``selected-flip``: its reversed
+    update; ``selected-ipm``: −μ/‖μ‖); each reply is
     held to its :func:`norm_target` (λ_i = min(λ, the λ at which
     ‖μ + λu_i‖ reaches it)). λ is the largest (bisection,
     :data:`SELECTION_SEARCH_STEPS` halvings) at which ``view.selection``
@@ -559,7 +583,6 @@ def _selected_flip(view: RoundView) -> list[Arrays]:
     selection = view.selection
     assert selection is not None, "craft() sends the sign flip without one"
     mu = honest_mean(view)
-    units = [_with_norm(_scaled(o, -1.0), 1.0) for o in view.own]
     keys = _float_keys(mu)
     basis = np.array([
         np.concatenate([np.asarray(r[k], np.float64).ravel() for k in keys])
