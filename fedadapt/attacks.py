@@ -281,11 +281,11 @@ def craft(attack: str, view: RoundView) -> list[HostileReply]:
       Koyejo, Gupta 2019) as far as the selection keeps it. Kept, it
       shortens Δ̄ by λ/n along μ while its ‖Δ_i‖² stays near the honest
       ones: it raises FedExP's and FedDuA's step A/(2‖Δ̄‖²) (in the unit
-      harness 1.7–1.9× the honest clients' own), where a direction
-      orthogonal to μ, which adds to A instead, raised it by nothing: the
-      selection keeps no reply much longer than the honest ones
-      (:func:`~fedadapt.strategies.core.aggregation._selection_guard` caps
-      the step). Elsewhere it is ``ipm``.
+      harness 1.7–1.9× the honest clients' own; the step guard does not
+      act under multi-Krum), where a direction orthogonal to μ, which adds
+      to A instead, raised it by nothing: the selection keeps no reply
+      much longer than the honest ones. Colluders send the same point, so
+      each supports the others' Krum scores. Elsewhere it is ``ipm``.
     - ``centered-flip`` (against centered clipping, which clips each
       update's distance from the centre v to τ): v + R·u with u = −μ/‖μ‖
       and R as large as the target norm allows (:func:`_centered_flip`).

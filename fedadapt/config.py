@@ -335,12 +335,10 @@ _RUN_KEYS: tuple[Key, ...] = (
         "squared update norm the step grows with) the largest leave-one-out A, so "
         "no single client lowers it with a short update. Inactive with "
         "secure-aggregation and with the robust aggregations other than "
-        "centered-clipping and multi-krum; under centered-clipping (what "
-        "aggregation=auto picks for fedexp and feddua adagrad in rounds of 5 or "
-        "more, with num-hostile up to 2) each client is left out of the mean of "
-        "clipped updates, same radius and centre; under multi-krum (auto's choice "
-        "with more hostile clients) each selected client is left out of the "
-        "mean of the selected."),
+        "centered-clipping; under centered-clipping (what aggregation=auto picks "
+        "for fedexp and feddua adagrad in rounds of 5 or more, with num-hostile "
+        "up to 2) each client is left out of the mean of clipped updates, same "
+        "radius and centre."),
     Key("aggregation", "auto", "How the clients' updates form the Δ̄ the strategy "
         "steps on: auto (the strategy's robust aggregator, in rounds of 2 "
         "num-hostile + 3 replies or more: multi-krum for fedadam, "

@@ -319,10 +319,7 @@ class RuleHost:
         ``secure_aggregation`` and with a robust ``aggregation`` other than
         ``"centered_clipping"`` (``"auto"``'s choice for FedExP and
         FedDuAdagrad), whose last iteration is a mean of clipped updates:
-        there each client is left out of that mean, same τ and centre;
-        and ``"multi_krum"`` (``"auto"``'s choice with several hostile
-        clients), whose Δ̄ is a mean of the selected: there each selected
-        client is left out of it (since stop 69).
+        there each client is left out of that mean, same τ and centre.
     aggregation : str (default: "auto")
         ``"auto"``: the rule's robust aggregator (multi-Krum for FedAdam;
         centered clipping for FedExP and FedDuAdagrad; the trimmed mean

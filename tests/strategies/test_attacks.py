@@ -291,6 +291,35 @@ def test_selected_flip_goes_against_its_update_as_far_as_the_selection_keeps_it(
     assert norm(flip.update) == pytest.approx(UNDER_BOUND * cap, rel=1e-5)
 
 
+@pytest.mark.parametrize("selection", ["krum", "multi_krum", "bulyan"])
+def test_selected_ipm_goes_against_the_mean_as_far_as_the_selection_keeps_it(
+    selection,
+):
+    """Inner-product manipulation kept by the selection: μ − λ·μ/‖μ‖, λ as
+    large as the aggregator keeps it (the defence's own selection is the
+    oracle); every colluder sends the same; no selection in force: ipm."""
+    f = 1 if selection == "krum" else 2  # Krum keeps one reply
+    honest = _honest(n=9)
+    own = _honest(seed=1, n=f)
+    cap = 3 * max(norm(h) for h in honest)
+    view = RoundView(honest, own, cap, [10.0] * 9, seed=3, selection=selection,
+                     assumed_hostile=f)  # fmt: skip
+    replies = craft("selected-ipm", view)
+    mu = _mu(view)
+    push = replies[0].update["w"].astype(np.float64) - mu
+    cosine = push @ mu / (np.linalg.norm(push) * np.linalg.norm(mu))
+    assert np.linalg.norm(push) > 0 and cosine == pytest.approx(-1, abs=1e-5)
+    for reply in replies[1:]:
+        np.testing.assert_array_equal(reply.update["w"], replies[0].update["w"])
+    assert _kept_by(selection, [r.update for r in replies], honest, f=f)
+    further = {"w": (mu + 1.05 * push).astype(np.float32)}
+    assert not _kept_by(selection, [further] * f, honest, f=f)
+    plain = RoundView(honest, own, cap, [10.0] * 9, seed=3)
+    for got, want in zip(craft("selected-ipm", plain), craft("ipm", plain),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got.update["w"], want.update["w"])
+
+
 def test_selected_flip_judges_a_short_round_with_the_f_the_aggregator_uses():
     """Bulyan with f = 1 needs 7 replies; with 5 the aggregator uses f = 0
     (``usable_hostile``), and the attack is kept by that selection; with

@@ -237,83 +237,34 @@ def test_a_client_clipped_by_centered_clipping_cannot_raise_the_step(name):
 
 
 @pytest.mark.parametrize("name", RULES)
-@pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
-def test_under_multi_krum_the_guard_is_the_means_over_the_selected(name, weighting):
-    # Prepare: seven updates, one far from the others (multi-Krum, f = 1,
-    # drops it), unequal counts
-    x = np.zeros(8)
-    deltas = _updates(n=7)
-    deltas[2] = deltas[2] + 9.0
-    counts = [5.0, 8.0, 13.0, 21.0, 34.0, 55.0, 89.0]
-    clients = [{"w": x + d} for d in deltas]
-
-    def run(kept, **options):
-        rule = RULES[name]()
-        rule.weighting = weighting
-        stats = round_statistics(rule, {"w": x}, [clients[i] for i in kept],
-                                 [counts[i] for i in kept], step_guard=True,
-                                 **options)  # fmt: skip
-        return stats, apply_statistics(rule, {"w": x}, stats)
-
-    # Execute
-    stats, (new, diagnostics) = run(range(7), aggregation="multi_krum")
-    selected = [i for i, kept in enumerate(stats.defence.selected) if kept]
-    oracle, (expected, expected_diagnostics) = run(selected)  # the guarded mean
-    # Assert: multi-Krum dropped the far update; the guarded step and model
-    # are the guarded mean's over the six it kept
-    assert selected == [0, 1, 3, 4, 5, 6]
-    assert diagnostics["server-lr"] == pytest.approx(
-        expected_diagnostics["server-lr"], rel=1e-9
-    )
-    assert "server-lr-unguarded" in diagnostics  # the guard capped the step
-    np.testing.assert_allclose(new["w"], expected["w"], rtol=1e-9)
-    assert stats.mean_sq_norm == pytest.approx(oracle.mean_sq_norm, rel=1e-12)
-    assert stats.a_left_out == selected[oracle.a_left_out]
-    # one leave-one-out round per reply: the dropped one's is the round's own
-    pairs = list(stats.without_each())
-    assert len(pairs) == 7
-    np.testing.assert_allclose(pairs[2][0]["w"], stats.mean_update["w"])
-    for (delta, a), (want, want_a) in zip(
-        [pairs[i] for i in selected], oracle.without_each(), strict=True
-    ):
-        np.testing.assert_allclose(delta["w"], want["w"], rtol=1e-9)
-        assert a == pytest.approx(want_a, rel=1e-12)
-
-
-@pytest.mark.parametrize("name", RULES)
-def test_a_client_multi_krum_keeps_cannot_raise_the_step(name):
-    # Prepare: nine honest clients and one that knows multi-Krum: the honest
-    # mean less as much of its direction as the selection keeps
-    # (selected-ipm), which shortens Δ̄
+def test_under_multi_krum_the_step_is_left_unguarded_and_a_kept_ipm_raises_it(name):
+    """The guard's lever left open on purpose (docs/robustness.md, stop 69):
+    under multi-Krum a reply the selection keeps that shortens Δ̄
+    (selected-ipm: the honest mean μ less as much of μ's direction as the
+    selection keeps) raises the step above the honest clients' own. Capping
+    it (each selected client left out of the mean of the selected) was
+    measured on digits-mlp and cost more accuracy than it saved: the raised
+    step restores the progress along μ that the shortened Δ̄ took away."""
+    # Prepare: nine honest clients and the kept IPM
     x = np.zeros(8)
     honest = [{"w": d} for d in _updates(n=9, noise=4.0)]
     own = [{"w": _updates(seed=5, n=1, noise=4.0)[0]}]
     cap = 50.0 * max(np.linalg.norm(h["w"]) for h in honest)
     view = RoundView(honest, own, cap, [1.0] * 9, seed=3, selection="multi_krum")
     (hostile,) = craft("selected-ipm", view)
-
-    def step(updates, guard, **options):
-        stats = round_statistics(RULES[name](), {"w": x}, updates,
-                                 [1.0] * len(updates), step_guard=guard,
-                                 **options)  # fmt: skip
-        return apply_statistics(RULES[name](), {"w": x}, stats)[1]["server-lr"], stats
-
-    # Execute
     replies = [*honest, hostile.update]
-    attacked, stats = step(replies, False, aggregation="multi_krum")
-    guarded, _ = step(replies, True, aggregation="multi_krum")
-    # the step of the honest replies multi-Krum kept, on the mean, with the
-    # guard's A and no cap: what the round gives without the hostile reply
+    # Execute: the round under multi-Krum, guard on
+    stats = round_statistics(RULES[name](), {"w": x}, replies, [1.0] * 10,
+                             step_guard=True, aggregation="multi_krum")  # fmt: skip
+    attacked = apply_statistics(RULES[name](), {"w": x}, stats)[1]["server-lr"]
+    # the honest replies multi-Krum kept, on the guarded mean, uncapped
     kept = [u for u, s in zip(replies, stats.defence.selected, strict=True) if s]
     own_stats = round_statistics(RULES[name](), {"w": x}, kept[:-1],
                                  [1.0] * (len(kept) - 1), step_guard=True)  # fmt: skip
     own_stats = dataclasses.replace(own_stats, without_each=None)
     alone = apply_statistics(RULES[name](), {"w": x}, own_stats)[1]["server-lr"]
-    # Assert: the hostile reply was kept; guarded, the step is at most the
-    # honest clients' own
-    assert stats.defence.selected[-1]
-    assert guarded <= alone * (1 + 1e-9)
-    # unguarded, the shorter Δ̄ raises it (FedDuA: the honest Δ̄ in v_t too)
+    # Assert: kept, unguarded, and the step raised by a fifth or more
+    assert stats.defence.selected[-1] and stats.without_each is None
     assert attacked > alone * 1.2
 
 

@@ -845,23 +845,6 @@ def round_statistics(
         mean_sq_norm, without_each, a_left_out, untrimmed_sq_norm = _clipping_guard(
             current, clients, scales, defence, mean_update, mean_sq_norm, adaptive
         )
-    selected = defence is not None and defence.aggregation == "multi_krum"
-    if step_guard and selected and defence is not None:
-        chosen = [i for i, kept in enumerate(defence.selected or ()) if kept]
-        if len(chosen) >= GUARD_MIN_CLIENTS:
-            mean_sq_norm, without_each, a_left_out, untrimmed_sq_norm = (
-                _selection_guard(
-                    current,
-                    clients,
-                    weights,
-                    scales,
-                    chosen,
-                    mean_update,
-                    mean_sq_norm,
-                    per_client,
-                    adaptive,
-                )
-            )
     guarded = step_guard and aggregation == "mean" and sq_norms is None
     if guarded and len(clients) >= GUARD_MIN_CLIENTS:
         sq_without = None
@@ -959,69 +942,6 @@ def _clipping_guard(
         defence.center_origin,
     )
     return mean_sq_norm, without_each, a_left_out, None if a_left_out is None else plain
-
-
-def _selection_guard(
-    current: Mapping[str, NDArray[Any]],
-    clients: Sequence[Mapping[str, NDArray[Any]]],
-    weights: Sequence[float],
-    scales: NDArray[Any] | None,
-    chosen: Sequence[int],
-    mean_update: Mapping[str, NDArray[Any]],
-    mean_sq_norm: float | None,
-    per_client: NDArray[Any] | None,
-    adaptive: Sequence[str],
-) -> tuple[
-    float | None,
-    Callable[[], Iterator[tuple[Arrays, float | None]]],
-    int | None,
-    float | None,
-]:
-    """Return the step guard's A, leave-one-out, A's left-out client, plain A.
-
-    Multi-Krum's Δ̄ is the mean of the selected (clipped) updates with the
-    rule's weights renormalised over them, Δ̄ = Σ_{i∈S} ω'_i s_i Δ_i
-    (:func:`~fedadapt.strategies.core.robust.robust_statistics`), and A the
-    same mean of their ‖s_i Δ_i‖²: the guard of the mean applies to S
-    unchanged (:func:`leave_one_out`, :func:`guarded_sq_norms` over
-    ω'). Our addition (issue #38): without it a hostile reply that stays
-    selected (``selected-ipm``: the honest mean μ less as much of μ's
-    direction as the selection keeps) shortens Δ̄ and so raises FedExP's
-    step A/(2‖Δ̄‖²), which the guard exists to stop (1.7–1.9× the honest
-    clients' own step in the unit harness). A client that was not
-    selected is no part of Δ̄ or A; its leave-one-out round is the round
-    itself (what its absence would have changed in the selection is not
-    recomputed; the guard takes the smaller of the round's step and the
-    smallest leave-one-out step, so the round's own changes nothing).
-    """
-    subset = np.asarray(chosen)
-    w = np.asarray(weights, dtype=np.float64)[subset]
-    w = w / w.sum()
-    bound = np.ones(len(subset)) if scales is None else np.asarray(scales)[subset]
-    sq_without, a_left_out, plain = None, None, None
-    if mean_sq_norm is not None and per_client is not None:
-        plain = mean_sq_norm
-        mean_sq_norm, sq_without, left = guarded_sq_norms(
-            w, np.asarray(per_client)[subset], mean_sq_norm
-        )
-        a_left_out = None if left is None else int(subset[left])
-    within = leave_one_out(
-        current,
-        [clients[i] for i in chosen],
-        (w * bound).tolist(),
-        w.tolist(),
-        mean_update,
-        sq_without,
-        list(adaptive),
-    )
-    whole = {k: np.asarray(mean_update[k]) for k in adaptive}
-
-    def generate() -> Iterator[tuple[Arrays, float | None]]:
-        rounds = within()
-        for i in range(len(clients)):
-            yield next(rounds) if i in chosen else (whole, mean_sq_norm)
-
-    return mean_sq_norm, generate, a_left_out, None if a_left_out is None else plain
 
 
 def _robust_update(
