@@ -82,17 +82,25 @@ if TYPE_CHECKING:
 AUTO_AGGREGATION = "auto"
 
 #: Under ``"auto"``, the most hostile clients (``num_hostile``) for which a
-#: rule keeps its own aggregator; told to expect more, it runs multi-Krum
-#: with that f (issue #38: the operator who sets f wants f withstood).
-#: The mean has no f, and two colluders of ten cost FedAvg, FedAdagrad,
-#: FedYogi, FedExPM and FedDuAdam 19-74 points on it, 3-22 under
-#: multi-Krum told f = 2. Centered clipping bounds each client's push by
-#: τ/n and colluders add up: it holds two colluders better than multi-Krum
-#: (FedExP and FedDuAdagrad 4.3-5.3 points against 7.2-9.7, digits-mlp
-#: and mnist5k-cnn) and three far worse (31-85 against 14-18), as FedAvgM's
-#: trimmed mean (f = 3: 33 against 21). Measured: docs/robustness.md,
+#: rule keeps its own aggregator; told to expect more, it runs
+#: :data:`AUTO_COLLUDER_AGGREGATION` with that f (issue #38: the operator
+#: who sets f wants f withstood). The mean has no f: two colluders of ten
+#: cost FedAvg, FedAdagrad, FedYogi, FedExPM and FedDuAdam 16-62 points on
+#: it. Centered clipping bounds each client's push by τ/n and colluders add
+#: up: it holds two (FedExP, FedDuAdagrad, Fed-LAMB 4.3-10.0 points), not
+#: three (31-70). Multi-Krum keeps f colluders that send the same point
+#: (``selected-ipm``: each supports the others' Krum scores): 13-52 points
+#: with two, 37-74 with three (stop 69). Measured: docs/robustness.md,
 #: "num-hostile for every rule".
-AUTO_MAX_HOSTILE = {"mean": 1, "centered_clipping": 2, "trimmed_mean": 2}
+AUTO_MAX_HOSTILE = {"mean": 1, "multi_krum": 1, "centered_clipping": 2}
+
+#: What ``"auto"`` runs for a rule told more colluders than its aggregator
+#: holds (:data:`AUTO_MAX_HOSTILE`): the coordinate-wise trimmed mean
+#: cutting f values at each end (:func:`auto_trim_fraction`, FedAvgM's own).
+#: On digits-mlp its worst attack with two colluders is 4.1-9.5 points for
+#: every rule but FedAvg (32.9) and FedYogi (19.0), against multi-Krum's
+#: 12.6-52.4; with three 17.7-54.3 against 37-74 (stop 69).
+AUTO_COLLUDER_AGGREGATION = "trimmed_mean"
 
 #: What a strategy's ``aggregation`` accepts.
 STRATEGY_AGGREGATIONS = (AUTO_AGGREGATION, *AGGREGATIONS)
@@ -119,7 +127,8 @@ def round_aggregation(
     otherwise (our choice: where no single client can be outvoted, as in
     a quickstart of two clients, the rule runs the papers' method). A rule
     told to expect more hostile clients than its aggregator is kept for
-    (:data:`AUTO_MAX_HOSTILE`) runs multi-Krum with that f instead.
+    (:data:`AUTO_MAX_HOSTILE`) runs :data:`AUTO_COLLUDER_AGGREGATION` with
+    that f instead.
     """
     if aggregation != AUTO_AGGREGATION:
         return aggregation
@@ -129,7 +138,7 @@ def round_aggregation(
         return "mean"
     chosen = rule.robust_aggregation
     if num_hostile > AUTO_MAX_HOSTILE.get(chosen, num_hostile):
-        return "multi_krum"
+        return AUTO_COLLUDER_AGGREGATION
     return chosen
 
 
@@ -325,10 +334,12 @@ class RuleHost:
         centered clipping for FedExP and FedDuAdagrad; the trimmed mean
         for FedAvgM, cutting ``num_hostile`` values at each end
         (:func:`auto_trim_fraction`) rather than ``trim_fraction``;
-        the mean for the others; multi-Krum for every rule told to expect
-        more hostile clients than its aggregator holds, ``num_hostile`` ≥ 2
-        on the mean and ≥ 3 otherwise: :data:`AUTO_AGGREGATION`,
-        :data:`AUTO_MAX_HOSTILE`, :func:`round_aggregation`)
+        the mean for the others; the trimmed mean cutting ``num_hostile``
+        values at each end for every rule told to expect more hostile
+        clients than its aggregator holds, ``num_hostile`` ≥ 2 on the mean
+        and multi-Krum, ≥ 3 on centered clipping: :data:`AUTO_AGGREGATION`,
+        :data:`AUTO_MAX_HOSTILE`, :data:`AUTO_COLLUDER_AGGREGATION`,
+        :func:`round_aggregation`)
         in rounds of at least 2·``num_hostile`` + 3 replies, the mean in
         smaller ones, under ``secure_aggregation`` and with
         ``validation_loss`` or ``project_opposing`` (they act on the

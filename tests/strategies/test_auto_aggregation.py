@@ -70,18 +70,19 @@ def test_auto_is_the_rules_measured_aggregator(name, kwargs, chosen, api):
 
 
 #: (strategy, its arguments, num_hostile f, what "auto" runs with that f in
-#: a round of ten): multi-Krum with f past AUTO_MAX_HOSTILE, the rule's
-#: own aggregator up to it
+#: a round of ten): the trimmed mean cutting f at each end past
+#: AUTO_MAX_HOSTILE, the rule's own aggregator up to it
 TOLD_OF_COLLUDERS = [
-    ("FedAvg", {}, 2, "multi_krum"),
-    ("FedYogi", {}, 2, "multi_krum"),
-    ("FedExPM", {}, 3, "multi_krum"),
+    ("FedAvg", {}, 2, "trimmed_mean"),
+    ("FedYogi", {}, 2, "trimmed_mean"),
+    ("FedExPM", {}, 3, "trimmed_mean"),
     ("FedExP", {}, 2, "centered_clipping"),
-    ("FedExP", {}, 3, "multi_krum"),
-    ("FedDuA", {"variant": "adagrad"}, 3, "multi_krum"),
+    ("FedExP", {}, 3, "trimmed_mean"),
+    ("FedDuA", {"variant": "adagrad"}, 3, "trimmed_mean"),
     ("FedAvgM", {}, 2, "trimmed_mean"),
-    ("FedAvgM", {}, 3, "multi_krum"),
-    ("FedAdam", {}, 3, "multi_krum"),
+    ("FedAvgM", {}, 3, "trimmed_mean"),
+    ("FedAdam", {}, 1, "multi_krum"),
+    ("FedAdam", {}, 2, "trimmed_mean"),
 ]
 
 
