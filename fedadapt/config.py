@@ -360,8 +360,9 @@ _RUN_KEYS: tuple[Key, ...] = (
                  "bulyan", "centered-clipping")),
     Key("trim-fraction", 0.2, "Fraction of the values cut at each end per "
         "coordinate by aggregation=trimmed-mean (Flower's FedTrimmedAvg beta), "
-        "below 0.5 (aggregation=auto's trimmed mean for fedavgm cuts "
-        "num-hostile values at each end instead).",
+        "below 0.5 (aggregation=auto's trimmed mean, fedavgm's and every "
+        "strategy's told num-hostile 2 or more, cuts num-hostile values at each "
+        "end instead).",
         minimum=0.0, maximum=0.49),
     Key("num-hostile", 1, "f, the hostile clients per round aggregation=krum, "
         "multi-krum and bulyan assume (Flower's num_malicious_clients). Krum needs "

@@ -91,7 +91,7 @@ AUTO_AGGREGATION = "auto"
 #: three (31-70). Multi-Krum keeps f colluders that send the same point
 #: (``selected-ipm``: each supports the others' Krum scores): 13-52 points
 #: with two, 37-74 with three (stop 69). Measured: docs/robustness.md,
-#: "num-hostile for every rule".
+#: "num-hostile for every rule" and "Colluders on one point".
 AUTO_MAX_HOSTILE = {"mean": 1, "multi_krum": 1, "centered_clipping": 2}
 
 #: What ``"auto"`` runs for a rule told more colluders than its aggregator
@@ -143,7 +143,10 @@ def round_aggregation(
 
 
 def auto_trim_fraction(num_hostile: int, num_replies: int) -> float:
-    """Return the trim fraction of ``"auto"``'s trimmed mean (FedAvgM's).
+    """Return the trim fraction of ``"auto"``'s trimmed mean.
+
+    FedAvgM's, and every rule's told more colluders than its own aggregator
+    holds (:data:`AUTO_COLLUDER_AGGREGATION`).
 
     (f + ½)/n, so that ``int(fraction · n)`` cuts exactly f =
     ``num_hostile`` values at each end of every coordinate, the fewest
@@ -870,13 +873,29 @@ def apply_rule(
     # the string "off" is truthy: the mode decides, not the value's truth
     trusts_reports = secure_aggregation_mode(secure_aggregation) != "off"
     options = robust_options or RobustOptions()
+    mean_required = trusts_reports or validation_loss is not None or project_opposing
     choose = partial(
         round_aggregation,
         aggregation,
         rule,
         num_hostile=options.num_hostile,
-        mean_required=trusts_reports or validation_loss is not None or project_opposing,
+        mean_required=mean_required,
     )
+    asked = (
+        aggregation == AUTO_AGGREGATION and options.num_hostile > DEFAULT_NUM_HOSTILE
+    )
+    if asked and not mean_required and choose(len(ordered)) == "mean":
+        # told to withstand f colluders, in a round too small to outvote
+        # them: say so (the run config refuses such a fixed round size)
+        log(
+            WARNING,
+            "%s: aggregation=auto runs the mean: %d replies, fewer than the %d "
+            "in which num_hostile=%d hostile ones are outvoted",
+            round_label,
+            len(ordered),
+            required_replies("krum", options.num_hostile),
+            options.num_hostile,
+        )
     # centered clipping's centre follows Δ̄ in every round, also in those
     # too small for "auto" to clip in
     centered = choose(None) == "centered_clipping" and aggregator_state is not None

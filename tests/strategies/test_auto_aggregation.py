@@ -107,6 +107,24 @@ def test_auto_told_of_colluders_runs_an_aggregator_that_uses_f(
 
 
 @pytest.mark.parametrize("api", ["message", "legacy"])
+def test_auto_told_of_colluders_says_when_a_round_is_too_small_for_them(api, caplog):
+    # Prepare: told f = 2 (Krum's 2f + 3 = 7), rounds of six and of seven
+    module = ours if api == "message" else legacy
+    told, mean = module.FedAvg(num_hostile=2), module.FedAvg(aggregation="mean")
+    # Execute
+    got, want = _rounds(api, told, [6], hostile=False), _rounds(api, mean, [6], False)
+    small = caplog.text
+    caplog.clear()
+    _rounds(api, module.FedAvg(num_hostile=2), [7], hostile=False)
+    # Assert: the mean, and a warning naming the round size it needed; none
+    # where the round fits f
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    assert "aggregation=auto runs the mean: 6 replies, fewer than the 7" in small
+    assert "aggregation=auto runs the mean" not in caplog.text
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
 @pytest.mark.parametrize("name", ["FedAdam", "FedExP"])
 def test_auto_is_the_mean_in_rounds_too_small_to_outvote_a_client(name, api):
     # Prepare: four replies, fewer than the 2f + 3 = 5 Krum needs
